@@ -1,0 +1,42 @@
+# kvfence — developer entry points. The README names two of them: `make up` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CLUSTER_DIR ?= .cluster
+BIN_DIR = $(shell tests/cluster/build-components.sh --print)
+
+.PHONY: help venv components up down test lint typecheck unit crds bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed ## Create .venv with kvfence and its dev tools
+
+components: ## Build (or reuse the cached) kube-apiserver, etcd, kwok, helm, ...
+	tests/cluster/build-components.sh >/dev/null
+
+up: venv components ## Start the local control plane (kubeconfig in .cluster/kubeconfig)
+	$(PY) tests/cluster/localcluster.py up --dir $(CLUSTER_DIR) --bin-dir $(BIN_DIR)
+
+down: ## Stop everything `make up` started
+	$(PY) tests/cluster/localcluster.py down --dir $(CLUSTER_DIR)
+
+lint: venv ## ruff
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv ## mypy (strict)
+	$(VENV)/bin/mypy
+
+test: venv components lint typecheck ## Install, build, lint, type-check and run every test
+	KVFENCE_BIN_DIR=$(BIN_DIR) $(VENV)/bin/pytest
+
+clean: down
+	rm -rf $(CLUSTER_DIR)

@@ -1,0 +1,62 @@
+"""The routing table: what the operator renders and the router reads.
+
+It is the only interface between the two. The operator writes it, as JSON, into the Secret
+``<router namespace>/kvfence-routing`` under the key ``routing.json`` (a Secret because it carries the
+trust classes' signing keys); the router reads the mounted file and reloads it when it changes.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvfence.contract import CacheScope
+
+ROUTING_SECRET_NAME = "kvfence-routing"
+ROUTING_SECRET_KEY = "routing.json"
+ROUTING_TABLE_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class Quotas(_Model):
+    """Per-tenant limits the router enforces (None: unlimited)."""
+
+    max_concurrent_requests: int | None = Field(None, alias="maxConcurrentRequests", ge=1)
+    requests_per_minute: int | None = Field(None, alias="requestsPerMinute", ge=1)
+    tokens_per_minute: int | None = Field(None, alias="tokensPerMinute", ge=1)
+    max_kv_blocks: int | None = Field(None, alias="maxKVBlocks", ge=1)
+
+
+class TrustClassRoute(_Model):
+    """One trust class's engine, as the router addresses it."""
+
+    endpoint: str = Field(description="Base URL of the engine Service, e.g. http://engine.kvf-gold.svc:8000")
+    runtime: str = Field("reference", description="vllm or reference")
+    served_models: list[str] = Field(alias="servedModels", min_length=1)
+    adapters: list[str] = Field(default_factory=list, description="LoRA adapters the engine serves")
+    cache_scope: CacheScope = Field(CacheScope.TENANT, alias="cacheScope")
+    signing_keys: list[str] = Field(
+        alias="signingKeys",
+        min_length=1,
+        description="base64 signing keys; the first signs, all verify (rotation)",
+    )
+
+
+class TenantRoute(_Model):
+    """One bound tenant."""
+
+    trust_class: str = Field(alias="trustClass")
+    api_key_hashes: list[str] = Field(
+        alias="apiKeyHashes", description='"sha256:<hex>" of each API key the tenant may present'
+    )
+    allowed_adapters: list[str] = Field(default_factory=list, alias="allowedAdapters")
+    quotas: Quotas = Field(default_factory=Quotas)
+    binding: str = Field("", description="namespace/name of the TenantBinding this came from")
+
+
+class RoutingTable(_Model):
+    version: int = ROUTING_TABLE_VERSION
+    trust_classes: dict[str, TrustClassRoute] = Field(default_factory=dict, alias="trustClasses")
+    tenants: dict[str, TenantRoute] = Field(default_factory=dict)
