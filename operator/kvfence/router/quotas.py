@@ -1,0 +1,199 @@
+"""Per-tenant quotas: concurrent requests, requests per minute, tokens per minute.
+
+* Rates are token buckets holding one minute's worth (capacity = the per-minute limit, refilled
+  continuously at limit/60 per second), so a tenant can burst up to its minute's allowance and then
+  proceeds at the steady rate.
+* Tokens per minute: a request reserves ``prompt estimate + max_tokens`` (times ``n``) up front; when
+  the answer ends, the reservation is corrected to what the engine reports in ``usage`` (refund or
+  extra charge). A single request larger than the whole allowance is admitted only when the bucket is
+  full, and then drives it into debt, so it is neither refused forever nor free.
+* A refusal names the quota and a ``Retry-After`` (whole seconds, at least 1): the time until the
+  bucket holds enough, or 1 s for the concurrency limit.
+* Several replicas: each replica enforces ``limit // replicas`` (at least 1) of every limit, so the sum
+  over replicas never exceeds the tenant's quota (unless the limit is smaller than the replica count).
+  Set the replica count with ``--replicas`` / ``KVFENCE_ROUTER_REPLICAS``; see docs/router.md.
+* State lives here, keyed by tenant name, outside the routing table: a reload updates the limits and
+  keeps in-flight counts and bucket levels.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvfence.api.routing import Quotas
+
+
+class TokenBucket:
+    __slots__ = ("capacity", "level", "rate", "updated")
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.capacity
+        self.updated = now
+
+    def refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` is available (0 if it is now). Call after :meth:`refill`."""
+        if self.level >= amount:
+            return 0.0
+        return (amount - self.level) / self.rate
+
+    def resize(self, per_minute: int, now: float) -> None:
+        self.refill(now)
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = min(self.level, self.capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    concurrent: int | None
+    rpm: int | None
+    tpm: int | None
+
+
+def per_replica(limit: int | None, replicas: int) -> int | None:
+    if limit is None:
+        return None
+    return max(1, limit // replicas)
+
+
+class TenantQuota:
+    __slots__ = ("inflight", "limits", "rpm", "tpm")
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.inflight = 0
+        self.rpm = TokenBucket(limits.rpm, now) if limits.rpm else None
+        self.tpm = TokenBucket(limits.tpm, now) if limits.tpm else None
+
+    def update(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.rpm = _resized(self.rpm, limits.rpm, now)
+        self.tpm = _resized(self.tpm, limits.tpm, now)
+
+
+def _resized(bucket: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
+    if not per_minute:
+        return None
+    if bucket is None:
+        return TokenBucket(per_minute, now)
+    bucket.resize(per_minute, now)
+    return bucket
+
+
+@dataclass(slots=True)
+class Reservation:
+    tenant: str
+    quota: TenantQuota
+    tokens: float  # reserved from the tokens-per-minute bucket
+    released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    quota: str  # "concurrency" | "requests" | "tokens"
+    retry_after: int  # whole seconds, >= 1
+    message: str
+
+
+class QuotaManager:
+    def __init__(self, replicas: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        self.replicas = replicas
+        self.clock = clock
+        self._state: dict[str, TenantQuota] = {}
+
+    def limits_for(self, q: Quotas) -> Limits:
+        r = self.replicas
+        return Limits(
+            concurrent=per_replica(q.max_concurrent_requests, r),
+            rpm=per_replica(q.requests_per_minute, r),
+            tpm=per_replica(q.tokens_per_minute, r),
+        )
+
+    def sync(self, tenants: Iterable[tuple[str, Quotas]]) -> None:
+        """Apply a (re)loaded table: new limits, same counters. Tenants gone from the table are
+        forgotten once nothing of theirs is in flight."""
+        now = self.clock()
+        seen = set()
+        for name, q in tenants:
+            seen.add(name)
+            limits = self.limits_for(q)
+            st = self._state.get(name)
+            if st is None:
+                self._state[name] = TenantQuota(limits, now)
+            elif st.limits != limits:
+                st.update(limits, now)
+        for name in [n for n, st in self._state.items() if n not in seen and st.inflight == 0]:
+            del self._state[name]
+
+    def state(self, tenant: str) -> TenantQuota | None:
+        return self._state.get(tenant)
+
+    def acquire(self, tenant: str, quotas: Quotas, tokens: int) -> Reservation | Rejection:
+        """Admit one request that may use up to ``tokens`` tokens, or say why not. All or nothing."""
+        st = self._state.get(tenant)
+        now = self.clock()
+        if st is None:  # a table swap raced with this request: start the tenant's state now
+            st = self._state[tenant] = TenantQuota(self.limits_for(quotas), now)
+        lim = st.limits
+        if lim.concurrent is not None and st.inflight >= lim.concurrent:
+            return Rejection(
+                "concurrency",
+                1,
+                f"Too many concurrent requests: this tenant may have {lim.concurrent} at once.",
+            )
+        if st.rpm is not None:
+            st.rpm.refill(now)
+            wait = st.rpm.wait_for(1.0)
+            if wait > 0:
+                return Rejection(
+                    "requests", _ceil(wait), f"Requests-per-minute quota exceeded ({lim.rpm}/min)."
+                )
+        need = 0.0
+        if st.tpm is not None:
+            st.tpm.refill(now)
+            need = min(float(tokens), st.tpm.capacity)
+            wait = st.tpm.wait_for(need)
+            if wait > 0:
+                return Rejection(
+                    "tokens",
+                    _ceil(wait),
+                    f"Tokens-per-minute quota exceeded ({lim.tpm}/min; this request reserves {tokens} "
+                    "tokens: prompt plus max_tokens).",
+                )
+            st.tpm.level -= need
+        if st.rpm is not None:
+            st.rpm.level -= 1.0
+        st.inflight += 1
+        return Reservation(tenant, st, need)
+
+    def release(self, r: Reservation, used_tokens: int | None) -> float:
+        """End a request. ``used_tokens``: what the engine reported (None: keep the reservation).
+        Returns the tokens finally charged."""
+        if r.released:
+            return 0.0
+        r.released = True
+        st = r.quota
+        st.inflight -= 1
+        if used_tokens is None:
+            return r.tokens
+        bucket = st.tpm
+        if bucket is not None:
+            bucket.refill(self.clock())
+            bucket.level = min(bucket.capacity, bucket.level + r.tokens - float(used_tokens))
+        return float(used_tokens)
+
+
+def _ceil(seconds: float) -> int:
+    return max(1, math.ceil(seconds))

@@ -1,0 +1,411 @@
+"""The router's HTTP server: ``kvfence-router --routing-table FILE``.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (the calling
+tenant's models and adapters only), ``GET /metrics``, ``GET /healthz`` (the process runs),
+``GET /readyz`` (a valid routing table is loaded and the router is not draining).
+
+The request path, in order: authenticate (401) -> read the body with a size limit (413) -> parse and
+check the few fields the router needs (400) -> model/adapter allowlist (403) -> quotas (429 +
+Retry-After) -> forward to the trust class's engine (503 fast when it is down) -> correct the token
+reservation with the engine's usage. See docs/router.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
+from kvfence.router.auth import AuthError, authenticate
+from kvfence.router.errors import RouterError, error_response
+from kvfence.router.metrics import RouterMetrics
+from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.quotas import QuotaManager, Rejection
+from kvfence.router.table import CompiledTable, TableWatcher
+
+log = logging.getLogger("kvfence.router")
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+MAX_N = 128
+MAX_TOKENS_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    routing_table: str
+    reload_interval: float = 1.0
+    replicas: int = 1
+    max_body_bytes: int = 4 * 1024 * 1024
+    default_max_tokens: int = 1024  # reserved when a request does not say max_tokens
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.quotas = QuotaManager(replicas=config.replicas)
+        self.proxy = Proxy(self.metrics, config.proxy)
+        self.watcher = TableWatcher(
+            config.routing_table,
+            interval=config.reload_interval,
+            on_change=self._on_table,
+            on_result=lambda r: self.metrics.reloads.inc((r,)),
+        )
+        self.draining = False
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def table(self) -> CompiledTable:
+        return self.watcher.table
+
+    def _on_table(self, table: CompiledTable) -> None:
+        self.quotas.sync((name, p.quotas) for name, p in table.tenants.items())
+        self.metrics.table_generation.inc()
+        self.metrics.table_tenants.set(len(table.tenants))
+
+    async def health_loop(self) -> None:
+        while True:
+            classes = list(self.table.classes.values())
+            try:
+                await self.proxy.probe_all(classes)
+            except Exception:
+                log.exception("health probe round failed")
+            await asyncio.sleep(self.config.proxy.health_interval)
+
+
+STATE: web.AppKey[RouterState] = web.AppKey("kvfence_router_state", RouterState)
+
+
+def _state(request: web.Request) -> RouterState:
+    return request.app[STATE]
+
+
+# --- request parsing --------------------------------------------------------------------------------
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise RouterError(
+            400, f"'{name}' must be an integer between {lo} and {hi}.", "invalid_value", param=name
+        )
+    return v
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise RouterError(400, "The request body is not valid JSON.", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "The request body must be a JSON object.", "invalid_json")
+    return body
+
+
+def reserve_tokens(raw_len: int, body: dict[str, Any], default_max_tokens: int) -> int:
+    """Tokens to reserve: an upper bound of the prompt (the body's length in bytes: every tokenizer
+    in use yields at most one token per byte, and the JSON keys cover the chat template) plus the
+    completion allowance, times the number of choices."""
+    max_tokens = _int_field(body, "max_tokens", 0, MAX_TOKENS_LIMIT)
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_completion_tokens", 0, MAX_TOKENS_LIMIT)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    n = _int_field(body, "n", 1, MAX_N) or 1
+    return raw_len + max_tokens * n
+
+
+# --- handlers ---------------------------------------------------------------------------------------
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise RouterError(413, f"Request body larger than {limit} bytes.", "request_too_large")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RouterError(413, f"Request body larger than {limit} bytes.", "request_too_large") from None
+
+
+def _authenticate(state: RouterState, request: web.Request) -> Any:
+    if not state.watcher.loaded:
+        raise RouterError(503, "The router has no routing table yet.", "not_ready", "service_unavailable")
+    try:
+        return authenticate(state.table, request.headers.get("Authorization"))
+    except AuthError as e:
+        state.metrics.auth_failures.inc((e.reason,))
+        raise RouterError(401, str(e), "invalid_api_key") from None
+
+
+async def _inference(request: web.Request, path: str) -> web.StreamResponse:
+    state = _state(request)
+    started = time.perf_counter()
+    plan = _authenticate(state, request)
+    cls = plan.trust_class
+    code = "500"
+    try:
+        raw = await _read_body(request, state.config.max_body_bytes)
+        body = parse_body(raw)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise RouterError(400, "'model' must be a non-empty string.", "invalid_value", param="model")
+        if model not in plan.allowed_models:
+            state.metrics.forbidden.inc((plan.name,))
+            raise RouterError(
+                403,
+                f"The model or adapter '{model[:200]}' is not available to this API key.",
+                "model_not_allowed",
+                "permission_error",
+                param="model",
+            )
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise RouterError(400, "'stream' must be a boolean.", "invalid_value", param="stream")
+        tokens = reserve_tokens(len(raw), body, state.config.default_max_tokens)
+        for f in CLIENT_FORBIDDEN_BODY_FIELDS:
+            if f in body:
+                state.metrics.stripped.inc(("body",))
+        client_headers = strip_client_headers(request.headers.items())
+        if len(client_headers) != len(request.headers):
+            state.metrics.stripped.inc(("header",), len(request.headers) - len(client_headers))
+        state.proxy.check_available(cls)
+        payload = build_body(plan, body)
+        headers = build_headers(plan, path, client_headers, payload)
+
+        grant = state.quotas.acquire(plan.name, plan.quotas, tokens)
+        if isinstance(grant, Rejection):
+            state.metrics.quota_rejections.inc((plan.name, grant.quota))
+            raise RouterError(
+                429,
+                grant.message,
+                f"{grant.quota}_quota_exceeded",
+                "rate_limit_error",
+                headers={"Retry-After": str(grant.retry_after)},
+            )
+        inflight = state.metrics.inflight
+        inflight.inc((cls.name,))
+        used: int | None = None
+        try:
+            relay = await state.proxy.forward(
+                request, plan, path, payload, headers, want_usage=grant.quota.tpm is not None
+            )
+            used = relay.total_tokens
+            if used is None and relay.stream_events:
+                # A stream without a usage event: the prompt estimate plus one token per event.
+                used = len(raw) + relay.stream_events
+            code = str(relay.response.status)
+            if relay.response.status >= 400 and used is None:
+                used = 0  # the engine refused the request: nothing was generated
+            return relay.response
+        finally:
+            inflight.inc((cls.name,), -1)
+            charged = state.quotas.release(grant, used)
+            if charged:
+                state.metrics.tokens.inc((plan.name,), charged)
+    except RouterError as e:
+        code = str(e.status)
+        raise
+    except (ConnectionError, asyncio.CancelledError):
+        code = "499"  # the client went away
+        raise
+    finally:
+        state.metrics.requests.inc((plan.name, cls.name, path, code))
+        state.metrics.duration.observe(time.perf_counter() - started, (cls.name, path))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _inference(request, COMPLETIONS)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _inference(request, CHAT_COMPLETIONS)
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    plan = _authenticate(_state(request), request)
+    return web.Response(body=plan.models_body, content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    return web.Response(body=_state(request).metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def healthz(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    if state.draining:
+        return error_response(503, "The router is shutting down.", "draining", "service_unavailable")
+    if not state.watcher.loaded:
+        msg = f"No valid routing table loaded yet ({state.watcher.last_error or 'not read yet'})."
+        return error_response(503, msg, "not_ready", "service_unavailable")
+    return web.json_response({"status": "ready", "tenants": len(state.table.tenants)})
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RouterError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            e.status, "http_error"
+        )
+        return error_response(
+            e.status, e.reason, code, headers={k: v for k, v in e.headers.items() if k.lower() == "allow"}
+        )
+
+
+# --- app ----------------------------------------------------------------------------------------------
+def build_app(config: RouterConfig) -> web.Application:
+    state = RouterState(config)
+    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    app.router.add_post(COMPLETIONS, completions)
+    app.router.add_post(CHAT_COMPLETIONS, chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        state.watcher.check()
+        await state.proxy.start()
+        state.tasks.append(asyncio.create_task(state.watcher.run()))
+        state.tasks.append(asyncio.create_task(state.health_loop()))
+        yield
+        state.draining = True
+        for t in state.tasks:
+            t.cancel()
+        await asyncio.gather(*state.tasks, return_exceptions=True)
+        await state.proxy.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+async def serve(
+    config: RouterConfig, host: str, port: int, shutdown_timeout: float, drain_delay: float
+) -> None:
+    app = build_app(config)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
+    await site.start()
+    log.info("kvfence-router listening on %s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain: fail readiness first so that load balancers stop sending, keep serving meanwhile, then
+    # stop listening and give in-flight requests (streams included) up to shutdown_timeout to end.
+    app[STATE].draining = True
+    log.info(
+        "shutting down: draining for %.1fs, then up to %.1fs for in-flight requests",
+        drain_delay,
+        shutdown_timeout,
+    )
+    if drain_delay > 0:
+        await asyncio.sleep(drain_delay)
+    await runner.cleanup()
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfence-router", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--routing-table",
+        default=_env("KVFENCE_ROUTING_TABLE", ""),
+        help="routing table JSON file (the mounted kvfence-routing Secret) [KVFENCE_ROUTING_TABLE]",
+    )
+    p.add_argument("--host", default=_env("KVFENCE_ROUTER_HOST", "0.0.0.0"))  # noqa: S104
+    p.add_argument("--port", type=int, default=int(_env("KVFENCE_ROUTER_PORT", "8080")))
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=int(_env("KVFENCE_ROUTER_REPLICAS", "1")),
+        help="router replicas sharing the quotas; each enforces limit // replicas [KVFENCE_ROUTER_REPLICAS]",
+    )
+    p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between routing table checks")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=1024,
+        help="tokens reserved for the completion when a request does not set max_tokens",
+    )
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence from an engine")
+    p.add_argument("--total-timeout", type=float, default=1800.0)
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--health-path", default="/health")
+    p.add_argument("--pool-per-engine", type=int, default=256, help="keep-alive connections per engine")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=0.0,
+        help="seconds to keep serving with /readyz failing after SIGTERM",
+    )
+    p.add_argument("--log-level", default=_env("KVFENCE_LOG_LEVEL", "INFO"))
+    args = p.parse_args(argv)
+    if not args.routing_table:
+        p.error("--routing-table is required")
+    if args.replicas < 1:
+        p.error("--replicas must be >= 1")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        routing_table=args.routing_table,
+        reload_interval=args.reload_interval,
+        replicas=args.replicas,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        proxy=ProxyConfig(
+            connect_timeout=args.connect_timeout,
+            read_timeout=args.read_timeout,
+            total_timeout=args.total_timeout,
+            pool_per_engine=args.pool_per_engine,
+            health_path=args.health_path,
+            health_interval=args.health_interval,
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(config_from_args(args), args.host, args.port, args.shutdown_timeout, args.drain_delay))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Loading, validating, compiling and hot-reloading the routing table.
+
+The operator renders :class:`kvfence.api.routing.RoutingTable` as JSON into a Secret; the router reads
+the mounted file. Validation (pydantic) happens here, once per load, never per request: the table is
+compiled into frozen, precomputed per-tenant plans (identity, cache salt, allowed models, the
+``/v1/models`` answer) so the hot path is dict lookups.
+
+Reload: :class:`TableWatcher` polls the file. Kubernetes updates a mounted Secret by swapping a
+``..data`` symlink, which changes the inode and the resolved path that ``os.stat`` sees; a change of
+(device, inode, size, mtime) triggers a read, and the content's SHA-256 decides whether anything really
+changed. Every few polls the content is re-hashed regardless, in case a writer preserved the stat.
+An invalid table is refused and the previous one stays in force. Requests that already resolved their
+tenant keep the plan they resolved, so a reload never touches in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
+
+from kvfence.api.routing import Quotas, RoutingTable
+from kvfence.contract import CacheScope, Identity, cache_namespace, derive_cache_salt, key_id
+
+log = logging.getLogger("kvfence.router.table")
+
+KEY_HASH_PREFIX = "sha256:"
+
+
+class TableError(Exception):
+    """The routing table file cannot be used (unreadable, not JSON, or not a valid table)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPlan:
+    """One trust class, ready for the hot path."""
+
+    name: str
+    endpoint: str  # base URL, no trailing slash
+    runtime: str
+    served_models: tuple[str, ...]
+    adapters: frozenset[str]
+    cache_scope: CacheScope
+    signing_key: bytes  # the first key of the list: the one that signs
+    signing_key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPlan:
+    """One tenant, ready for the hot path: everything the router needs to forward its requests."""
+
+    name: str
+    trust_class: ClassPlan
+    identity: Identity
+    cache_salt: str
+    allowed_models: frozenset[str]
+    models_body: bytes  # the JSON answer to GET /v1/models
+    quotas: Quotas
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledTable:
+    checksum: str
+    classes: dict[str, ClassPlan]
+    tenants: dict[str, TenantPlan]
+    # lower-case hex sha256 of an API key -> (the stored digest, its tenant)
+    key_hashes: dict[str, tuple[str, TenantPlan]]
+    warnings: tuple[str, ...] = field(default=())
+
+    @staticmethod
+    def empty() -> CompiledTable:
+        return CompiledTable(checksum="", classes={}, tenants={}, key_hashes={})
+
+
+def hash_api_key(api_key: str) -> str:
+    """How the routing table stores an API key: ``sha256:<hex>``."""
+    return KEY_HASH_PREFIX + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def _check_endpoint(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint {url!r} is not an http(s) URL")
+    if parts.query or parts.fragment:
+        raise ValueError(f"endpoint {url!r} must not carry a query or fragment")
+    return url.rstrip("/")
+
+
+def _decode_key(b64: str) -> bytes:
+    try:
+        key = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) < 16:
+        raise ValueError("signing key is not base64 of at least 16 bytes")
+    return key
+
+
+def _models_body(models: list[str]) -> bytes:
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvfence"} for m in models]
+    return json.dumps({"object": "list", "data": data}, separators=(",", ":")).encode("utf-8")
+
+
+def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
+    """Turn a validated table into hot-path plans. Entries that cannot be served safely are dropped
+    with a warning instead of failing the whole table, so that (for instance) revoking one key still
+    takes effect when some other entry is broken."""
+    warnings: list[str] = []
+    classes: dict[str, ClassPlan] = {}
+    for name, tc in table.trust_classes.items():
+        try:
+            key = _decode_key(tc.signing_keys[0])
+            for other in tc.signing_keys[1:]:
+                _decode_key(other)
+            endpoint = _check_endpoint(tc.endpoint)
+        except ValueError as e:
+            warnings.append(f"trust class {name!r} skipped: {e}")
+            continue
+        classes[name] = ClassPlan(
+            name=name,
+            endpoint=endpoint,
+            runtime=tc.runtime,
+            served_models=tuple(tc.served_models),
+            adapters=frozenset(tc.adapters),
+            cache_scope=tc.cache_scope,
+            signing_key=key,
+            signing_key_id=key_id(key),
+        )
+
+    tenants: dict[str, TenantPlan] = {}
+    key_hashes: dict[str, tuple[str, TenantPlan]] = {}
+    duplicates: set[str] = set()
+    for name, tr in table.tenants.items():
+        cls = classes.get(tr.trust_class)
+        if cls is None:
+            warnings.append(f"tenant {name!r} skipped: trust class {tr.trust_class!r} is not routable")
+            continue
+        adapters = [a for a in tr.allowed_adapters if a in cls.adapters]
+        for a in tr.allowed_adapters:
+            if a not in cls.adapters:
+                warnings.append(f"tenant {name!r}: adapter {a!r} is not served by {cls.name!r}; ignored")
+        models = [*cls.served_models, *(a for a in adapters if a not in cls.served_models)]
+        namespace = cache_namespace(cls.name, name, cls.cache_scope)
+        plan = TenantPlan(
+            name=name,
+            trust_class=cls,
+            identity=Identity(tenant=name, trust_class=cls.name, namespace=namespace),
+            cache_salt=derive_cache_salt(cls.signing_key, cls.name, namespace),
+            allowed_models=frozenset(models),
+            models_body=_models_body(models),
+            quotas=tr.quotas,
+        )
+        tenants[name] = plan
+        for h in tr.api_key_hashes:
+            hexdigest = h[len(KEY_HASH_PREFIX) :].lower() if h.startswith(KEY_HASH_PREFIX) else ""
+            if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
+                warnings.append(f"tenant {name!r}: key hash {h[:16]!r}... is not sha256:<64 hex>; ignored")
+                continue
+            if hexdigest in key_hashes and key_hashes[hexdigest][1].name != name:
+                duplicates.add(hexdigest)
+            key_hashes[hexdigest] = (hexdigest, plan)
+    for d in duplicates:
+        # One key naming two tenants is ambiguous: it authenticates nobody.
+        del key_hashes[d]
+        warnings.append(f"key hash sha256:{d[:12]}... is bound to several tenants; refused for all")
+    return CompiledTable(
+        checksum=checksum, classes=classes, tenants=tenants, key_hashes=key_hashes, warnings=tuple(warnings)
+    )
+
+
+def parse_table(raw: bytes) -> CompiledTable:
+    """Validate and compile the bytes of a routing table file."""
+    checksum = hashlib.sha256(raw).hexdigest()
+    try:
+        table = RoutingTable.model_validate_json(raw)
+    except ValidationError as e:
+        raise TableError(f"invalid routing table: {e.error_count()} error(s): {e.errors()[:3]}") from None
+    return compile_table(table, checksum)
+
+
+def load_table(path: str) -> CompiledTable:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TableError(f"cannot read routing table {path}: {e}") from None
+    return parse_table(raw)
+
+
+def _stat_key(path: str) -> tuple[int, int, int, int, str] | None:
+    try:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, os.path.realpath(path))
+    except OSError:
+        return None
+
+
+class TableWatcher:
+    """Holds the current table and swaps it when the file changes."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        interval: float = 1.0,
+        rehash_every: int = 10,
+        on_change: Callable[[CompiledTable], None] | None = None,
+        on_result: Callable[[str], None] | None = None,
+    ) -> None:
+        self.path = path
+        self.interval = interval
+        self.rehash_every = max(1, rehash_every)
+        self.table = CompiledTable.empty()
+        self.loaded = False  # True once a valid table was loaded
+        self.last_error = ""
+        self._stat: tuple[int, int, int, int, str] | None = None
+        self._polls = 0
+        self._on_change = on_change
+        self._on_result = on_result
+
+    def check(self) -> bool:
+        """Reload if the file changed. Returns True if a new table is now in force."""
+        self._polls += 1
+        st = _stat_key(self.path)
+        if st is None:
+            if self.last_error != "missing":
+                log.error("routing table %s is missing; keeping the current one", self.path)
+            self.last_error = "missing"
+            return False
+        if st == self._stat and self.loaded and self._polls % self.rehash_every:
+            return False
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            self.last_error = str(e)
+            return False
+        self._stat = st
+        if self.loaded and hashlib.sha256(raw).hexdigest() == self.table.checksum:
+            return False
+        try:
+            table = parse_table(raw)
+        except TableError as e:
+            if self.last_error != str(e):
+                log.error("%s; keeping the current one", e)
+            self.last_error = str(e)
+            if self._on_result:
+                self._on_result("invalid")
+            return False
+        for w in table.warnings:
+            log.warning("routing table: %s", w)
+        self.table = table
+        self.loaded = True
+        self.last_error = ""
+        log.info(
+            "routing table loaded: %d trust classes, %d tenants, checksum %s",
+            len(table.classes),
+            len(table.tenants),
+            table.checksum[:12],
+        )
+        if self._on_result:
+            self._on_result("loaded")
+        if self._on_change:
+            self._on_change(table)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                self.check()
+            except Exception:  # never let the watcher die
+                log.exception("routing table check failed")

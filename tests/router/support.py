@@ -1,0 +1,211 @@
+"""Helpers for the router tests: processes, ports, a tiny HTTP client, the standard routing table."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfence.router.table import hash_api_key
+
+HERE = Path(__file__).parent
+GOLD_KEY = bytes(range(32))
+GOLD_KEY_OLD = bytes(range(1, 33))
+SILVER_KEY = bytes(range(100, 132))
+
+
+def b64(k: bytes) -> str:
+    return base64.b64encode(k).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    args: list[str]
+    port: int
+    ready_path: str
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path, timeout: float = 30.0) -> Proc:
+        self.log = log_dir / f"proc-{self.port}.log"
+        out = open(self.log, "wb")  # noqa: SIM115 - lives as long as the process
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        self.popen = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                status, _, _ = request("GET", self.url + self.ready_path, timeout=1)
+                if status == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.args} not ready: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log else ""
+
+
+def request(
+    method: str,
+    url: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+    raw: bytes | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request; returns (status, headers lower-cased, body)."""
+    assert url.startswith("http://")
+    hostport, _, path = url[7:].partition("/")
+    host, _, port = hostport.partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        h = dict(headers or {})
+        if data is not None:
+            h.setdefault("Content-Type", "application/json")
+        conn.request(method, "/" + path, body=data, headers=h)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# Tenants of the standard table: API key -> (tenant, trust class)
+KEYS = {
+    "alice": "sk-alice-0123456789",
+    "alice2": "sk-alice-second-key",
+    "bob": "sk-bob-0123456789",
+    "carol": "sk-carol-0123456789",
+    "dave": "sk-dave-rpm-limited",
+    "erin": "sk-erin-one-at-a-time",
+    "frank": "sk-frank-tpm-limited",
+    "grace": "sk-grace-class-scope",
+}
+
+
+def standard_table(gold_url: str, silver_url: str, **overrides: Any) -> dict[str, Any]:
+    table: dict[str, Any] = {
+        "version": 1,
+        "trustClasses": {
+            "gold": {
+                "endpoint": gold_url,
+                "runtime": "reference",
+                "servedModels": ["tiny"],
+                "adapters": ["support-bot", "legal-bot"],
+                "cacheScope": "Tenant",
+                "signingKeys": [b64(GOLD_KEY), b64(GOLD_KEY_OLD)],
+            },
+            "silver": {
+                "endpoint": silver_url,
+                "servedModels": ["small"],
+                "cacheScope": "TrustClass",
+                "signingKeys": [b64(SILVER_KEY)],
+            },
+        },
+        "tenants": {
+            "alice": {
+                "trustClass": "gold",
+                "apiKeyHashes": [hash_api_key(KEYS["alice"]), hash_api_key(KEYS["alice2"])],
+                "allowedAdapters": ["support-bot"],
+            },
+            "bob": {"trustClass": "gold", "apiKeyHashes": [hash_api_key(KEYS["bob"])]},
+            "carol": {"trustClass": "silver", "apiKeyHashes": [hash_api_key(KEYS["carol"])]},
+            "grace": {"trustClass": "silver", "apiKeyHashes": [hash_api_key(KEYS["grace"])]},
+            "dave": {
+                "trustClass": "gold",
+                "apiKeyHashes": [hash_api_key(KEYS["dave"])],
+                "quotas": {"requestsPerMinute": 3},
+            },
+            "erin": {
+                "trustClass": "gold",
+                "apiKeyHashes": [hash_api_key(KEYS["erin"])],
+                "quotas": {"maxConcurrentRequests": 1},
+            },
+            "frank": {
+                "trustClass": "gold",
+                "apiKeyHashes": [hash_api_key(KEYS["frank"])],
+                "quotas": {"tokensPerMinute": 600},
+            },
+        },
+    }
+    table.update(overrides)
+    return table
+
+
+def write_table(path: Path, table: dict[str, Any]) -> None:
+    """Replace the file atomically (as a Secret mount's symlink swap does)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+
+
+def start_fake(log_dir: Path, trust_class: str, keys: list[bytes]) -> Proc:
+    port = free_port()
+    args = [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port), "--trust-class", trust_class]
+    for k in keys:
+        args += ["--key-b64", b64(k)]
+    return Proc(args, port, "/health").start(log_dir)
+
+
+def start_router(log_dir: Path, table_path: Path, *extra: str, env: dict[str, str] | None = None) -> Proc:
+    port = free_port()
+    args = [
+        sys.executable, "-m", "kvfence.router.server",
+        "--routing-table", str(table_path), "--host", "127.0.0.1", "--port", str(port),
+        "--reload-interval", "0.1", "--health-interval", "0.2", "--log-level", "INFO", *extra,
+    ]  # fmt: skip
+    return Proc(args, port, "/readyz", env=env).start(log_dir)
+
+
+@dataclass
+class Stack:
+    router: Proc
+    gold: Proc
+    silver: Proc
+    table_path: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def post(self, key: str, path: str, body: Any, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+        return request(
+            "POST", self.router.url + path, body, headers={**auth(key), **kw.pop("headers", {})}, **kw
+        )
+
+    def upstream_requests(self, proc: Proc) -> list[dict[str, Any]]:
+        status, _, data = request("GET", proc.url + "/control/requests")
+        assert status == 200
+        result: list[dict[str, Any]] = json.loads(data)
+        return result

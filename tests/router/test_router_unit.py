@@ -1,0 +1,261 @@
+"""Unit tests of the router's pure pieces: table compilation, auth, quotas, body/header building."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, write_table
+
+from kvfence.api.routing import Quotas
+from kvfence.contract import (
+    HEADER_SIGNATURE,
+    HEADER_TENANT,
+    CacheScope,
+    Verifier,
+    cache_namespace,
+    derive_cache_salt,
+)
+from kvfence.router.auth import AuthError, authenticate
+from kvfence.router.metrics import RouterMetrics
+from kvfence.router.proxy import _UsageScanner, build_body, build_headers
+from kvfence.router.quotas import QuotaManager, Rejection, Reservation
+from kvfence.router.server import RouterError, parse_body, reserve_tokens
+from kvfence.router.table import TableError, TableWatcher, compile_table, hash_api_key, parse_table
+
+
+def _table(**overrides: object) -> bytes:
+    return json.dumps(standard_table("http://gold:8000", "http://silver:8000", **overrides)).encode()
+
+
+def test_compile_precomputes_identity_salt_and_models() -> None:
+    t = parse_table(_table())
+    alice = t.tenants["alice"]
+    ns = cache_namespace("gold", "alice", CacheScope.TENANT)
+    assert alice.identity.namespace == ns
+    assert alice.cache_salt == derive_cache_salt(GOLD_KEY, "gold", ns)
+    # the first key signs; adapters are those allowed AND served
+    assert alice.trust_class.signing_key == GOLD_KEY
+    assert alice.allowed_models == {"tiny", "support-bot"}
+    assert [m["id"] for m in json.loads(alice.models_body)["data"]] == ["tiny", "support-bot"]
+    # no allowedAdapters: base models only
+    assert t.tenants["bob"].allowed_models == {"tiny"}
+    # TrustClass scope: tenants of the class share one namespace and salt
+    assert t.tenants["carol"].cache_salt == t.tenants["grace"].cache_salt
+    assert t.tenants["carol"].cache_salt == derive_cache_salt(SILVER_KEY, "silver", "class/silver")
+    assert t.tenants["alice"].cache_salt != t.tenants["bob"].cache_salt
+
+
+def test_compile_drops_unsafe_entries_with_warnings() -> None:
+    raw = standard_table("http://gold:8000", "http://silver:8000")
+    raw["tenants"]["mallory"] = {"trustClass": "nope", "apiKeyHashes": [hash_api_key("m")]}
+    raw["tenants"]["bob"]["apiKeyHashes"].append(hash_api_key(KEYS["alice"]))  # shared with alice
+    raw["tenants"]["bob"]["apiKeyHashes"].append("md5:abc")
+    raw["trustClasses"]["broken"] = {"endpoint": "ftp://x", "servedModels": ["m"], "signingKeys": ["AAAA"]}
+    t = parse_table(json.dumps(raw).encode())
+    assert "mallory" not in t.tenants and "broken" not in t.classes
+    with pytest.raises(AuthError):
+        authenticate(t, f"Bearer {KEYS['alice']}")  # ambiguous key authenticates nobody
+    assert authenticate(t, f"Bearer {KEYS['alice2']}").name == "alice"
+    assert len(t.warnings) >= 4
+
+
+def test_invalid_table_is_refused() -> None:
+    with pytest.raises(TableError):
+        parse_table(b"{not json")
+    with pytest.raises(TableError):
+        parse_table(json.dumps({"tenants": {"x": {"trustClass": 3}}}).encode())
+
+
+def test_auth() -> None:
+    t = parse_table(_table())
+    assert authenticate(t, auth(KEYS["alice"])["Authorization"]).name == "alice"
+    assert authenticate(t, f"bearer {KEYS['carol']}").name == "carol"
+    for header in (None, "", "Basic abc", "Bearer ", f"Bearer {KEYS['alice']}x", "Bearer " + "a" * 600):
+        with pytest.raises(AuthError):
+            authenticate(t, header)
+
+
+def test_watcher_reload_keeps_old_table_on_error(tmp_path: Path) -> None:
+    path = tmp_path / "routing.json"
+    table = standard_table("http://gold:8000", "http://silver:8000")
+    write_table(path, table)
+    seen: list[str] = []
+    w = TableWatcher(str(path), on_result=seen.append)
+    assert w.check() and w.loaded
+    first = w.table
+    assert not w.check()  # unchanged
+    path.write_text("{broken")
+    assert not w.check()
+    assert w.table is first and seen == ["loaded", "invalid"]
+    del table["tenants"]["bob"]
+    write_table(path, table)
+    assert w.check()
+    assert "bob" not in w.table.tenants
+
+
+def test_watcher_follows_symlink_swap(tmp_path: Path) -> None:
+    """Kubernetes updates a Secret mount by re-pointing a ``..data`` symlink."""
+    table = standard_table("http://gold:8000", "http://silver:8000")
+    (tmp_path / "v1").mkdir()
+    write_table(tmp_path / "v1" / "routing.json", table)
+    (tmp_path / "..data").symlink_to("v1")
+    (tmp_path / "routing.json").symlink_to("..data/routing.json")
+    w = TableWatcher(str(tmp_path / "routing.json"))
+    assert w.check()
+    del table["tenants"]["alice"]
+    (tmp_path / "v2").mkdir()
+    write_table(tmp_path / "v2" / "routing.json", table)
+    (tmp_path / "..data_tmp").symlink_to("v2")
+    (tmp_path / "..data_tmp").replace(tmp_path / "..data")
+    assert w.check()
+    assert "alice" not in w.table.tenants
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_quota_concurrency_and_rpm() -> None:
+    clock = Clock()
+    q = QuotaManager(clock=clock)
+    quotas = Quotas(maxConcurrentRequests=2, requestsPerMinute=3)
+    q.sync([("t", quotas)])
+    a = q.acquire("t", quotas, 10)
+    b = q.acquire("t", quotas, 10)
+    c = q.acquire("t", quotas, 10)
+    assert isinstance(a, Reservation) and isinstance(b, Reservation)
+    assert isinstance(c, Rejection) and c.quota == "concurrency" and c.retry_after == 1
+    q.release(a, None)
+    d = q.acquire("t", quotas, 10)
+    assert isinstance(d, Reservation)
+    q.release(b, None)
+    q.release(d, None)
+    e = q.acquire("t", quotas, 10)
+    assert isinstance(e, Rejection) and e.quota == "requests" and e.retry_after == 20
+    clock.t += 20
+    assert isinstance(q.acquire("t", quotas, 10), Reservation)
+
+
+def test_quota_tokens_reserve_and_correct() -> None:
+    clock = Clock()
+    q = QuotaManager(clock=clock)
+    quotas = Quotas(tokensPerMinute=600)
+    q.sync([("t", quotas)])
+    a = q.acquire("t", quotas, 500)
+    assert isinstance(a, Reservation)
+    r = q.acquire("t", quotas, 200)
+    assert isinstance(r, Rejection) and r.quota == "tokens" and r.retry_after == 10
+    q.release(a, 50)  # refund 450
+    b = q.acquire("t", quotas, 200)
+    assert isinstance(b, Reservation)
+    q.release(b, 700)  # more than reserved: charged extra, the bucket goes into debt
+    st = q.state("t")
+    assert st is not None and st.tpm is not None and st.tpm.level < 0
+    big = q.acquire("t", quotas, 10_000)
+    assert isinstance(big, Rejection)
+    clock.t += 600  # full bucket again: a request larger than the allowance gets in, capped
+    big2 = q.acquire("t", quotas, 10_000)
+    assert isinstance(big2, Reservation) and big2.tokens == 600
+
+
+def test_quota_state_survives_sync_and_divides_by_replicas() -> None:
+    clock = Clock()
+    q = QuotaManager(replicas=3, clock=clock)
+    quotas = Quotas(maxConcurrentRequests=7, requestsPerMinute=30)
+    q.sync([("t", quotas)])
+    st = q.state("t")
+    assert st is not None and st.limits.concurrent == 2 and st.limits.rpm == 10
+    a = q.acquire("t", quotas, 1)
+    assert isinstance(a, Reservation)
+    q.sync([("t", Quotas(maxConcurrentRequests=3, requestsPerMinute=30))])
+    assert q.state("t") is st and st.inflight == 1 and st.limits.concurrent == 1
+    assert isinstance(q.acquire("t", quotas, 1), Rejection)
+    q.sync([])  # tenant removed while in flight: state kept until released
+    assert q.state("t") is st
+    q.release(a, None)
+    q.sync([])
+    assert q.state("t") is None
+
+
+def test_build_body_strips_and_salts_and_signature_verifies() -> None:
+    t = parse_table(_table())
+    alice = t.tenants["alice"]
+    body = {"model": "tiny", "prompt": "hi", "cache_salt": "evil", "extra_key": "x", "kv_transfer_params": {}}
+    payload = build_body(alice, body)
+    sent = json.loads(payload)
+    assert sent == {"model": "tiny", "prompt": "hi", "cache_salt": alice.cache_salt}
+    headers = build_headers(
+        alice,
+        "/v1/completions",
+        [("X-Tenant-ID", "bob"), ("X-Kvfence-Tenant", "bob"), ("User-Agent", "t"), ("Cookie", "c")],
+        payload,
+    )
+    assert headers[HEADER_TENANT] == "alice" and headers["User-Agent"] == "t"
+    assert "X-Tenant-ID" not in headers and "Cookie" not in headers
+    v = Verifier("gold", [GOLD_KEY])
+    verified = v.verify(headers, "POST", "/v1/completions", payload)
+    assert verified.cache_salt == alice.cache_salt
+    headers[HEADER_SIGNATURE] = headers[HEADER_SIGNATURE][:-1] + "0"
+    with pytest.raises(Exception, match="signature"):
+        Verifier("gold", [GOLD_KEY]).verify(headers, "POST", "/v1/completions", payload)
+
+
+def test_parse_body_and_reservation() -> None:
+    for bad in (b"", b"[]", b"nan", b'{"a": NaN}', b"\xff", b"[" * 100_000):
+        with pytest.raises(RouterError) as e:
+            parse_body(bad)
+        assert e.value.status == 400
+    raw = b'{"model":"m","prompt":"abc","max_tokens":10,"n":2}'
+    assert reserve_tokens(len(raw), parse_body(raw), 99) == len(raw) + 20
+    assert reserve_tokens(5, {"max_completion_tokens": 7}, 99) == 12
+    assert reserve_tokens(5, {}, 99) == 104
+    for bad_body in ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": "3"}, {"n": 0}, {"n": 1000}):
+        with pytest.raises(RouterError):
+            reserve_tokens(5, bad_body, 99)
+
+
+def test_usage_scanner_finds_usage_across_chunk_boundaries() -> None:
+    events = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    stream = b"".join(events)
+    for cut in range(1, len(stream)):
+        s = _UsageScanner()
+        s.feed(stream[:cut])
+        s.feed(stream[cut:])
+        assert s.total == 4 and s.events == 3
+
+
+def test_metrics_render() -> None:
+    m = RouterMetrics()
+    m.requests.inc(("a", "gold", "/v1/completions", "200"))
+    m.duration.observe(0.003, ("gold", "/v1/completions"))
+    m.tokens.inc(('we"ird\n',), 5)
+    text = m.render().decode()
+    assert (
+        'kvfence_router_requests_total{tenant="a",trust_class="gold",endpoint="/v1/completions",code="200"} 1'
+        in text
+    )
+    assert (
+        'kvfence_router_request_duration_seconds_bucket{trust_class="gold",'
+        'endpoint="/v1/completions",le="0.005"} 1' in text
+    )
+    assert 'kvfence_router_tokens_total{tenant="we\\"ird\\n"} 5' in text
+    assert "# TYPE kvfence_router_request_duration_seconds histogram" in text
+
+
+def test_compile_is_pure_function_of_table() -> None:
+    from kvfence.api.routing import RoutingTable
+
+    raw = _table()
+    a = compile_table(RoutingTable.model_validate_json(raw))
+    b = compile_table(RoutingTable.model_validate_json(raw))
+    assert a.tenants == b.tenants
