@@ -88,7 +88,8 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
         else:
             prompt = str(body.get("prompt"))
         model = str(body.get("model"))
-        max_tokens = body.get("max_tokens") or 8
+        max_tokens = body.get("max_tokens")
+        max_tokens = min(max_tokens, 1000) if isinstance(max_tokens, int) and max_tokens > 0 else 8
         pieces = answer_text(model, prompt, max_tokens)
         usage = {
             "prompt_tokens": len(prompt.encode()),

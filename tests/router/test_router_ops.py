@@ -1,0 +1,232 @@
+"""Operations: hot reload under load, revocation, unhealthy engines, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from router.support import (
+    GOLD_KEY,
+    KEYS,
+    SILVER_KEY,
+    Proc,
+    auth,
+    request,
+    standard_table,
+    start_fake,
+    start_router,
+    write_table,
+)
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metric(router: Proc, line_prefix: str) -> float | None:
+    _, _, data = request("GET", router.url + "/metrics")
+    for line in data.decode().splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture
+def own_gold(logs: Path) -> Iterator[Proc]:
+    p = start_fake(logs, "gold", [GOLD_KEY])
+    yield p
+    p.stop()
+
+
+def test_hot_reload_keeps_inflight_requests_and_revokes_keys(
+    tmp_path: Path, logs: Path, own_gold: Proc, fake_silver: Proc
+) -> None:
+    table_path = tmp_path / "routing.json"
+    table = standard_table(own_gold.url, fake_silver.url)
+    write_table(table_path, table)
+    router = start_router(logs, table_path)
+    try:
+
+        async def run() -> None:
+            url = router.url + "/v1/completions"
+            body = {"model": "tiny", "prompt": "GATED reload", "max_tokens": 5, "stream": True}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url, json=body, headers=auth(KEYS["alice"])) as held:
+                    assert held.status == 200
+                    first = await held.content.readany()
+                    # revoke alice entirely, rotate gold's signing key order, add a tenant
+                    new = json.loads(json.dumps(table))
+                    del new["tenants"]["alice"]
+                    new["tenants"]["bob"]["quotas"] = {"requestsPerMinute": 1000}
+                    write_table(table_path, new)
+                    await asyncio.to_thread(
+                        wait_for,
+                        lambda: metric(router, "kvfence_router_routing_table_generation") == 2,
+                        "reload",
+                    )
+                    async with s.post(
+                        url, json={"model": "tiny", "prompt": "x"}, headers=auth(KEYS["alice"])
+                    ) as r:
+                        assert r.status == 401  # revoked at once
+                    async with s.post(
+                        url, json={"model": "tiny", "prompt": "x"}, headers=auth(KEYS["bob"])
+                    ) as r:
+                        assert r.status == 200
+                    async with s.post(own_gold.url + "/control/release"):
+                        pass
+                    rest = await held.content.read()
+                events = [e for e in (first + rest).split(b"\n\n") if e.startswith(b"data: {")]
+                assert len(events) == 5  # the in-flight stream finished intact
+                assert (first + rest).rstrip().endswith(b"[DONE]")
+
+        asyncio.run(asyncio.wait_for(run(), 60))
+        # an invalid table is refused; the last good one stays in force
+        table_path.write_text("{ not json")
+        wait_for(
+            lambda: (
+                (metric(router, 'kvfence_router_routing_table_reloads_total{result="invalid"}') or 0) >= 1
+            ),
+            "invalid table noticed",
+        )
+        assert request("GET", router.url + "/readyz")[0] == 200
+        status, _, _ = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 200
+    finally:
+        router.stop()
+
+
+def test_unhealthy_engine_fast_503_and_recovery(tmp_path: Path, logs: Path, own_gold: Proc) -> None:
+    """Silver points at a socket that accepts connections but never answers (a hung engine). With
+    read timeouts of 10 minutes, only the health probe can make the router answer quickly: the client
+    gives up after 30 s, so a router that waits on the engine fails this test."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(1024)
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, standard_table(own_gold.url, hung_url))
+    router = start_router(logs, table_path, "--read-timeout", "600", "--connect-timeout", "600")
+    try:
+        wait_for(lambda: metric(router, 'kvfence_router_engine_healthy{trust_class="silver"}') == 0, "probe")
+        status, headers, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "small", "prompt": "x"},
+            headers=auth(KEYS["carol"]),
+        )
+        assert status == 503 and headers["retry-after"] == "1"
+        err = json.loads(data)["error"]
+        assert err["code"] == "engine_unavailable" and "silver" in err["message"]
+        # gold is unaffected
+        ok = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert ok[0] == 200
+        # gold's engine reports unhealthy -> 503; healthy again -> 200
+        assert request("POST", own_gold.url + "/control/health", {"ok": False})[0] == 200
+        wait_for(
+            lambda: metric(router, 'kvfence_router_engine_healthy{trust_class="gold"}') == 0, "gold down"
+        )
+        status, _, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 503 and json.loads(data)["error"]["type"] == "service_unavailable"
+        assert request("POST", own_gold.url + "/control/health", {"ok": True})[0] == 200
+        wait_for(lambda: metric(router, 'kvfence_router_engine_healthy{trust_class="gold"}') == 1, "gold up")
+        assert (
+            request(
+                "POST",
+                router.url + "/v1/completions",
+                {"model": "tiny", "prompt": "x"},
+                headers=auth(KEYS["bob"]),
+            )[0]
+            == 200
+        )
+        # the engine process dies: connection refused -> 503 at once (no probe needed)
+        own_gold.stop()
+        status, _, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 503 and json.loads(data)["error"]["code"] == "engine_unavailable"
+    finally:
+        router.stop()
+        hung.close()
+
+
+def test_signature_key_mismatch_is_502_not_401(tmp_path: Path, logs: Path, own_gold: Proc) -> None:
+    table = standard_table(own_gold.url, own_gold.url)
+    table["trustClasses"]["gold"]["signingKeys"] = table["trustClasses"]["silver"]["signingKeys"]
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, table)
+    router = start_router(logs, table_path)
+    try:
+        status, _, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 502 and json.loads(data)["error"]["code"] == "engine_refused_signature"
+        assert SILVER_KEY != GOLD_KEY
+    finally:
+        router.stop()
+
+
+def test_graceful_shutdown_finishes_inflight_stream(
+    tmp_path: Path, logs: Path, own_gold: Proc, fake_silver: Proc
+) -> None:
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, standard_table(own_gold.url, fake_silver.url))
+    router = start_router(logs, table_path, "--drain-delay", "1", "--shutdown-timeout", "60")
+    assert router.popen is not None
+
+    async def run() -> bytes:
+        url = router.url + "/v1/completions"
+        body = {"model": "tiny", "prompt": "GATED shutdown", "max_tokens": 4, "stream": True}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url, json=body, headers=auth(KEYS["bob"])) as held,
+        ):
+            assert held.status == 200
+            first = await held.content.readany()
+            assert router.popen is not None
+            router.popen.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(
+                wait_for, lambda: request("GET", router.url + "/readyz")[0] == 503, "readyz 503"
+            )
+            async with s.post(own_gold.url + "/control/release"):
+                pass
+            return first + await held.content.read()
+
+    try:
+        data = asyncio.run(asyncio.wait_for(run(), 60))
+        assert len([e for e in data.split(b"\n\n") if e.startswith(b"data: {")]) == 4
+        assert router.popen.wait(30) == 0
+    finally:
+        router.stop()
