@@ -1,0 +1,52 @@
+"""Condition types and reasons (CamelCase) the operator sets, in one place."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- TrustClass condition types ---------------------------------------------------------------
+READY: Final = "Ready"
+PROGRESSING: Final = "Progressing"
+DEGRADED: Final = "Degraded"
+
+# --- TenantBinding condition types ------------------------------------------------------------
+BOUND: Final = "Bound"
+DENIED: Final = "Denied"
+
+# --- reasons: TrustClass ----------------------------------------------------------------------
+REASON_AVAILABLE: Final = "EngineAvailable"
+REASON_ROLLING_OUT: Final = "EngineRollingOut"
+REASON_ROLLOUT_COMPLETE: Final = "RolloutComplete"
+REASON_UNAVAILABLE: Final = "EngineUnavailable"
+REASON_SCALED_TO_ZERO: Final = "ScaledToZero"
+REASON_NAMESPACE_CONFLICT: Final = "NamespaceConflict"
+REASON_RECONCILE_FAILED: Final = "ReconcileFailed"
+REASON_AS_EXPECTED: Final = "AsExpected"
+REASON_DELETING: Final = "Deleting"
+
+# --- reasons: TenantBinding -------------------------------------------------------------------
+REASON_BOUND: Final = "Bound"
+REASON_NOT_DENIED: Final = "Admitted"
+REASON_TRUST_CLASS_NOT_FOUND: Final = "TrustClassNotFound"
+REASON_TRUST_CLASS_NOT_READY: Final = "TrustClassNotReady"
+REASON_NAMESPACE_NOT_ADMITTED: Final = "NamespaceNotAdmitted"
+REASON_DUPLICATE_TENANT_ID: Final = "DuplicateTenantId"
+REASON_ADAPTER_NOT_IN_CLASS: Final = "AdapterNotInTrustClass"
+REASON_QUOTA_EXCEEDS_LIMIT: Final = "QuotaExceedsClassLimit"
+REASON_SECRET_NOT_FOUND: Final = "ApiKeySecretNotFound"
+REASON_SECRET_FORBIDDEN: Final = "ApiKeySecretForbidden"
+REASON_NO_API_KEYS: Final = "NoApiKeys"
+
+#: Reasons that make a binding ``Denied`` (as opposed to merely not yet ``Bound``).
+DENIAL_REASONS: Final = frozenset(
+    {
+        REASON_TRUST_CLASS_NOT_FOUND,
+        REASON_NAMESPACE_NOT_ADMITTED,
+        REASON_DUPLICATE_TENANT_ID,
+        REASON_ADAPTER_NOT_IN_CLASS,
+        REASON_QUOTA_EXCEEDS_LIMIT,
+        REASON_SECRET_NOT_FOUND,
+        REASON_SECRET_FORBIDDEN,
+        REASON_NO_API_KEYS,
+    }
+)

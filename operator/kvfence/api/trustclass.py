@@ -1,0 +1,371 @@
+"""``TrustClass`` (cluster-scoped): one dedicated engine, and the tenants that may share it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from kvfence.api.common import (
+    DNS_LABEL,
+    QUOTA_FIELDS,
+    RESOURCE_NAME,
+    Condition,
+    FreeForm,
+    KubeModel,
+    LabelSelector,
+    Quantity,
+    TenantQuotas,
+    conditions_field,
+)
+from kvfence.contract import CacheScope
+
+KIND = "TrustClass"
+PLURAL = "trustclasses"
+SINGULAR = "trustclass"
+SHORT_NAMES = ["tc"]
+NAMESPACE_PREFIX = "kvf-"
+#: A TrustClass name must leave room for the default namespace name ``kvf-<name>`` (63 characters).
+MAX_NAME_LENGTH = 63 - len(NAMESPACE_PREFIX)
+
+Runtime = Literal["vllm", "reference"]
+HashAlgorithm = Literal["sha256", "blake2b"]
+
+
+class ModelSpec(KubeModel):
+    """The model the engine serves."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Model id as the runtime loads it (a Hugging Face repo id or a local path).",
+    )
+    revision: str = Field(
+        "main",
+        min_length=1,
+        max_length=256,
+        description="Model revision (branch, tag or commit). It is part of every prefix-cache key.",
+    )
+    served_name: str | None = Field(
+        None,
+        alias="servedName",
+        min_length=1,
+        max_length=256,
+        description="The model name clients send in requests; defaults to name.",
+    )
+
+    @property
+    def public_name(self) -> str:
+        return self.served_name or self.name
+
+
+class AdapterSpec(KubeModel):
+    """A LoRA adapter the engine loads next to the base model."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="Adapter name clients use as the model name.",
+    )
+    source: str = Field(min_length=1, max_length=512, description="Where the runtime loads the adapter from.")
+
+
+class EngineSpec(KubeModel):
+    """The inference engine of the trust class."""
+
+    runtime: Runtime = Field(
+        "reference",
+        description="vllm (stock vLLM with the kvfence middleware) or reference (the kvfence CPU engine).",
+    )
+    image: str = Field(min_length=1, max_length=1024, description="Container image of the engine.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", alias="imagePullPolicy", description="Image pull policy of the engine container."
+    )
+    model: ModelSpec = Field(description="The base model.")
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description="LoRA adapters served by this engine (tenants may be limited to a subset).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    quantization: str | None = Field(
+        None,
+        max_length=64,
+        pattern=r"^[a-z0-9_-]+$",
+        description="Quantization method (e.g. awq, gptq, fp8); part of every prefix-cache key.",
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="Activation/weight dtype."
+    )
+    tensor_parallel_size: int = Field(
+        1, alias="tensorParallelSize", ge=1, le=64, description="GPUs one replica shards the model over."
+    )
+    max_model_len: int | None = Field(
+        None, alias="maxModelLen", ge=1, description="Maximum context length (prompt plus output tokens)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        alias="gpuMemoryUtilization",
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory the runtime may use (vllm).",
+    )
+    block_size: int = Field(16, alias="blockSize", ge=1, le=256, description="Tokens per KV-cache block.")
+    num_blocks: int = Field(
+        1024,
+        alias="numBlocks",
+        ge=1,
+        description="KV-cache blocks in the pool (reference runtime; vllm sizes its pool from GPU memory).",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="Port the engine serves HTTP on.")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        alias="extraArgs",
+        max_length=128,
+        description="Extra command-line arguments appended to the runtime's own.",
+    )
+
+
+class GPUResources(KubeModel):
+    """Accelerators per engine replica."""
+
+    count: int = Field(1, ge=0, le=64, description="Accelerators per replica; 0 for a CPU-only engine.")
+    resource_name: str = Field(
+        "nvidia.com/gpu",
+        alias="resourceName",
+        max_length=253,
+        pattern=RESOURCE_NAME,
+        description="Extended resource to request, e.g. nvidia.com/gpu or MIG nvidia.com/mig-1g.10gb.",
+    )
+
+
+class ResourcesSpec(KubeModel):
+    """Compute resources of one engine replica (requests equal limits)."""
+
+    gpu: GPUResources = Field(
+        default_factory=GPUResources,
+        description="Accelerators, requested and limited with the same count.",
+        json_schema_extra={"default": {}},
+    )
+    cpu: Quantity | None = Field(None, description="CPU request and limit, e.g. 4 or 500m.")
+    memory: Quantity | None = Field(None, description="Memory request and limit, e.g. 32Gi.")
+
+
+class DedicatedNodes(KubeModel):
+    """Keep this trust class's engines on nodes that run no other trust class."""
+
+    enabled: bool = Field(
+        False,
+        description="Require nodes without pods of any other trust class (required pod anti-affinity, "
+        "which the scheduler also enforces for the other classes' pods).",
+    )
+    tolerate_taint: bool = Field(
+        False,
+        alias="tolerateTaint",
+        description="Also tolerate the taint kvfence.dev/trust-class=<name>:NoSchedule so that nodes an "
+        "administrator tainted for this class accept its engines.",
+    )
+
+
+class PlacementSpec(KubeModel):
+    """Where engine pods may run."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, alias="nodeSelector", description="Node labels the engine pods require."
+    )
+    tolerations: list[FreeForm] = Field(
+        default_factory=list, description="Tolerations (core/v1 Toleration) of the engine pods."
+    )
+    affinity: FreeForm | None = Field(
+        None, description="Affinity (core/v1 Affinity) of the engine pods, merged with dedicatedNodes."
+    )
+    runtime_class_name: str | None = Field(
+        None, alias="runtimeClassName", max_length=253, description="RuntimeClass of the pods (e.g. nvidia)."
+    )
+    priority_class_name: str | None = Field(
+        None, alias="priorityClassName", max_length=253, description="PriorityClass of the engine pods."
+    )
+    dedicated_nodes: DedicatedNodes = Field(
+        default_factory=DedicatedNodes,
+        alias="dedicatedNodes",
+        description="Isolation from other trust classes at node level.",
+        json_schema_extra={"default": {}},
+    )
+
+
+class PrefixCacheSpec(KubeModel):
+    """Prefix (KV) cache behaviour inside the engine."""
+
+    enabled: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
+    scope: CacheScope = Field(
+        CacheScope.TENANT,
+        description="Who may share cached prefixes: Tenant (only the same tenant) or TrustClass (every "
+        "tenant of this class).",
+    )
+    hash_algorithm: HashAlgorithm = Field(
+        "sha256",
+        alias="hashAlgorithm",
+        description="Collision-resistant hash of the prefix-cache keys: sha256 or blake2b (reference only).",
+    )
+
+
+class QuotaSpec(KubeModel):
+    """Per-tenant quotas of this trust class."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!has(self.defaults.{f}) || !has(self.limits.{f}) "
+                    f"|| self.defaults.{f} <= self.limits.{f}",
+                    "message": f"defaults.{f} must not exceed limits.{f}",
+                    "fieldPath": f".defaults.{f}",
+                    "reason": "FieldValueInvalid",
+                }
+                for f in QUOTA_FIELDS
+            ]
+        }
+    )
+
+    defaults: TenantQuotas = Field(
+        default_factory=TenantQuotas,
+        description="Quotas of a tenant whose binding sets none.",
+        json_schema_extra={"default": {}},
+    )
+    limits: TenantQuotas = Field(
+        default_factory=TenantQuotas,
+        description="The most a binding may ask for; a binding above a limit is Denied.",
+        json_schema_extra={"default": {}},
+    )
+
+
+class TrustClassSpec(KubeModel):
+    """Desired state of a trust class."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.__namespace__) == has(oldSelf.__namespace__) && "
+                    "(!has(self.__namespace__) || self.__namespace__ == oldSelf.__namespace__)",
+                    "message": "namespace is immutable",
+                    "fieldPath": ".namespace",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.engine.runtime != 'vllm' || self.prefixCache.hashAlgorithm == 'sha256'",
+                    "message": "the vllm runtime supports only the sha256 prefix-cache hash",
+                    "fieldPath": ".prefixCache.hashAlgorithm",
+                    "reason": "FieldValueNotSupported",
+                },
+                {
+                    "rule": "self.resources.gpu.count == 0 || "
+                    "self.engine.tensorParallelSize <= self.resources.gpu.count",
+                    "message": "engine.tensorParallelSize must not exceed resources.gpu.count",
+                    "fieldPath": ".engine.tensorParallelSize",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "self.engine.runtime != 'vllm' || self.resources.gpu.count >= 1",
+                    "message": "the vllm runtime needs at least one GPU (resources.gpu.count)",
+                    "fieldPath": ".resources.gpu.count",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.quotas.limits.maxKVBlocks) || self.engine.runtime != 'reference' "
+                    "|| self.quotas.limits.maxKVBlocks <= self.engine.numBlocks",
+                    "message": "quotas.limits.maxKVBlocks must not exceed engine.numBlocks",
+                    "fieldPath": ".quotas.limits.maxKVBlocks",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
+
+    namespace: str | None = Field(
+        None,
+        max_length=63,
+        pattern=DNS_LABEL,
+        description="Namespace holding this class's engine and its configuration (created and owned by "
+        "the operator); defaults to kvf-<name>. Immutable.",
+    )
+    engine: EngineSpec = Field(description="The engine that serves this class's tenants.")
+    replicas: int = Field(1, ge=0, le=1024, description="Engine replicas.")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        description="Compute resources per engine replica.",
+        json_schema_extra={"default": {}},
+    )
+    placement: PlacementSpec = Field(
+        default_factory=PlacementSpec,
+        description="Scheduling constraints of the engine pods.",
+        json_schema_extra={"default": {}},
+    )
+    prefix_cache: PrefixCacheSpec = Field(
+        default_factory=PrefixCacheSpec,
+        alias="prefixCache",
+        description="Prefix-cache configuration.",
+        json_schema_extra={"default": {}},
+    )
+    quotas: QuotaSpec = Field(
+        default_factory=QuotaSpec,
+        description="Per-tenant quota defaults and limits.",
+        json_schema_extra={"default": {}},
+    )
+    namespace_selector: LabelSelector | None = Field(
+        None,
+        alias="namespaceSelector",
+        description="Namespaces whose TenantBindings may bind to this class. Unset: none; {}: all.",
+    )
+
+
+class TrustClassStatus(KubeModel):
+    """Observed state of a trust class."""
+
+    observed_generation: int | None = Field(
+        None, alias="observedGeneration", description="The .metadata.generation last reconciled."
+    )
+    conditions: list[Condition] = conditions_field("Ready, Progressing and Degraded.")
+    namespace: str | None = Field(None, description="The namespace holding the engine.")
+    endpoint: str | None = Field(None, description="URL of the engine Service, as the router reaches it.")
+    replicas: int | None = Field(None, description="Engine pods that exist.")
+    ready_replicas: int | None = Field(None, alias="readyReplicas", description="Engine pods that are ready.")
+    bound_tenants: int | None = Field(None, alias="boundTenants", description="Tenants bound to this class.")
+    signing_key_id: str | None = Field(
+        None, alias="signingKeyId", description="Public fingerprint of the key the router signs with."
+    )
+
+
+class TrustClass(KubeModel):
+    """A trust class: tenants that may share one engine. Different classes never share an engine."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+                    "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters",
+                    "reason": "FieldValueTooLong",
+                }
+            ]
+        }
+    )
+
+    api_version: str = Field("kvfence.dev/v1alpha1", alias="apiVersion", description="API version.")
+    kind: str = Field(KIND, description="Kind.")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: TrustClassSpec = Field(description="Desired state.")
+    status: TrustClassStatus = Field(default_factory=TrustClassStatus, description="Observed state.")
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("name", ""))
+
+    @property
+    def target_namespace(self) -> str:
+        return self.spec.namespace or default_namespace(self.name)
+
+
+def default_namespace(name: str) -> str:
+    return f"{NAMESPACE_PREFIX}{name}"

@@ -1,0 +1,505 @@
+"""Pure manifest builders: a TrustClass in, Kubernetes objects (plain dicts) out.
+
+Nothing here talks to the API server, reads the clock or draws random numbers; every function is a
+deterministic map from its arguments, so the unit tests exercise them without a cluster and the
+reconciler can compare what it would apply with what is there.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.api.common import API_VERSION, TenantQuotas
+from kvfence.api.trustclass import TrustClass
+from kvfence.contract import key_id
+from kvfence.engine.config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS, EngineConfig
+
+Obj = dict[str, Any]
+
+FIELD_MANAGER = "kvfence-operator"
+APP = "kvfence"
+ENGINE_APP = "kvfence-engine"
+
+# --- names of the children in a trust class's namespace ---------------------------------------
+ENGINE_NAME = "kvfence-engine"
+CONFIG_NAME = "kvfence-engine-config"
+SIGNING_SECRET_NAME = "kvfence-signing-key"
+NETWORK_POLICY_NAME = "kvfence-engine-ingress"
+CONFIG_KEY = "engine.json"
+CONFIG_DIR = "/etc/kvfence/config"
+KEY_DIR = "/etc/kvfence/keys"
+
+# --- labels and annotations -------------------------------------------------------------------
+LABEL_TRUST_CLASS = "kvfence.dev/trust-class"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_CONFIG_HASH = "kvfence.dev/config-hash"
+ANNOTATION_KEY_ID = "kvfence.dev/signing-key-id"
+ANNOTATION_ROTATE = "kvfence.dev/rotate-signing-key"
+ANNOTATION_ROTATED_FOR = "kvfence.dev/rotated-for"
+ANNOTATION_SPEC_HASH = "kvfence.dev/spec-hash"
+TAINT_KEY = LABEL_TRUST_CLASS
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+
+RUN_AS_USER = 65532
+TMP_DIR = "/tmp"  # noqa: S108 - an emptyDir of the pod
+SHM_DIR = "/dev/shm"  # noqa: S108 - a memory emptyDir for NCCL
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """Cluster-level settings of one operator deployment (command-line flags)."""
+
+    router_namespace: str = "kvfence-system"
+    router_pod_labels: dict[str, str] = field(
+        default_factory=lambda: {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "router"}
+    )
+    cluster_domain: str = "cluster.local"
+    version: str = "0.1.0"
+
+
+def labels(tc_name: str, component: str, version: str = "0.1.0") -> dict[str, str]:
+    """Recommended labels (app.kubernetes.io/*) plus the trust class."""
+    return {
+        "app.kubernetes.io/name": ENGINE_APP if component == "engine" else APP,
+        "app.kubernetes.io/instance": tc_name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": APP,
+        LABEL_MANAGED_BY: FIELD_MANAGER,
+        "app.kubernetes.io/version": version,
+        LABEL_TRUST_CLASS: tc_name,
+    }
+
+
+def selector_labels(tc_name: str) -> dict[str, str]:
+    """The stable subset of the engine pods' labels (Deployment/Service/NetworkPolicy/PDB selector)."""
+    return {"app.kubernetes.io/name": ENGINE_APP, "app.kubernetes.io/instance": tc_name}
+
+
+def owner_reference(tc_body: Obj) -> Obj:
+    """Owner reference from a child to its (cluster-scoped) TrustClass: GC deletes the child with it."""
+    meta = tc_body["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TrustClass",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(tc: TrustClass, name: str, component: str, opts: OperatorOptions, owner: Obj | None) -> Obj:
+    m: Obj = {"name": name, "labels": labels(tc.name, component, opts.version)}
+    if name != tc.target_namespace or component != "namespace":
+        m["namespace"] = tc.target_namespace
+    if owner is not None:
+        m["ownerReferences"] = [owner]
+    return m
+
+
+def namespace(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
+    meta: Obj = {
+        "name": tc.target_namespace,
+        "labels": {
+            **labels(tc.name, "namespace", opts.version),
+            # Engines of the class are as privileged as a restricted pod: say so to Pod Security admission.
+            "pod-security.kubernetes.io/enforce": "restricted",
+        },
+    }
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
+
+
+def endpoint(tc: TrustClass, opts: OperatorOptions) -> str:
+    return f"http://{ENGINE_NAME}.{tc.target_namespace}.svc.{opts.cluster_domain}:{tc.spec.engine.port}"
+
+
+# --- engine configuration ---------------------------------------------------------------------
+def engine_quota(q: TenantQuotas) -> Obj:
+    out: Obj = {"guaranteedBlocks": q.guaranteed_kv_blocks or 0}
+    if q.max_kv_blocks is not None:
+        out["maxBlocks"] = q.max_kv_blocks
+    return out
+
+
+def engine_config(tc: TrustClass, tenant_quotas: dict[str, TenantQuotas] | None = None) -> Obj:
+    """The engine's config file (``kvfence.engine.config.EngineConfig``), validated by that model.
+
+    ``tenant_quotas`` are the *effective* quotas of the tenants bound to the class whose KV limits
+    differ from the class defaults.
+    """
+    spec, eng = tc.spec, tc.spec.engine
+    model: Obj = {"name": eng.model.name, "revision": eng.model.revision}
+    if eng.model.served_name:
+        model["servedName"] = eng.model.served_name
+    data: Obj = {
+        "trustClass": tc.name,
+        "model": model,
+        "adapters": [a.name for a in eng.adapters],
+        "quantization": eng.quantization or "none",
+        "blockSize": eng.block_size,
+        "numBlocks": eng.num_blocks,
+        "tensorParallelSize": eng.tensor_parallel_size,
+        "maxModelLen": eng.max_model_len or DEFAULT_MAX_MODEL_LEN,
+        "prefixCache": {
+            "enabled": spec.prefix_cache.enabled,
+            "scope": str(spec.prefix_cache.scope),
+            "hashAlgorithm": spec.prefix_cache.hash_algorithm,
+        },
+        "quotas": {
+            "default": engine_quota(spec.quotas.defaults),
+            "tenants": {t: engine_quota(q) for t, q in sorted((tenant_quotas or {}).items())},
+        },
+        "signingKeyDir": KEY_DIR,
+        "requireSignature": True,
+        "listen": {"host": "0.0.0.0", "port": eng.port},  # noqa: S104 - fenced by the NetworkPolicy
+    }
+    if eng.dtype != "auto":
+        data["dtype"] = eng.dtype
+    # The engine's own model is the judge of what it accepts: fail here, not in a crash-looping pod.
+    EngineConfig.model_validate(data)
+    return data
+
+
+def config_json(cfg: Obj) -> str:
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+
+
+def config_hash(cfg: Obj) -> str:
+    """Hash of the parts of the config that need an engine restart.
+
+    Per-tenant quotas are left out: binding a tenant must not restart the engine its neighbours use;
+    the engine re-reads them from the mounted file.
+    """
+    stable = copy.deepcopy(cfg)
+    stable.get("quotas", {}).pop("tenants", None)
+    return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_map(tc: TrustClass, cfg: Obj, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(tc, CONFIG_NAME, "engine-config", opts, owner),
+        "data": {CONFIG_KEY: config_json(cfg)},
+    }
+
+
+def vllm_args(tc: TrustClass) -> list[str]:
+    """Command-line arguments of the vLLM OpenAI server for this class."""
+    eng, pc = tc.spec.engine, tc.spec.prefix_cache
+    args = [
+        "--model", eng.model.name,
+        "--revision", eng.model.revision,
+        "--served-model-name", eng.model.public_name,
+        "--host", "0.0.0.0",  # noqa: S104
+        "--port", str(eng.port),
+        "--tensor-parallel-size", str(eng.tensor_parallel_size),
+        "--block-size", str(eng.block_size),
+        "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
+        "--dtype", eng.dtype,
+    ]  # fmt: skip
+    if eng.max_model_len:
+        args += ["--max-model-len", str(eng.max_model_len)]
+    if eng.quantization:
+        args += ["--quantization", eng.quantization]
+    if pc.enabled:
+        # The CRD admits only sha256 for vllm (CEL rule); never a non-cryptographic hash.
+        args += ["--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256"]
+    else:
+        args += ["--no-enable-prefix-caching"]
+    if eng.adapters:
+        args += ["--enable-lora", "--max-loras", str(len(eng.adapters)), "--lora-modules"]
+        args += [f"{a.name}={a.source}" for a in eng.adapters]
+    args += ["--middleware", "kvfence.vllm.middleware.KvfenceMiddleware"]
+    return args + list(eng.extra_args)
+
+
+def reference_command(tc: TrustClass) -> list[str]:
+    return ["kvfence-engine", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", *tc.spec.engine.extra_args]
+
+
+# --- signing key ------------------------------------------------------------------------------
+def signing_secret(
+    tc: TrustClass,
+    current: bytes,
+    previous: bytes | None,
+    rotated_for: str | None,
+    opts: OperatorOptions,
+    owner: Obj | None = None,
+) -> Obj:
+    """The trust class's signing key(s), raw 32-byte values as the engine reads them from files."""
+    meta = _meta(tc, SIGNING_SECRET_NAME, "signing-key", opts, owner)
+    meta["annotations"] = {ANNOTATION_KEY_ID: key_id(current)}
+    if rotated_for is not None:
+        meta["annotations"][ANNOTATION_ROTATED_FOR] = rotated_for
+    data = {SIGNING_KEY_CURRENT: base64.b64encode(current).decode()}
+    if previous is not None:
+        data[SIGNING_KEY_PREVIOUS] = base64.b64encode(previous).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": data}
+
+
+def read_signing_secret(secret: Obj | None) -> tuple[bytes | None, bytes | None, str | None]:
+    """(current, previous, rotated-for token) of a live signing Secret (or Nones)."""
+    if not secret:
+        return None, None, None
+    data = secret.get("data") or {}
+    cur = base64.b64decode(data[SIGNING_KEY_CURRENT]) if data.get(SIGNING_KEY_CURRENT) else None
+    prev = base64.b64decode(data[SIGNING_KEY_PREVIOUS]) if data.get(SIGNING_KEY_PREVIOUS) else None
+    token = (secret.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_ROTATED_FOR)
+    return cur, prev, token
+
+
+def plan_signing_keys(
+    live: tuple[bytes | None, bytes | None, str | None],
+    requested_rotation: str | None,
+    new_key: bytes,
+) -> tuple[bytes, bytes | None, str | None]:
+    """Keep the live key; create one if there is none; rotate (current -> previous) when the
+    TrustClass asks with a rotation token not yet honoured. ``new_key`` is used only when needed."""
+    cur, prev, token = live
+    if cur is None:
+        return new_key, None, requested_rotation
+    if requested_rotation and requested_rotation != token:
+        return new_key, cur, requested_rotation
+    return cur, prev, token
+
+
+# --- engine Deployment ------------------------------------------------------------------------
+def _resources(tc: TrustClass) -> Obj:
+    res: dict[str, Any] = {}
+    r = tc.spec.resources
+    if r.gpu.count > 0:
+        res[r.gpu.resource_name] = r.gpu.count
+    if r.cpu is not None:
+        res["cpu"] = r.cpu
+    if r.memory is not None:
+        res["memory"] = r.memory
+    if not res:
+        return {}
+    return {"requests": dict(res), "limits": dict(res)}
+
+
+def dedicated_anti_affinity(tc_name: str) -> Obj:
+    """Required pod anti-affinity: no pod of any *other* trust class on the same node.
+
+    The scheduler applies an existing pod's required anti-affinity to incoming pods as well, so the
+    other classes' engines are kept off this class's nodes too, whether or not they ask.
+    """
+    return {
+        "labelSelector": {
+            "matchExpressions": [
+                {"key": LABEL_TRUST_CLASS, "operator": "Exists"},
+                {"key": LABEL_TRUST_CLASS, "operator": "NotIn", "values": [tc_name]},
+            ]
+        },
+        "namespaceSelector": {},
+        "topologyKey": HOSTNAME_TOPOLOGY,
+    }
+
+
+def affinity(tc: TrustClass) -> Obj | None:
+    aff = copy.deepcopy(tc.spec.placement.affinity) if tc.spec.placement.affinity else {}
+    if tc.spec.placement.dedicated_nodes.enabled:
+        anti = aff.setdefault("podAntiAffinity", {})
+        anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
+            dedicated_anti_affinity(tc.name)
+        )
+    return aff or None
+
+
+def tolerations(tc: TrustClass) -> list[Obj]:
+    tol = [copy.deepcopy(t) for t in tc.spec.placement.tolerations]
+    if tc.spec.placement.dedicated_nodes.tolerate_taint:
+        tol.append({"key": TAINT_KEY, "operator": "Equal", "value": tc.name, "effect": "NoSchedule"})
+    return tol
+
+
+def _probe(path: str, port: int, *, period: int, failures: int, delay: int = 0) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+        **({"initialDelaySeconds": delay} if delay else {}),
+    }
+
+
+def deployment(
+    tc: TrustClass, cfg_hash: str, signing_key_id: str, opts: OperatorOptions, owner: Obj | None = None
+) -> Obj:
+    eng, pl = tc.spec.engine, tc.spec.placement
+    vllm = eng.runtime == "vllm"
+    pod_labels = {**labels(tc.name, "engine", opts.version), **selector_labels(tc.name)}
+    container: Obj = {
+        "name": "engine",
+        "image": eng.image,
+        "imagePullPolicy": eng.image_pull_policy,
+        "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
+        "env": [
+            {"name": "KVFENCE_ENGINE_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+            {"name": "HOME", "value": TMP_DIR},
+        ],
+        "readinessProbe": _probe("/health", eng.port, period=5, failures=3),
+        "livenessProbe": _probe("/health", eng.port, period=10, failures=6),
+        # Loading weights takes minutes for real models: liveness starts after this succeeds.
+        "startupProbe": _probe("/health", eng.port, period=10, failures=180 if vllm else 30),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "signing-key", "mountPath": KEY_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": TMP_DIR},
+        ],
+    }
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": CONFIG_NAME}},
+        {"name": "signing-key", "secret": {"secretName": SIGNING_SECRET_NAME, "defaultMode": 0o440}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if vllm:
+        container["args"] = vllm_args(tc)
+        container["env"].append({"name": "HF_HOME", "value": "/cache/huggingface"})
+        container["volumeMounts"] += [
+            {"name": "cache", "mountPath": "/cache"},
+            {"name": "dshm", "mountPath": SHM_DIR},
+        ]
+        volumes += [{"name": "cache", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    else:
+        container["command"] = reference_command(tc)
+    res = _resources(tc)
+    if res:
+        container["resources"] = res
+    pod_spec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if pl.node_selector:
+        pod_spec["nodeSelector"] = dict(pl.node_selector)
+    tol = tolerations(tc)
+    if tol:
+        pod_spec["tolerations"] = tol
+    aff = affinity(tc)
+    if aff:
+        pod_spec["affinity"] = aff
+    if pl.runtime_class_name:
+        pod_spec["runtimeClassName"] = pl.runtime_class_name
+    if pl.priority_class_name:
+        pod_spec["priorityClassName"] = pl.priority_class_name
+    gpu = tc.spec.resources.gpu.count > 0
+    strategy: Obj = (
+        # Accelerators are scarce: replace pods one at a time instead of asking for a surge GPU.
+        {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        if gpu
+        else {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(tc, ENGINE_NAME, "engine", opts, owner),
+        "spec": {
+            "replicas": tc.spec.replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(tc.name)},
+            "strategy": strategy,
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {ANNOTATION_CONFIG_HASH: cfg_hash, ANNOTATION_KEY_ID: signing_key_id},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(tc, ENGINE_NAME, "engine", opts, owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(tc.name),
+            "ports": [{"name": "http", "port": tc.spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def network_policy(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
+    """Engine ingress only from router pods in the router's namespace, only on the engine port."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(tc, NETWORK_POLICY_NAME, "engine", opts, owner),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(tc.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": opts.router_namespace}
+                            },
+                            "podSelector": {"matchLabels": dict(opts.router_pod_labels)},
+                        }
+                    ],
+                    "ports": [{"protocol": "TCP", "port": tc.spec.engine.port}],
+                }
+            ],
+        },
+    }
+
+
+def pod_disruption_budget(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
+    # maxUnavailable (not minAvailable) so that a single-replica class never blocks a node drain.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(tc, ENGINE_NAME, "engine", opts, owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(tc.name)}},
+    }
+
+
+def children(
+    tc: TrustClass,
+    *,
+    signing: tuple[bytes, bytes | None, str | None],
+    tenant_quotas: dict[str, TenantQuotas] | None,
+    opts: OperatorOptions,
+    owner: Obj | None,
+) -> list[Obj]:
+    """Every namespaced object of a trust class, in apply order (config and key before the engine)."""
+    cfg = engine_config(tc, tenant_quotas)
+    current, previous, token = signing
+    return [
+        config_map(tc, cfg, opts, owner),
+        signing_secret(tc, current, previous, token, opts, owner),
+        service(tc, opts, owner),
+        network_policy(tc, opts, owner),
+        pod_disruption_budget(tc, opts, owner),
+        deployment(tc, config_hash(cfg), key_id(current), opts, owner),
+    ]

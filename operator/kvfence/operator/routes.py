@@ -1,0 +1,259 @@
+"""Pure decisions about TenantBindings, and the routing table rendered from them.
+
+:func:`decide` looks at every binding at once (a tenant id must be unique in the cluster, an API key
+must identify one tenant) and says, per binding, whether it is ``Bound`` or ``Denied`` and why. Only
+``Bound`` bindings ever reach :func:`routing_table`; a denied one cannot route, by construction.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfence.api import conditions as C
+from kvfence.api.common import TenantQuotas
+from kvfence.api.routing import (
+    ROUTING_SECRET_KEY,
+    ROUTING_SECRET_NAME,
+    Quotas,
+    RoutingTable,
+    TenantRoute,
+    TrustClassRoute,
+)
+from kvfence.api.tenantbinding import TenantBinding
+from kvfence.api.trustclass import TrustClass
+from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorOptions, endpoint
+
+REASON_DUPLICATE_API_KEY = "DuplicateApiKey"
+REASON_KV_OVERCOMMITTED = "KVBlocksOvercommitted"
+
+
+def hash_api_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def api_keys_from_secret(secret: Mapping[str, Any], key: str | None) -> list[str]:
+    """API keys in a Secret: one per line of ``data[key]``, or every data value when ``key`` is None."""
+    data: Mapping[str, str] = secret.get("data") or {}
+    values = (
+        [data[key]] if key is not None and key in data else ([] if key is not None else list(data.values()))
+    )
+    keys: list[str] = []
+    for v in values:
+        text = base64.b64decode(v).decode("utf-8", errors="strict")
+        keys += [line.strip() for line in text.splitlines() if line.strip()]
+    return keys
+
+
+@dataclass(frozen=True)
+class KeyLookup:
+    """What reading a binding's API-key Secret gave: hashes, or the reason it gave none."""
+
+    hashes: tuple[str, ...] = ()
+    error: str | None = None  # a C.REASON_* when the Secret could not be used
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ClassState:
+    """A trust class as the routing decision needs it."""
+
+    tc: TrustClass
+    signing_keys: tuple[bytes, ...] = ()  # current first; empty while the class is being set up
+    deleting: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    bound: bool
+    denied: bool
+    reason: str
+    message: str
+    trust_class: str | None = None
+    api_keys: int | None = None
+    quotas: TenantQuotas | None = None
+
+
+@dataclass
+class Outcome:
+    decisions: dict[str, Decision] = field(default_factory=dict)  # binding "ns/name" -> decision
+    table: RoutingTable = field(default_factory=RoutingTable)
+    #: trust class -> tenant -> effective quotas (for the engine config's per-tenant KV limits)
+    tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
+
+
+def _sort_key(b: TenantBinding) -> tuple[str, str]:
+    return (str(b.metadata.get("creationTimestamp", "")), b.key)
+
+
+def _deny(reason: str, message: str, tc: str | None = None) -> Decision:
+    return Decision(bound=False, denied=True, reason=reason, message=message, trust_class=tc)
+
+
+def decide(
+    classes: Mapping[str, ClassState],
+    bindings: Iterable[TenantBinding],
+    namespace_labels: Mapping[str, Mapping[str, str]],
+    keys: Mapping[str, KeyLookup],
+    opts: OperatorOptions,
+) -> Outcome:
+    """Every binding's fate and the routing table. Oldest binding first wins a contested tenant id or
+    API key, so an established tenant is never displaced by a newcomer."""
+    out = Outcome()
+    claimed_ids: dict[str, str] = {}
+    claimed_keys: dict[str, str] = {}
+    guaranteed_used: dict[str, int] = {}
+    routes: dict[str, TrustClassRoute] = {}
+    tenants: dict[str, TenantRoute] = {}
+
+    for name, state in sorted(classes.items()):
+        if state.deleting or not state.signing_keys:
+            continue
+        eng = state.tc.spec.engine
+        routes[name] = TrustClassRoute(
+            endpoint=endpoint(state.tc, opts),
+            runtime=eng.runtime,
+            served_models=[eng.model.public_name],
+            adapters=[a.name for a in eng.adapters],
+            cache_scope=state.tc.spec.prefix_cache.scope,
+            signing_keys=[base64.b64encode(k).decode() for k in state.signing_keys],
+        )
+
+    for b in sorted(bindings, key=_sort_key):
+        spec, cname = b.spec, b.spec.trust_class_name
+        found = classes.get(cname)
+        if found is None or found.deleting:
+            out.decisions[b.key] = _deny(
+                C.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist"
+            )
+            continue
+        cs = found
+        selector = cs.tc.spec.namespace_selector
+        ns_labels = dict(namespace_labels.get(b.namespace, {}))
+        if selector is None or not selector.matches(ns_labels):
+            out.decisions[b.key] = _deny(
+                C.REASON_NAMESPACE_NOT_ADMITTED,
+                f"namespace {b.namespace!r} is not admitted by TrustClass {cname!r} (namespaceSelector)",
+            )
+            continue
+        owner = claimed_ids.get(spec.tenant_id)
+        if owner is not None:
+            out.decisions[b.key] = _deny(
+                C.REASON_DUPLICATE_TENANT_ID, f"tenant id {spec.tenant_id!r} is already bound by {owner}"
+            )
+            continue
+        claimed_ids[spec.tenant_id] = b.key
+        class_adapters = {a.name for a in cs.tc.spec.engine.adapters}
+        missing = sorted(set(spec.allowed_adapters) - class_adapters)
+        if missing:
+            out.decisions[b.key] = _deny(
+                C.REASON_ADAPTER_NOT_IN_CLASS, f"adapters {missing} are not served by TrustClass {cname!r}"
+            )
+            continue
+        over = spec.quotas.exceeds(cs.tc.spec.quotas.limits)
+        if over:
+            out.decisions[b.key] = _deny(
+                C.REASON_QUOTA_EXCEEDS_LIMIT, f"quotas above the limits of TrustClass {cname!r}: {over}"
+            )
+            continue
+        effective = spec.quotas.merged_over(cs.tc.spec.quotas.defaults)
+        if (
+            effective.guaranteed_kv_blocks is not None
+            and effective.max_kv_blocks is not None
+            and effective.guaranteed_kv_blocks > effective.max_kv_blocks
+        ):
+            out.decisions[b.key] = _deny(
+                C.REASON_QUOTA_EXCEEDS_LIMIT, "effective guaranteedKVBlocks exceeds effective maxKVBlocks"
+            )
+            continue
+        lookup = keys.get(b.key, KeyLookup(error=C.REASON_SECRET_NOT_FOUND, message="API keys not read yet"))
+        if lookup.error is not None:
+            out.decisions[b.key] = _deny(lookup.error, lookup.message)
+            continue
+        if not lookup.hashes:
+            out.decisions[b.key] = _deny(C.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
+            continue
+        clash = next((claimed_keys[h] for h in lookup.hashes if h in claimed_keys), None)
+        if clash is not None:
+            out.decisions[b.key] = _deny(
+                REASON_DUPLICATE_API_KEY, f"an API key of this binding is already used by {clash}"
+            )
+            continue
+        guaranteed = effective.guaranteed_kv_blocks or 0
+        used = guaranteed_used.get(cname, 0)
+        if guaranteed and used + guaranteed > cs.tc.spec.engine.num_blocks:
+            out.decisions[b.key] = _deny(
+                REASON_KV_OVERCOMMITTED,
+                f"guaranteedKVBlocks {guaranteed} would overcommit the {cs.tc.spec.engine.num_blocks} blocks "
+                f"of TrustClass {cname!r} ({used} already guaranteed)",
+            )
+            continue
+        if cname not in routes:
+            out.decisions[b.key] = Decision(
+                bound=False,
+                denied=False,
+                reason=C.REASON_TRUST_CLASS_NOT_READY,
+                message=f"TrustClass {cname!r} has no signing key yet",
+                trust_class=cname,
+            )
+            continue
+        guaranteed_used[cname] = used + guaranteed
+        for h in lookup.hashes:
+            claimed_keys[h] = b.key
+        tenants[spec.tenant_id] = TenantRoute(
+            trust_class=cname,
+            api_key_hashes=sorted(set(lookup.hashes)),
+            allowed_adapters=sorted(spec.allowed_adapters),
+            quotas=Quotas(
+                max_concurrent_requests=effective.max_concurrent_requests,
+                requests_per_minute=effective.requests_per_minute,
+                tokens_per_minute=effective.tokens_per_minute,
+                max_kv_blocks=effective.max_kv_blocks,
+            ),
+            binding=b.key,
+        )
+        defaults = cs.tc.spec.quotas.defaults
+        if (effective.max_kv_blocks, effective.guaranteed_kv_blocks) != (
+            defaults.max_kv_blocks,
+            defaults.guaranteed_kv_blocks,
+        ):
+            out.tenant_quotas.setdefault(cname, {})[spec.tenant_id] = effective
+        out.decisions[b.key] = Decision(
+            bound=True,
+            denied=False,
+            reason=C.REASON_BOUND,
+            message=f"tenant {spec.tenant_id!r} routes to TrustClass {cname!r}",
+            trust_class=cname,
+            api_keys=len(set(lookup.hashes)),
+            quotas=effective,
+        )
+    out.table = RoutingTable(trust_classes=routes, tenants=dict(sorted(tenants.items())))
+    return out
+
+
+def table_json(table: RoutingTable) -> str:
+    return json.dumps(table.model_dump(by_alias=True, mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+def routing_secret(table: RoutingTable, opts: OperatorOptions) -> dict[str, Any]:
+    """The Secret the router mounts. Not owned by any one TrustClass: it outlives them all."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": ROUTING_SECRET_NAME,
+            "namespace": opts.router_namespace,
+            "labels": {
+                "app.kubernetes.io/name": "kvfence",
+                "app.kubernetes.io/component": "routing-table",
+                "app.kubernetes.io/part-of": "kvfence",
+                LABEL_MANAGED_BY: FIELD_MANAGER,
+            },
+        },
+        "type": "Opaque",
+        "data": {ROUTING_SECRET_KEY: base64.b64encode(table_json(table).encode()).decode()},
+    }

@@ -1,0 +1,231 @@
+"""Pure builders: TrustClass spec in, Kubernetes objects out (no cluster)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+
+from kvfence.api.common import TenantQuotas
+from kvfence.contract import key_id
+from kvfence.engine.config import EngineConfig
+from kvfence.operator import builders as B
+
+OPTS = B.OperatorOptions()
+KEY1, KEY2, KEY3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+OWNER = {"apiVersion": "kvfence.dev/v1alpha1", "kind": "TrustClass", "name": "gold", "uid": "u"}
+
+
+def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in objs}
+
+
+def test_children_are_all_in_the_class_namespace_and_owned(make_tc: Any) -> None:
+    tc = make_tc()
+    objs = B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    kinds = [o["kind"] for o in objs]
+    assert kinds == ["ConfigMap", "Secret", "Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment"]
+    for o in objs:
+        assert o["metadata"]["namespace"] == "kvf-gold"
+        assert o["metadata"]["ownerReferences"] == [OWNER]
+        lbl = o["metadata"]["labels"]
+        for k in ("name", "instance", "component", "part-of", "managed-by"):
+            assert f"app.kubernetes.io/{k}" in lbl
+        assert lbl[B.LABEL_TRUST_CLASS] == "gold"
+    ns = B.namespace(tc, OPTS, OWNER)
+    assert ns["metadata"]["name"] == "kvf-gold" and "namespace" not in ns["metadata"]
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_deployment_requests_and_limits_gpus_with_the_configured_resource_name(make_tc: Any) -> None:
+    tc = make_tc(resources={"gpu": {"count": 2, "resourceName": "nvidia.com/mig-1g.10gb"}, "memory": "8Gi"})
+    dep = B.deployment(tc, "h", "k", OPTS)
+    res = dep["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"nvidia.com/mig-1g.10gb": 2, "memory": "8Gi"}
+    assert res["limits"] == res["requests"]
+    cpu_only = B.deployment(make_tc(resources={"gpu": {"count": 0}}), "h", "k", OPTS)
+    assert "resources" not in cpu_only["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_deployment_is_hardened(make_tc: Any) -> None:
+    pod = B.deployment(make_tc(), "h", "k", OPTS)["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    c = pod["containers"][0]
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/tmp"] == "tmp" and {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+    assert mounts[B.KEY_DIR] == "signing-key"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+
+
+def test_placement_is_passed_through(make_tc: Any) -> None:
+    tol = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    tc = make_tc(
+        placement={
+            "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+            "tolerations": [tol],
+            "runtimeClassName": "nvidia",
+            "priorityClassName": "inference",
+            "affinity": {"nodeAffinity": {"x": 1}},
+        }
+    )
+    pod = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert pod["tolerations"] == [tol]
+    assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "inference"
+    assert pod["affinity"] == {"nodeAffinity": {"x": 1}}
+
+
+def test_dedicated_nodes_add_anti_affinity_against_other_classes(make_tc: Any) -> None:
+    tc = make_tc(
+        placement={
+            "dedicatedNodes": {"enabled": True, "tolerateTaint": True},
+            "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"a": 1}]}},
+        }
+    )
+    pod = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]
+    terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms[0] == {"a": 1}
+    term = terms[1]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["namespaceSelector"] == {}
+    exprs = term["labelSelector"]["matchExpressions"]
+    assert {"key": B.LABEL_TRUST_CLASS, "operator": "NotIn", "values": ["gold"]} in exprs
+    assert {"key": B.LABEL_TRUST_CLASS, "operator": "Exists"} in exprs
+    assert {"key": B.TAINT_KEY, "operator": "Equal", "value": "gold", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    # the user's affinity in the spec is not mutated
+    assert (
+        len(tc.spec.placement.affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"])
+        == 1
+    )
+    # the engine pods carry the label the other classes' anti-affinity selects on
+    assert (
+        B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["metadata"]["labels"][B.LABEL_TRUST_CLASS]
+        == "gold"
+    )
+
+
+def test_reference_engine_config_is_a_valid_engine_config(make_tc: Any) -> None:
+    tc = make_tc(
+        engine={
+            "adapters": [{"name": "support", "source": "/adapters/support"}],
+            "numBlocks": 512,
+            "maxModelLen": 1024,
+            "model": {"name": "kvfence/tiny", "revision": "1", "servedName": "tiny"},
+        },
+        prefixCache={"scope": "TrustClass", "hashAlgorithm": "blake2b"},
+        quotas={"defaults": {"maxKVBlocks": 64, "guaranteedKVBlocks": 8}},
+    )
+    tq = {"acme": TenantQuotas.model_validate({"maxKVBlocks": 128, "guaranteedKVBlocks": 32})}
+    cfg = B.engine_config(tc, tq)
+    ec = EngineConfig.model_validate(cfg)
+    assert ec.trust_class == "gold" and ec.model.served == "tiny" and ec.adapters == ["support"]
+    assert ec.prefix_cache.hash_algorithm == "blake2b" and str(ec.prefix_cache.scope) == "TrustClass"
+    assert ec.quotas.default.max_blocks == 64 and ec.quotas.default.guaranteed_blocks == 8
+    assert ec.quotas.for_tenant("acme").max_blocks == 128
+    assert ec.signing_key_dir == B.KEY_DIR and ec.require_signature
+    cm = B.config_map(tc, cfg, OPTS)
+    assert json.loads(cm["data"][B.CONFIG_KEY]) == cfg
+    # tenant quotas do not restart the engine; everything else does
+    assert B.config_hash(cfg) == B.config_hash(B.engine_config(tc, None))
+    assert B.config_hash(cfg) != B.config_hash(B.engine_config(make_tc(engine={"numBlocks": 256}), None))
+    c = B.deployment(tc, B.config_hash(cfg), "k", OPTS)["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"][:3] == ["kvfence-engine", "--config", f"{B.CONFIG_DIR}/{B.CONFIG_KEY}"]
+
+
+def test_vllm_args(make_tc: Any) -> None:
+    tc = make_tc(
+        engine={
+            "runtime": "vllm",
+            "blockSize": 32,
+            "tensorParallelSize": 2,
+            "maxModelLen": 8192,
+            "quantization": "awq",
+            "adapters": [{"name": "a1", "source": "org/a1"}],
+            "extraArgs": ["--enforce-eager"],
+            "model": {"name": "org/model", "servedName": "m"},
+        },
+        resources={"gpu": {"count": 2}},
+    )
+    args = B.vllm_args(tc)
+    joined = " ".join(args)
+    for frag in (
+        "--enable-prefix-caching --prefix-caching-hash-algo sha256",
+        "--block-size 32",
+        "--tensor-parallel-size 2",
+        "--served-model-name m",
+        "--enable-lora",
+        "--lora-modules a1=org/a1",
+        "--middleware kvfence.vllm.middleware.KvfenceMiddleware",
+        "--max-model-len 8192",
+        "--quantization awq",
+    ):
+        assert frag in joined
+    assert args[-1] == "--enforce-eager"
+    c = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == args and "command" not in c
+    off = B.vllm_args(make_tc(engine={"runtime": "vllm"}, prefixCache={"enabled": False}))
+    assert "--no-enable-prefix-caching" in off and "--enable-prefix-caching" not in off
+
+
+def test_signing_key_is_kept_created_and_rotated() -> None:
+    assert B.plan_signing_keys((None, None, None), None, KEY1) == (KEY1, None, None)
+    assert B.plan_signing_keys((KEY1, None, None), None, KEY2) == (KEY1, None, None)
+    assert B.plan_signing_keys((KEY1, None, None), "r1", KEY2) == (KEY2, KEY1, "r1")
+    assert B.plan_signing_keys((KEY2, KEY1, "r1"), "r1", KEY3) == (KEY2, KEY1, "r1")
+    assert B.plan_signing_keys((KEY2, KEY1, "r1"), "r2", KEY3) == (KEY3, KEY2, "r2")
+
+
+def test_signing_secret_round_trips(make_tc: Any) -> None:
+    s = B.signing_secret(make_tc(), KEY2, KEY1, "r1", OPTS)
+    assert base64.b64decode(s["data"]["current"]) == KEY2
+    assert s["metadata"]["annotations"][B.ANNOTATION_KEY_ID] == key_id(KEY2)
+    assert B.read_signing_secret(s) == (KEY2, KEY1, "r1")
+    assert B.read_signing_secret(None) == (None, None, None)
+
+
+def test_network_policy_admits_only_router_pods(make_tc: Any) -> None:
+    opts = B.OperatorOptions(router_namespace="edge", router_pod_labels={"app": "router"})
+    np = B.network_policy(make_tc(), opts)
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = np["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert peer == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "edge"}},
+        "podSelector": {"matchLabels": {"app": "router"}},
+    }
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+
+def test_service_and_pdb_select_engine_pods(make_tc: Any) -> None:
+    tc = make_tc()
+    sel = B.selector_labels("gold")
+    assert B.service(tc, OPTS)["spec"]["selector"] == sel
+    pdb = B.pod_disruption_budget(tc, OPTS)
+    assert pdb["spec"]["selector"]["matchLabels"] == sel and pdb["spec"]["maxUnavailable"] == 1
+    tmpl = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["metadata"]["labels"]
+    assert sel.items() <= tmpl.items()
+    assert B.endpoint(tc, OPTS) == "http://kvfence-engine.kvf-gold.svc.cluster.local:8000"
+
+
+def test_builders_are_deterministic(make_tc: Any) -> None:
+    tc = make_tc(placement={"dedicatedNodes": {"enabled": True}})
+    a = B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    b = B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    assert a == b
+
+
+@pytest.mark.parametrize("bad", [{"numBlocks": 4}])
+def test_invalid_engine_config_fails_in_the_builder(make_tc: Any, bad: dict[str, Any]) -> None:
+    tc = make_tc(engine=bad)
+    tq = {"t": TenantQuotas.model_validate({"guaranteedKVBlocks": 8})}
+    with pytest.raises(ValueError):
+        B.engine_config(tc, tq)

@@ -1,0 +1,159 @@
+"""Binding decisions and the routing table (pure: no cluster)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from kvfence.api import conditions as C
+from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable
+from kvfence.operator import routes as R
+from kvfence.operator.builders import OperatorOptions
+
+OPTS = OperatorOptions()
+KEY = b"\x07" * 32
+NS = {"team-a": {"kvfence.dev/tenants": "gold"}, "team-b": {"kvfence.dev/tenants": "gold"}, "rogue": {}}
+
+
+def keys(*pairs: tuple[str, str]) -> dict[str, R.KeyLookup]:
+    return {b: R.KeyLookup(hashes=(R.hash_api_key(k),)) for b, k in pairs}
+
+
+def test_hash_and_secret_parsing() -> None:
+    assert R.hash_api_key("abc") == "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    enc = base64.b64encode(b"k1\n\nk2 \n").decode()
+    secret = {"data": {"keys": enc, "other": base64.b64encode(b"k3").decode()}}
+    assert R.api_keys_from_secret(secret, "keys") == ["k1", "k2"]
+    assert R.api_keys_from_secret(secret, None) == ["k1", "k2", "k3"]
+    assert R.api_keys_from_secret(secret, "missing") == []
+
+
+def test_bound_binding_routes_with_hashed_keys(make_tc: Any, make_tb: Any) -> None:
+    tc = make_tc(quotas={"defaults": {"requestsPerMinute": 60}, "limits": {"requestsPerMinute": 600}})
+    tb = make_tb("acme", "acme", quotas={"requestsPerMinute": 120})
+    out = R.decide({"gold": R.ClassState(tc, (KEY,))}, [tb], NS, keys(("team-a/acme", "secret-1")), OPTS)
+    d = out.decisions["team-a/acme"]
+    assert d.bound and not d.denied and d.reason == C.REASON_BOUND and d.api_keys == 1
+    route = out.table.tenants["acme"]
+    assert route.trust_class == "gold" and route.binding == "team-a/acme"
+    assert route.api_key_hashes == [R.hash_api_key("secret-1")]
+    assert "secret-1" not in R.table_json(out.table)
+    assert route.quotas.requests_per_minute == 120
+    cls = out.table.trust_classes["gold"]
+    assert cls.signing_keys == [base64.b64encode(KEY).decode()]
+    assert cls.endpoint == "http://kvfence-engine.kvf-gold.svc.cluster.local:8000"
+
+
+def test_denied_bindings_never_route(make_tc: Any, make_tb: Any) -> None:
+    classes = {
+        "gold": R.ClassState(
+            make_tc(
+                engine={"adapters": [{"name": "a1", "source": "x"}], "numBlocks": 80},
+                quotas={"limits": {"maxKVBlocks": 50}},
+            ),
+            (KEY,),
+        ),
+        "doomed": R.ClassState(make_tc("doomed"), (KEY,), deleting=True),
+    }
+    bindings = [
+        make_tb("first", "dup", created="2026-01-01T00:00:00Z"),
+        make_tb("second", "dup", namespace="team-b", created="2026-01-02T00:00:00Z"),
+        make_tb("rogue", "rogue", namespace="rogue"),
+        make_tb("missing", "missing", trust_class="platinum"),
+        make_tb("deleting", "deleting", trust_class="doomed"),
+        make_tb("adapter", "adapter", allowedAdapters=["a2"]),
+        make_tb("greedy", "greedy", quotas={"maxKVBlocks": 51}),
+        make_tb("nokeys", "nokeys"),
+        make_tb("forbidden", "forbidden"),
+        make_tb("samekey", "samekey", created="2026-01-03T00:00:00Z"),
+        make_tb("hog1", "hog1", quotas={"maxKVBlocks": 50, "guaranteedKVBlocks": 50}),
+        make_tb(
+            "hog2",
+            "hog2",
+            quotas={"maxKVBlocks": 50, "guaranteedKVBlocks": 50},
+            created="2026-01-04T00:00:00Z",
+        ),
+    ]
+    lookups = keys(
+        ("team-a/first", "k-first"),
+        ("team-b/second", "k-second"),
+        ("rogue/rogue", "k-rogue"),
+        ("team-a/missing", "k-missing"),
+        ("team-a/deleting", "k-deleting"),
+        ("team-a/adapter", "k-adapter"),
+        ("team-a/greedy", "k-greedy"),
+        ("team-a/samekey", "k-first"),
+        ("team-a/hog1", "k-hog1"),
+        ("team-a/hog2", "k-hog2"),
+    )
+    lookups["team-a/nokeys"] = R.KeyLookup()
+    lookups["team-a/forbidden"] = R.KeyLookup(error=C.REASON_SECRET_FORBIDDEN, message="forbidden")
+    out = R.decide(classes, bindings, NS, lookups, OPTS)
+    reasons = {k: (d.bound, d.denied, d.reason) for k, d in out.decisions.items()}
+    assert reasons == {
+        "team-a/first": (True, False, C.REASON_BOUND),
+        "team-b/second": (False, True, C.REASON_DUPLICATE_TENANT_ID),
+        "rogue/rogue": (False, True, C.REASON_NAMESPACE_NOT_ADMITTED),
+        "team-a/missing": (False, True, C.REASON_TRUST_CLASS_NOT_FOUND),
+        "team-a/deleting": (False, True, C.REASON_TRUST_CLASS_NOT_FOUND),
+        "team-a/adapter": (False, True, C.REASON_ADAPTER_NOT_IN_CLASS),
+        "team-a/greedy": (False, True, C.REASON_QUOTA_EXCEEDS_LIMIT),
+        "team-a/nokeys": (False, True, C.REASON_NO_API_KEYS),
+        "team-a/forbidden": (False, True, C.REASON_SECRET_FORBIDDEN),
+        "team-a/samekey": (False, True, R.REASON_DUPLICATE_API_KEY),
+        "team-a/hog1": (True, False, C.REASON_BOUND),
+        "team-a/hog2": (False, True, R.REASON_KV_OVERCOMMITTED),
+    }
+    assert set(out.table.tenants) == {"dup", "hog1"}
+    assert out.table.tenants["dup"].binding == "team-a/first"
+    assert set(out.table.trust_classes) == {"gold"}
+    assert out.tenant_quotas["gold"]["hog1"].guaranteed_kv_blocks == 50
+    routed_hashes = {h for t in out.table.tenants.values() for h in t.api_key_hashes}
+    for b, lk in lookups.items():
+        if not out.decisions[b].bound:
+            assert not (set(lk.hashes) - {R.hash_api_key("k-first")}) & routed_hashes
+
+
+def test_unset_selector_admits_none_and_empty_admits_all(make_tc: Any, make_tb: Any) -> None:
+    tb = make_tb("acme", "acme", namespace="rogue")
+    lk = keys(("rogue/acme", "k"))
+    closed = make_tc(namespaceSelector=None)
+    out = R.decide({"gold": R.ClassState(closed, (KEY,))}, [tb], NS, lk, OPTS)
+    assert out.decisions["rogue/acme"].reason == C.REASON_NAMESPACE_NOT_ADMITTED
+    open_ = make_tc(namespaceSelector={})
+    out = R.decide({"gold": R.ClassState(open_, (KEY,))}, [tb], NS, lk, OPTS)
+    assert out.decisions["rogue/acme"].bound
+
+
+def test_class_without_key_is_not_ready_not_denied(make_tc: Any, make_tb: Any) -> None:
+    out = R.decide(
+        {"gold": R.ClassState(make_tc())}, [make_tb("acme", "acme")], NS, keys(("team-a/acme", "k")), OPTS
+    )
+    d = out.decisions["team-a/acme"]
+    assert (d.bound, d.denied, d.reason) == (False, False, C.REASON_TRUST_CLASS_NOT_READY)
+    assert out.table.tenants == {} and out.table.trust_classes == {}
+
+
+def test_decision_does_not_depend_on_input_order(make_tc: Any, make_tb: Any) -> None:
+    classes = {"gold": R.ClassState(make_tc(), (KEY,))}
+    bs = [make_tb(f"b{i}", f"t{i % 3}", created=f"2026-01-0{i + 1}T00:00:00Z") for i in range(6)]
+    lk = keys(*((f"team-a/b{i}", f"k{i}") for i in range(6)))
+    a = R.decide(classes, bs, NS, lk, OPTS)
+    b = R.decide(classes, list(reversed(bs)), NS, lk, OPTS)
+    assert R.table_json(a.table) == R.table_json(b.table)
+    assert a.decisions == b.decisions
+
+
+def test_routing_secret_round_trips(make_tc: Any, make_tb: Any) -> None:
+    out = R.decide(
+        {"gold": R.ClassState(make_tc(), (KEY,))},
+        [make_tb("acme", "acme")],
+        NS,
+        keys(("team-a/acme", "k")),
+        OPTS,
+    )
+    s = R.routing_secret(out.table, OPTS)
+    assert s["metadata"]["name"] == ROUTING_SECRET_NAME and s["metadata"]["namespace"] == "kvfence-system"
+    parsed = RoutingTable.model_validate(json.loads(base64.b64decode(s["data"][ROUTING_SECRET_KEY])))
+    assert parsed == out.table
