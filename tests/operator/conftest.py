@@ -36,7 +36,9 @@ TC_BASE: dict[str, Any] = {
 @pytest.fixture
 def make_tc() -> Callable[..., TrustClass]:
     def make(name: str = "gold", **spec: Any) -> TrustClass:
-        body = _merge(TC_BASE, {"metadata": {"name": name}, "spec": spec})
+        body = copy.deepcopy(TC_BASE)
+        body["metadata"]["name"] = name
+        body["spec"] = _merge(body["spec"], spec)
         return TrustClass.model_validate(body)
 
     return make
