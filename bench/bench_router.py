@@ -1,0 +1,544 @@
+"""Router benchmark (not a test): what kvfence-router adds in front of a fast upstream, next to peers.
+
+    .venv/bin/python bench/bench_router.py [--rate 1000] [--seconds 10] [--vllm-router PATH]
+
+Same run, same fixed-response upstream, same request (POST /v1/completions, a small JSON body, an
+Authorization header), four paths:
+
+* ``direct``        the load generator talks to the upstream itself (the baseline);
+* ``kvfence-router`` auth, quotas, body strip + salt, HMAC signing, relay;
+* ``nginx``          Debian's nginx as a plain reverse proxy with an upstream keep-alive pool;
+* ``vllm-router``    the Rust router from PyPI (``pip download --no-deps vllm-router``; install it into
+                     a venv under /tmp and pass ``--vllm-router /tmp/.../bin/vllm-router``).
+
+Measurements:
+
+* latency at a fixed rate (open loop, ``--rate`` req/s for ``--seconds``): each request's latency is
+  taken from its *scheduled* send time, so queueing inside the system under test is counted (no
+  coordinated omission). Router-added latency = proxied percentile - direct percentile.
+* maximum throughput: ``wrk`` (closed loop, 1 thread, ``--connections``) when installed, else a
+  closed-loop Python generator in its own process.
+
+The upstream is nginx answering a fixed body (``return 200``) when nginx is installed, else a tiny
+asyncio fixed-response server in its own process. The load generator always runs in its own process.
+A peer that cannot run gets a "not run: reason" row. The machine's cores are shared by everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+API_KEY = "sk-bench-0123456789"
+BODY = json.dumps({"model": "tiny", "prompt": "Say hello to the benchmark.", "max_tokens": 16}).encode()
+RESPONSE = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": "hello benchmark", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 6, "completion_tokens": 2, "total_tokens": 8},
+    },
+    separators=(",", ":"),
+).encode()
+PATH = "/v1/completions"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+# --- the fixed-response upstream (fallback when nginx is missing) -----------------------------------
+class _FixedResponse(asyncio.Protocol):
+    REPLY = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(RESPONSE)).encode()
+        + b"\r\n\r\n"
+        + RESPONSE
+    )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            length = 0
+            i = head.find(b"content-length:")
+            if i >= 0:
+                length = int(head[i + 15 : head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0 else None])
+            if len(self.buf) < end + 4 + length:
+                return
+            self.buf = self.buf[end + 4 + length :]
+            self.transport.write(self.REPLY)  # type: ignore[attr-defined]
+
+
+async def _serve_fixed(port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_FixedResponse, "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+# --- load generators (run in their own process) -----------------------------------------------------
+def _request_bytes(host: str, port: int) -> bytes:
+    return (
+        f"POST {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
+    ).encode() + BODY
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    low = head.lower()
+    i = low.find(b"content-length:")
+    if i >= 0:
+        n = int(low[i + 15 : low.find(b"\r\n", i)])
+        await reader.readexactly(n)
+    elif b"transfer-encoding: chunked" in low:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    return status
+
+
+async def _open_loop(port: int, rate: float, seconds: float, conns: int) -> dict[str, float]:
+    req = _request_bytes("127.0.0.1", port)
+    pool: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+    for _ in range(conns):
+        pool.put_nowait(await asyncio.open_connection("127.0.0.1", port))
+    lat: list[float] = []
+    errors = 0
+
+    async def one(scheduled: float) -> None:
+        nonlocal errors
+        r, w = await pool.get()
+        try:
+            w.write(req)
+            status = await _read_response(r)
+            if status != 200:
+                errors += 1
+            lat.append(time.perf_counter() - scheduled)
+            pool.put_nowait((r, w))
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            errors += 1
+            pool.put_nowait(await asyncio.open_connection("127.0.0.1", port))
+
+    # warm-up
+    for _ in range(200):
+        await one(time.perf_counter())
+    lat.clear()
+    errors = 0
+    n = int(rate * seconds)
+    start = time.perf_counter() + 0.05
+    tasks = []
+    for i in range(n):
+        scheduled = start + i / rate
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(scheduled)))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    lat.sort()
+
+    def pct(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else float("nan")
+
+    return {
+        "p50": pct(0.50),
+        "p99": pct(0.99),
+        "max": lat[-1] * 1000 if lat else float("nan"),
+        "achieved_rps": len(lat) / elapsed,
+        "errors": errors,
+    }
+
+
+async def _closed_loop(port: int, seconds: float, conns: int) -> dict[str, float]:
+    req = _request_bytes("127.0.0.1", port)
+    done = 0
+    errors = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done, errors
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        while time.perf_counter() < stop:
+            w.write(req)
+            if await _read_response(r) == 200:
+                done += 1
+            else:
+                errors += 1
+        w.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(conns)))
+    return {"rps": done / (time.perf_counter() - t0), "errors": errors}
+
+
+def run_loadgen(mode: str, port: int, rate: float, seconds: float, conns: int) -> dict[str, float]:
+    args = [
+        sys.executable,
+        __file__,
+        "--role",
+        f"loadgen-{mode}",
+        "--target-port",
+        str(port),
+        "--rate",
+        str(rate),
+        "--seconds",
+        str(seconds),
+        "--connections",
+        str(conns),
+    ]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=seconds * 4 + 120)
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run_wrk(port: int, seconds: float, conns: int, workdir: Path) -> dict[str, float]:
+    script = workdir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(BODY.decode())}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {API_KEY}"\n'
+        "done = function(summary, latency, requests)\n"
+        '  io.write(string.format("JSON {\\"requests\\": %d, \\"seconds\\": %f, \\"non2xx\\": %d, '
+        '\\"errors\\": %d}\\n", summary.requests, summary.duration / 1e6, summary.errors.status, '
+        "summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))\n"
+        "end\n"
+    )
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{conns}",
+            f"-d{int(seconds)}s",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}{PATH}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 60,
+    )
+    line = next(x for x in out.stdout.splitlines() if x.startswith("JSON "))
+    doc = json.loads(line[5:])
+    return {"rps": doc["requests"] / doc["seconds"], "errors": doc["non2xx"] + doc["errors"]}
+
+
+# --- systems under test ------------------------------------------------------------------------------
+@dataclass
+class Target:
+    name: str
+    port: int | None
+    procs: list[subprocess.Popen[bytes]]
+    reason: str = ""
+
+
+def start_upstream(workdir: Path) -> Target:
+    port = free_port()
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if nginx:
+        conf = workdir / "upstream.conf"
+        conf.write_text(
+            _nginx_conf(
+                workdir / "up",
+                f"""
+            server {{
+                listen 127.0.0.1:{port} backlog=4096;
+                keepalive_requests 1000000;
+                location / {{
+                    default_type application/json;
+                    return 200 '{RESPONSE.decode()}';
+                }}
+            }}""",
+            )
+        )
+        p = subprocess.Popen([nginx, "-c", str(conf), "-p", str(workdir / "up")], stderr=subprocess.DEVNULL)
+        wait_http(f"http://127.0.0.1:{port}/health", proc=p)
+        return Target("upstream (nginx return 200)", port, [p])
+    p = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--target-port", str(port)])
+    wait_http(f"http://127.0.0.1:{port}/health", proc=p)
+    return Target("upstream (python fixed response)", port, [p])
+
+
+def _nginx_conf(prefix: Path, server: str) -> str:
+    prefix.mkdir(parents=True, exist_ok=True)
+    (prefix / "logs").mkdir(exist_ok=True)
+    return f"""
+daemon off;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log error;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    {server}
+}}
+"""
+
+
+def start_kvfence(workdir: Path, upstream_port: int) -> Target:
+    key = hashlib.sha256(b"bench-signing-key").digest()
+    table = {
+        "version": 1,
+        "trustClasses": {
+            "gold": {
+                "endpoint": f"http://127.0.0.1:{upstream_port}",
+                "servedModels": ["tiny"],
+                "signingKeys": [base64.b64encode(key).decode()],
+            }
+        },
+        "tenants": {
+            "bench": {
+                "trustClass": "gold",
+                "apiKeyHashes": ["sha256:" + hashlib.sha256(API_KEY.encode()).hexdigest()],
+            }
+        },
+    }
+    path = workdir / "routing.json"
+    path.write_text(json.dumps(table))
+    port = free_port()
+    exe = [sys.executable, "-m", "kvfence.router.server"]
+    p = subprocess.Popen(
+        [
+            *exe,
+            "--routing-table",
+            str(path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+            "--health-interval",
+            "5",
+        ],
+    )
+    wait_http(f"http://127.0.0.1:{port}/readyz", proc=p)
+    return Target("kvfence-router", port, [p])
+
+
+def start_nginx_proxy(workdir: Path, upstream_port: int) -> Target:
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if not nginx:
+        return Target("nginx", None, [], "not run: nginx not installed (apt-get install nginx)")
+    port = free_port()
+    conf = workdir / "proxy.conf"
+    conf.write_text(
+        _nginx_conf(
+            workdir / "px",
+            f"""
+        upstream engine {{ server 127.0.0.1:{upstream_port}; keepalive 256; }}
+        server {{
+            listen 127.0.0.1:{port} backlog=4096;
+            keepalive_requests 1000000;
+            location / {{
+                proxy_pass http://engine;
+                proxy_http_version 1.1;
+                proxy_set_header Connection "";
+                proxy_buffering off;
+            }}
+        }}""",
+        )
+    )
+    p = subprocess.Popen([nginx, "-c", str(conf), "-p", str(workdir / "px")], stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/health", proc=p)
+    return Target("nginx (1 worker)", port, [p])
+
+
+def start_vllm_router(exe: str | None, upstream_port: int, workdir: Path) -> Target:
+    exe = exe or shutil.which("vllm-router")
+    if not exe or not os.path.exists(exe):
+        return Target("vllm-router", None, [], "not run: vllm-router not found (pass --vllm-router PATH)")
+    port = free_port()
+    log = open(workdir / "vllm-router.log", "wb")  # noqa: SIM115
+    p = subprocess.Popen(
+        [
+            exe,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            f"http://127.0.0.1:{upstream_port}",
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warning",
+            "--disable-retries",
+            "--disable-circuit-breaker",
+            "--health-check-interval-secs",
+            "60",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(
+                    f"exited {p.returncode}: {(workdir / 'vllm-router.log').read_text()[-300:]}"
+                )
+            with contextlib.suppress(OSError):
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}{PATH}",
+                    data=BODY,
+                    headers={"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError("not answering 200 after 60s")
+            time.sleep(0.2)
+    except RuntimeError as e:
+        p.terminate()
+        return Target("vllm-router", None, [], f"not run: {e}")
+    return Target("vllm-router", port, [p])
+
+
+def stop(t: Target) -> None:
+    for p in t.procs:
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--role", default="bench")
+    ap.add_argument("--target-port", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=1000.0)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--connections", type=int, default=64, help="connections for the throughput runs")
+    ap.add_argument("--latency-connections", type=int, default=32)
+    ap.add_argument("--vllm-router", default=None)
+    a = ap.parse_args()
+    if a.role == "upstream":
+        asyncio.run(_serve_fixed(a.target_port))
+        return
+    if a.role == "loadgen-open":
+        print(json.dumps(asyncio.run(_open_loop(a.target_port, a.rate, a.seconds, a.connections))))
+        return
+    if a.role == "loadgen-closed":
+        print(json.dumps(asyncio.run(_closed_loop(a.target_port, a.seconds, a.connections))))
+        return
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-"))
+    upstream = start_upstream(workdir)
+    assert upstream.port is not None
+    targets = [
+        Target("direct", upstream.port, []),
+        start_kvfence(workdir, upstream.port),
+        start_nginx_proxy(workdir, upstream.port),
+        start_vllm_router(a.vllm_router, upstream.port, workdir),
+    ]
+    have_wrk = shutil.which("wrk") is not None
+    rows: list[dict[str, object]] = []
+    try:
+        for t in targets:
+            if t.port is None:
+                rows.append({"name": t.name, "reason": t.reason})
+                continue
+            lat = run_loadgen("open", t.port, a.rate, a.seconds, a.latency_connections)
+            thr = (
+                run_wrk(t.port, a.seconds, a.connections, workdir)
+                if have_wrk
+                else run_loadgen("closed", t.port, a.rate, a.seconds, a.connections)
+            )
+            rows.append({"name": t.name, **lat, "rps": thr["rps"], "thr_errors": thr["errors"]})
+            print(f"  measured {t.name}", file=sys.stderr)
+    finally:
+        for t in [*targets, upstream]:
+            stop(t)
+
+    base = rows[0]
+    vllm = next((r for r in rows if r["name"] == "vllm-router" and "rps" in r), None)
+    print()
+    print(
+        f"upstream: {upstream.name}; latency: open loop at {a.rate:.0f} req/s for {a.seconds:.0f}s "
+        f"over {a.latency_connections} connections; throughput: "
+        f"{'wrk -t1 -c' + str(a.connections) if have_wrk else 'python closed loop'}; cores: {os.cpu_count()}"
+    )
+    hdr = (
+        f"{'path':<18} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'achieved':>9} "
+        f"{'errors':>6} {'max req/s':>10} {'vs vllm-router':>15}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if "reason" in r:
+            print(f"{r['name']:<18} {r['reason']}")
+            continue
+        ratio = f"{float(r['rps']) / float(vllm['rps']):.2f}x" if vllm else "n/a"  # type: ignore[arg-type]
+        added50 = float(r["p50"]) - float(base["p50"])  # type: ignore[arg-type]
+        added99 = float(r["p99"]) - float(base["p99"])  # type: ignore[arg-type]
+        print(
+            f"{r['name']:<18} {r['p50']:>8.3f} {r['p99']:>8.3f} {added50:>10.3f} {added99:>10.3f} "
+            f"{r['achieved_rps']:>9.0f} {int(r['errors']) + int(r['thr_errors']):>6} {r['rps']:>10.0f} "  # type: ignore[call-overload]
+            f"{ratio:>15}"
+        )
+    kv = next(r for r in rows if r["name"] == "kvfence-router")
+    print()
+    print(
+        f"target: kvfence-router added p99 <= 2 ms at {a.rate:.0f} req/s: "
+        f"{float(kv['p99']) - float(base['p99']):.3f} ms"
+    )  # type: ignore[arg-type]
+    if vllm:
+        print(
+            f"target: kvfence-router throughput >= 0.5x vllm-router: "
+            f"{float(kv['rps']) / float(vllm['rps']):.2f}x"
+        )  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()
