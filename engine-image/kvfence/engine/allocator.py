@@ -1,0 +1,579 @@
+"""The fenced KV-block allocator of one trust class.
+
+One :class:`FencedAllocator` per engine (an engine serves exactly one trust class, so no block, block
+table or cache entry is ever shared across classes). Inside it:
+
+* **block tables**: each sequence holds a list of blocks (and their handles); the numpy array of
+  block ids is what attention gathers through;
+* **quotas**: per-tenant hard maximum and guaranteed share (:mod:`kvfence.engine.quotas`);
+* **all-or-nothing allocation**: the plan (:func:`kvfence.engine.eviction.plan_allocation`) is made
+  before anything changes, so a refused request leaves the pool exactly as it was;
+* **fencing**: a block whose last reference is dropped enters ``FENCED`` and becomes reusable (or
+  revivable from the prefix cache) only after each of the ``tensor_parallel_size`` writers has called
+  :meth:`FencedAllocator.writer_done` for it;
+* **generations**: a handle names a block *at a generation*; using a handle whose block has been
+  freed or reallocated since raises :class:`StaleReference` and counts
+  ``kv_cache_stale_reference_error_total``.
+
+Every public method takes the allocator's lock; allocation and free are O(1) per block (plus O(tenants)
+only when blocks must be reclaimed from other tenants).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvfence.engine.blocks import BlockHandle, BlockPool, BlockState, KVBlock
+from kvfence.engine.config import QuotasConfig
+from kvfence.engine.eviction import plan_allocation, take_cold
+from kvfence.engine.metrics import EngineMetrics
+from kvfence.engine.prefix_cache import CacheContext, PrefixCache
+from kvfence.engine.quotas import (
+    AllocationError,
+    PoolExhausted,
+    QuotaBook,
+    QuotaExceeded,
+    TenantAccount,
+)
+
+__all__ = [
+    "Accounting",
+    "AllocationError",
+    "FencedAllocator",
+    "InconsistentPool",
+    "PoolExhausted",
+    "QuotaExceeded",
+    "SequenceAllocation",
+    "StaleReference",
+]
+
+TokenArray = npt.NDArray[np.int32]
+
+
+class StaleReference(Exception):
+    """A block handle (or sequence) that is no longer valid was used; the use was refused."""
+
+
+class InconsistentPool(AssertionError):
+    """:meth:`FencedAllocator.check_consistency` found a broken invariant."""
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    seq_id: Hashable
+    account: TenantAccount
+    ctx: CacheContext | None
+    blocks: list[KVBlock]
+    handles: list[BlockHandle]
+    table: npt.NDArray[np.int32]
+    #: blocks whose chain key has been processed (hits, or registered after compute)
+    num_hashed: int = 0
+    parent_key: bytes = b""
+    parent_handle: BlockHandle | None = None
+    chain_broken: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceAllocation:
+    """What :meth:`FencedAllocator.allocate_sequence` granted."""
+
+    num_cached_tokens: int
+    handles: tuple[BlockHandle, ...]
+    table: npt.NDArray[np.int32]
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """Where every block is, as :meth:`FencedAllocator.check_consistency` counted it."""
+
+    num_blocks: int
+    free: int
+    active: int
+    fenced: int
+    cold: int
+    usage: dict[str, int] = field(default_factory=dict)
+    sequences: int = 0
+    cached_entries: int = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.active + self.fenced
+
+
+class FencedAllocator:
+    def __init__(
+        self,
+        trust_class: str,
+        num_blocks: int,
+        block_size: int,
+        *,
+        tensor_parallel_size: int = 1,
+        quotas: QuotasConfig | None = None,
+        metrics: EngineMetrics | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        if not 1 <= tensor_parallel_size <= 64:
+            raise ValueError("tensor_parallel_size must be between 1 and 64")
+        self.trust_class = trust_class
+        self.block_size = block_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.pool = BlockPool(num_blocks, block_size)
+        self.book = QuotaBook(quotas or QuotasConfig(), num_blocks)
+        self.prefix_cache = prefix_cache
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._lock = threading.RLock()
+        self._num_active = 0
+        self._num_fenced = 0
+        self._all_ranks = (1 << tensor_parallel_size) - 1
+
+    # --- counters (read without the lock: ints, good enough for gauges) ---------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.pool.free)
+
+    @property
+    def num_active(self) -> int:
+        return self._num_active
+
+    @property
+    def num_fenced(self) -> int:
+        return self._num_fenced
+
+    @property
+    def num_cold(self) -> int:
+        return self.num_blocks - self.num_free - self._num_active - self._num_fenced
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- allocation -----------------------------------------------------------------------------
+    def allocate_sequence(
+        self,
+        seq_id: Hashable,
+        tenant: str,
+        num_tokens: int,
+        *,
+        ctx: CacheContext | None = None,
+        prompt: TokenArray | None = None,
+    ) -> SequenceAllocation:
+        """Open a sequence with room for ``num_tokens`` tokens, reusing cached blocks of ``prompt``.
+
+        With a cache context and a prompt, the longest verified cached prefix of the prompt's full
+        blocks (never the whole prompt: at least one token is always computed) is attached by
+        reference; the rest is allocated. All or nothing: on :class:`AllocationError` nothing changed.
+        """
+        if num_tokens < 1:
+            raise ValueError("a sequence needs at least one token")
+        if prompt is not None and len(prompt) > num_tokens:
+            raise ValueError("num_tokens must cover the prompt")
+        with self._lock:
+            if seq_id in self._seqs:
+                raise ValueError(f"sequence {seq_id!r} is already open")
+            acct = self.book.account(tenant)
+            try:
+                return self._allocate_sequence(seq_id, acct, num_tokens, ctx, prompt)
+            except AllocationError:
+                self.book.forget_if_idle(acct)
+                raise
+
+    def _allocate_sequence(
+        self,
+        seq_id: Hashable,
+        acct: TenantAccount,
+        num_tokens: int,
+        ctx: CacheContext | None,
+        prompt: TokenArray | None,
+    ) -> SequenceAllocation:
+        cache = self.prefix_cache
+        hits: list[KVBlock] = []
+        parent_key = b""
+        token_bytes = b""
+        if ctx is not None and cache is not None:
+            parent_key = cache.root_key(ctx)
+            if prompt is not None and len(prompt) > 0:
+                token_bytes = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
+                m = cache.lookup(ctx, token_bytes, (len(prompt) - 1) // self.block_size)
+                hits, parent_key = m.blocks, m.next_parent_key
+        needed = self.blocks_for(num_tokens) - len(hits)
+        revived_own = 0
+        revived_by_owner: dict[str, int] = {}
+        for b in hits:
+            if b.state is BlockState.COLD:
+                assert b.owner is not None
+                revived_by_owner[b.owner] = revived_by_owner.get(b.owner, 0) + 1
+        revived_own = revived_by_owner.get(acct.tenant, 0)
+        try:
+            plan = plan_allocation(
+                self.pool, self.book, acct, needed, revived_own=revived_own, revived_by_owner=revived_by_owner
+            )
+        except QuotaExceeded:
+            self.metrics.quota_rejected.labels(acct.tenant).inc()
+            raise
+        # --- commit: nothing below may fail ---
+        for b in hits:
+            if b.state is BlockState.COLD:
+                owner = self.book.accounts[b.owner]  # type: ignore[index]
+                owner.cold.remove(b)
+                b.state = BlockState.ACTIVE
+                self._num_active += 1
+            b.ref_cnt += 1
+        new: list[KVBlock] = []
+        for _ in range(plan.own_evictions):
+            new.append(self._evict(take_cold(acct)))
+        for other, n in plan.cross_evictions:
+            for _ in range(n):
+                new.append(self._evict(take_cold(other)))
+            self.metrics.evictions.labels("cross").inc(n)
+            self.book.forget_if_idle(other)
+        if plan.own_evictions:
+            self.metrics.evictions.labels("own").inc(plan.own_evictions)
+        free = self.pool.free
+        for _ in range(plan.from_free):
+            new.append(free.popleft())
+        for b in new:
+            b.generation += 1
+            b.state = BlockState.ACTIVE
+            b.ref_cnt = 1
+            b.owner = acct.tenant
+        self._num_active += len(new)
+        self.book.add_usage(acct, len(new))
+        acct.open_sequences += 1
+        blocks = hits + new
+        handles = [BlockHandle(b.block_id, b.generation) for b in blocks]
+        table = np.fromiter((b.block_id for b in blocks), dtype=np.int32, count=len(blocks))
+        seq = _Sequence(seq_id, acct, ctx, blocks, handles, table)
+        seq.num_hashed = len(hits)
+        seq.parent_key = parent_key
+        seq.parent_handle = handles[len(hits) - 1] if hits else None
+        self._seqs[seq_id] = seq
+        cached_tokens = len(hits) * self.block_size
+        if prompt is not None and ctx is not None and cache is not None:
+            self.metrics.prefix_queries.inc(len(prompt))
+            self.metrics.prefix_hits.inc(cached_tokens)
+        return SequenceAllocation(cached_tokens, tuple(handles), table)
+
+    def grow(self, seq_id: Hashable, num_tokens: int) -> tuple[BlockHandle, ...]:
+        """Extend a sequence to room for ``num_tokens`` tokens (all or nothing); the new handles."""
+        with self._lock:
+            seq = self._get(seq_id)
+            needed = self.blocks_for(num_tokens) - len(seq.blocks)
+            if needed <= 0:
+                return ()
+            acct = seq.account
+            try:
+                plan = plan_allocation(self.pool, self.book, acct, needed)
+            except QuotaExceeded:
+                self.metrics.quota_rejected.labels(acct.tenant).inc()
+                raise
+            new: list[KVBlock] = [self._evict(take_cold(acct)) for _ in range(plan.own_evictions)]
+            for other, n in plan.cross_evictions:
+                new.extend(self._evict(take_cold(other)) for _ in range(n))
+                self.metrics.evictions.labels("cross").inc(n)
+                self.book.forget_if_idle(other)
+            new.extend(self.pool.free.popleft() for _ in range(plan.from_free))
+            for b in new:
+                b.generation += 1
+                b.state = BlockState.ACTIVE
+                b.ref_cnt = 1
+                b.owner = acct.tenant
+            self._num_active += len(new)
+            self.book.add_usage(acct, len(new))
+            hs = [BlockHandle(b.block_id, b.generation) for b in new]
+            seq.blocks.extend(new)
+            seq.handles.extend(hs)
+            seq.table = np.fromiter((b.block_id for b in seq.blocks), dtype=np.int32, count=len(seq.blocks))
+            return tuple(hs)
+
+    def _evict(self, block: KVBlock) -> KVBlock:
+        """Take a cold block out of the cache and its owner's account (the caller re-charges it)."""
+        assert block.state is BlockState.COLD and block.owner is not None
+        if self.prefix_cache is not None:
+            self.prefix_cache.remove(block)
+        else:
+            block.clear_cache_entry()
+        self.book.add_usage(self.book.accounts[block.owner], -1)
+        block.owner = None
+        block.state = BlockState.FREE
+        return block
+
+    # --- prefix-cache registration --------------------------------------------------------------
+    def commit(self, seq_id: Hashable, tokens: TokenArray, num_computed: int) -> int:
+        """Register the sequence's full blocks among its first ``num_computed`` tokens (whose KV is
+        written) in the prefix cache. Returns how many blocks were newly registered."""
+        cache = self.prefix_cache
+        with self._lock:
+            seq = self._get(seq_id)
+            if cache is None or seq.ctx is None or seq.chain_broken:
+                return 0
+            full = min(num_computed // self.block_size, len(seq.blocks))
+            if full <= seq.num_hashed:
+                return 0
+            bb = cache.block_bytes
+            start = seq.num_hashed
+            mv = memoryview(
+                np.ascontiguousarray(
+                    tokens[start * self.block_size : full * self.block_size], dtype="<i4"
+                ).tobytes()
+            )
+            registered = 0
+            key, parent = seq.parent_key, seq.parent_handle
+            for i in range(start, full):
+                chunk = mv[(i - start) * bb : (i - start + 1) * bb]
+                key = cache.hash_fn(key, chunk)
+                block = seq.blocks[i]
+                canon = cache.insert(block, key, seq.ctx, parent, chunk)
+                if canon is None:
+                    seq.chain_broken = True
+                    break
+                if canon is block:
+                    registered += 1
+                parent = BlockHandle(canon.block_id, canon.generation)
+                seq.num_hashed = i + 1
+            seq.parent_key, seq.parent_handle = key, parent
+            return registered
+
+    # --- reading ----------------------------------------------------------------------------------
+    def block_table(self, seq_id: Hashable) -> npt.NDArray[np.int32]:
+        """The block ids of an open sequence (what attention gathers through)."""
+        with self._lock:
+            return self._get(seq_id).table
+
+    def readable_table(self, seq_id: Hashable) -> npt.NDArray[np.int32]:
+        """The block table of an open sequence after checking every handle in it (what the engine
+        calls before a step reads or writes the sequence's blocks)."""
+        with self._lock:
+            seq = self._get(seq_id)
+            for h in seq.handles:
+                self.check_handle(h)
+            return seq.table
+
+    def handles(self, seq_id: Hashable) -> tuple[BlockHandle, ...]:
+        with self._lock:
+            return tuple(self._get(seq_id).handles)
+
+    def check_handle(self, handle: BlockHandle) -> None:
+        """Refuse (and count) a handle whose block is no longer the referenced block it named."""
+        with self._lock:
+            b = self._block(handle)
+            if b.generation != handle.generation or b.state is not BlockState.ACTIVE:
+                self.metrics.stale_reference.inc()
+                raise StaleReference(
+                    f"stale handle for block {handle.block_id}: generation {handle.generation}, block is at "
+                    f"generation {b.generation} ({b.state.name})"
+                )
+
+    def check_handles(self, handles: Sequence[BlockHandle]) -> None:
+        with self._lock:
+            for h in handles:
+                self.check_handle(h)
+
+    def owner_of(self, block_id: int) -> str | None:
+        with self._lock:
+            return self.pool.blocks[block_id].owner
+
+    def _block(self, handle: BlockHandle) -> KVBlock:
+        if not 0 <= handle.block_id < self.num_blocks:
+            self.metrics.stale_reference.inc()
+            raise StaleReference(f"no block {handle.block_id}")
+        return self.pool.blocks[handle.block_id]
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self.metrics.stale_reference.inc()
+            raise StaleReference(f"sequence {seq_id!r} is not open")
+        return seq
+
+    def is_open(self, seq_id: Hashable) -> bool:
+        with self._lock:
+            return seq_id in self._seqs
+
+    # --- freeing and fencing ----------------------------------------------------------------------
+    def free_sequence(self, seq_id: Hashable) -> list[BlockHandle]:
+        """Close a sequence; return the handles of the blocks that entered the fence.
+
+        Blocks are released last first, so the tail of a prompt becomes evictable before its head.
+        Blocks still referenced by other sequences stay active.
+        """
+        with self._lock:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is None:
+                self.metrics.stale_reference.inc()
+                raise StaleReference(f"sequence {seq_id!r} is not open")
+            fenced: list[BlockHandle] = []
+            for b in reversed(seq.blocks):
+                b.ref_cnt -= 1
+                if b.ref_cnt < 0:
+                    raise InconsistentPool(f"block {b.block_id} ref count went negative")
+                if b.ref_cnt == 0:
+                    b.state = BlockState.FENCED
+                    b.pending_writers = self.tensor_parallel_size
+                    b.signalled = 0
+                    self._num_active -= 1
+                    self._num_fenced += 1
+                    fenced.append(BlockHandle(b.block_id, b.generation))
+            seq.account.open_sequences -= 1
+            return fenced
+
+    def writer_done(self, handle: BlockHandle, rank: int) -> bool:
+        """Writer ``rank`` has completed every write to the fenced block ``handle``.
+
+        Returns True when this was the last writer and the block left the fence (to the free list, or
+        to its owner's cold list if it holds a cache entry).
+        """
+        if not 0 <= rank < self.tensor_parallel_size:
+            raise ValueError(f"rank {rank} out of range (tensorParallelSize {self.tensor_parallel_size})")
+        with self._lock:
+            b = self._block(handle)
+            if b.generation != handle.generation or b.state is not BlockState.FENCED:
+                self.metrics.stale_reference.inc()
+                raise StaleReference(
+                    f"fence signal for block {handle.block_id} generation {handle.generation}, "
+                    f"but the block is at generation {b.generation} ({b.state.name})"
+                )
+            bit = 1 << rank
+            if b.signalled & bit:
+                raise ValueError(f"rank {rank} already signalled block {handle.block_id}")
+            b.signalled |= bit
+            b.pending_writers -= 1
+            if b.pending_writers > 0:
+                return False
+            self._num_fenced -= 1
+            assert b.owner is not None
+            acct = self.book.accounts[b.owner]
+            cache = self.prefix_cache
+            if b.block_hash is not None and cache is not None and cache.index.get(b.block_hash) is b:
+                b.state = BlockState.COLD
+                acct.cold.append(b)
+            else:
+                b.clear_cache_entry()
+                b.state = BlockState.FREE
+                b.owner = None
+                self.book.add_usage(acct, -1)
+                self.pool.free.append(b)
+                self.book.forget_if_idle(acct)
+            return True
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free a sequence and signal the fence for every rank at once (a synchronous engine, whose
+        writes are complete when its step returns)."""
+        with self._lock:
+            for h in self.free_sequence(seq_id):
+                for rank in range(self.tensor_parallel_size):
+                    self.writer_done(h, rank)
+
+    # --- lookups without references (benchmark, tests) ---------------------------------------------
+    def cached_prefix_tokens(self, ctx: CacheContext, prompt: TokenArray) -> int:
+        """How many prompt tokens a request would get from the cache now (no references taken)."""
+        if self.prefix_cache is None:
+            return 0
+        with self._lock:
+            tb = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
+            m = self.prefix_cache.lookup(ctx, tb, (len(prompt) - 1) // self.block_size)
+            return len(m.blocks) * self.block_size
+
+    # --- accounting -------------------------------------------------------------------------------
+    def check_consistency(self) -> Accounting:
+        """Verify every invariant of the pool and return where every block is.
+
+        Raises :class:`InconsistentPool` naming the first broken invariant.
+        """
+
+        def fail(msg: str) -> None:
+            raise InconsistentPool(msg)
+
+        with self._lock:
+            counts = dict.fromkeys(BlockState, 0)
+            usage: dict[str, int] = {}
+            refs = [0] * self.num_blocks
+            for seq in self._seqs.values():
+                ids = [b.block_id for b in seq.blocks]
+                if len(set(ids)) != len(ids):
+                    fail(f"sequence {seq.seq_id!r} references a block twice")
+                if list(seq.table) != ids:
+                    fail(f"sequence {seq.seq_id!r} block table out of sync")
+                for b, h in zip(seq.blocks, seq.handles, strict=True):
+                    refs[b.block_id] += 1
+                    if b.generation != h.generation:
+                        fail(f"sequence {seq.seq_id!r} holds a stale handle for block {b.block_id}")
+                    if b.context is not None:
+                        if seq.ctx is None or b.context.namespace != seq.ctx.namespace:
+                            fail(
+                                f"block {b.block_id} of namespace {b.context.namespace!r} is in a table of "
+                                f"another namespace"
+                            )
+                    elif b.owner != seq.account.tenant:
+                        fail(
+                            f"private block {b.block_id} of {b.owner!r} in a table of {seq.account.tenant!r}"
+                        )
+            cache = self.prefix_cache
+            for b in self.pool.blocks:
+                counts[b.state] += 1
+                if b.ref_cnt != refs[b.block_id]:
+                    fail(f"block {b.block_id} ref count {b.ref_cnt}, referenced {refs[b.block_id]} times")
+                if b.state is BlockState.FREE:
+                    if b.in_list is not self.pool.free or b.owner is not None or b.block_hash is not None:
+                        fail(f"free block {b.block_id} is not clean")
+                    continue
+                if b.owner is None:
+                    fail(f"block {b.block_id} in state {b.state.name} has no owner")
+                    continue
+                usage[b.owner] = usage.get(b.owner, 0) + 1
+                if b.state is BlockState.ACTIVE:
+                    if b.ref_cnt < 1 or b.in_list is not None:
+                        fail(f"active block {b.block_id} unreferenced or listed")
+                elif b.state is BlockState.FENCED:
+                    if b.ref_cnt != 0 or b.pending_writers < 1 or b.in_list is not None:
+                        fail(f"fenced block {b.block_id} is inconsistent")
+                    if b.pending_writers + bin(b.signalled).count("1") != self.tensor_parallel_size:
+                        fail(f"fenced block {b.block_id} writer count is off")
+                else:
+                    acct = self.book.accounts.get(b.owner)
+                    if acct is None or b.in_list is not acct.cold or b.ref_cnt != 0:
+                        fail(f"cold block {b.block_id} is not in its owner's cold list")
+                    if b.block_hash is None or cache is None or cache.index.get(b.block_hash) is not b:
+                        fail(f"cold block {b.block_id} has no cache entry")
+            if counts[BlockState.FREE] != len(self.pool.free):
+                fail("free list length differs from the number of free blocks")
+            if counts[BlockState.ACTIVE] != self._num_active or counts[BlockState.FENCED] != self._num_fenced:
+                fail("active/fenced counters out of sync")
+            total_res = 0
+            for t, acct in self.book.accounts.items():
+                if acct.usage != usage.get(t, 0):
+                    fail(f"tenant {t!r} usage {acct.usage}, but owns {usage.get(t, 0)} blocks")
+                if acct.usage > acct.max_blocks:
+                    fail(f"tenant {t!r} holds {acct.usage} blocks, above its maximum {acct.max_blocks}")
+                if len(acct.cold) != sum(1 for _ in acct.cold):
+                    fail(f"tenant {t!r} cold list length is off")
+                total_res += acct.unused_reservation
+            for t in usage:
+                if t not in self.book.accounts:
+                    fail(f"blocks owned by unknown tenant {t!r}")
+            if total_res != self.book.total_unused_reservation:
+                fail("reservation total out of sync")
+            if cache is not None:
+                for key, b in cache.index.items():
+                    if b.block_hash != key or b.state is BlockState.FREE:
+                        fail(f"cache entry for block {b.block_id} is stale")
+            if counts[BlockState.FREE] + sum(usage.values()) != self.num_blocks:
+                fail("blocks are unaccounted for")
+            return Accounting(
+                num_blocks=self.num_blocks,
+                free=counts[BlockState.FREE],
+                active=counts[BlockState.ACTIVE],
+                fenced=counts[BlockState.FENCED],
+                cold=counts[BlockState.COLD],
+                usage=usage,
+                sequences=len(self._seqs),
+                cached_entries=0 if cache is None else len(cache),
+            )

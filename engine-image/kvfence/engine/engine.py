@@ -1,0 +1,429 @@
+"""The reference engine: the isolation core, the tiny model and a batching scheduler.
+
+One scheduler thread steps every running sequence together: each step admits waiting requests
+(allocation is all or nothing, for the prompt plus ``max_tokens``), feeds each running sequence either
+its next prompt chunk (chunked prefill) or its last generated token, runs the model once per adapter
+group, registers the blocks that became full in the prefix cache, and samples greedily.
+
+Prefix-cache hits attach the cached blocks by reference and skip their computation: a request whose
+first ``n`` prompt tokens are cached starts its prefill at position ``n``, reading those positions'
+K/V from the shared blocks.
+
+Events flow back through a per-request callback, called on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfence.contract import cache_namespace
+from kvfence.engine.allocator import (
+    AllocationError,
+    FencedAllocator,
+    PoolExhausted,
+    QuotaExceeded,
+    StaleReference,
+)
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.metrics import EngineMetrics
+from kvfence.engine.model import EOS, Chunk, IntArray, ModelDims, TinyTransformer
+from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache
+
+log = logging.getLogger("kvfence.engine")
+
+#: Prompt tokens one sequence computes per step (chunked prefill keeps steps short and fair).
+PREFILL_CHUNK = 64
+#: Tokens computed per step, all sequences together (decode tokens first, then prefill chunks).
+MAX_BATCH_TOKENS = 256
+#: Sequences running at once.
+MAX_RUNNING = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    status: int
+    code: str
+    message: str
+
+
+Event = Admitted | Token | Finished | Failed
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before queueing it (HTTP 400)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    tenant: str
+    ctx: CacheContext
+    prompt: IntArray
+    max_tokens: int
+    sink: Callable[[Event], None]
+    # --- scheduler state ---
+    tokens: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    length: int = 0  # tokens known (prompt + generated)
+    computed: int = 0  # tokens whose K/V is in the pool
+    generated: int = 0
+    cached_tokens: int = 0
+    cancelled: bool = False
+
+    @property
+    def adapter(self) -> str:
+        return self.ctx.adapter
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        metrics: EngineMetrics | None = None,
+        hash_fn: HashFn | None = None,
+        dims: ModelDims | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self.model = TinyTransformer(
+            config.model.name,
+            config.model.revision,
+            max_len=config.max_model_len,
+            adapters=config.adapters,
+            quantization=config.quantization,
+            dtype=config.dtype,
+            dims=dims,
+        )
+        self.kv = self.model.new_kv_pool(config.num_blocks, config.block_size)
+        pc = config.prefix_cache
+        self.prefix_cache = (
+            PrefixCache(config.block_size, self.metrics, hash_algorithm=pc.hash_algorithm, hash_fn=hash_fn)
+            if pc.enabled
+            else None
+        )
+        self.allocator = FencedAllocator(
+            config.trust_class,
+            config.num_blocks,
+            config.block_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            quotas=config.quotas,
+            metrics=self.metrics,
+            prefix_cache=self.prefix_cache,
+        )
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._busy = False
+        m = self.metrics
+        a = self.allocator
+        m.gauge_function("kvfence_engine_kv_blocks_total", "KV blocks in the pool", lambda: a.num_blocks)
+        m.gauge_function(
+            "kvfence_engine_kv_blocks_free", "KV blocks in the clean free list", lambda: a.num_free
+        )
+        m.gauge_function(
+            "kvfence_engine_kv_blocks_active", "KV blocks referenced by sequences", lambda: a.num_active
+        )
+        m.gauge_function(
+            "kvfence_engine_kv_blocks_fenced", "KV blocks waiting for their writers", lambda: a.num_fenced
+        )
+        m.gauge_function(
+            "kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the cache", lambda: a.num_cold
+        )
+        m.gauge_function(
+            "kvfence_engine_requests_waiting", "Requests waiting for KV blocks", lambda: len(self._waiting)
+        )
+        m.gauge_function(
+            "kvfence_engine_requests_running", "Requests being generated", lambda: len(self._running)
+        )
+
+    # --- request construction ---------------------------------------------------------------------
+    def served_models(self) -> list[str]:
+        return [self.config.model.served, *self.config.adapters]
+
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter a `model` field selects ("" for the base model), or None if not served."""
+        if model == self.config.model.served:
+            return ""
+        return model if model in self.config.adapters else None
+
+    def context(self, namespace: str, adapter: str) -> CacheContext:
+        c = self.config
+        return CacheContext(c.model.name, c.model.revision, adapter, c.quantization, c.trust_class, namespace)
+
+    def expected_namespace(self, tenant: str) -> str:
+        return cache_namespace(self.config.trust_class, tenant, self.config.prefix_cache.scope)
+
+    def check_lengths(self, prompt_tokens: int, max_tokens: int, param: str = "prompt") -> None:
+        limit = self.config.max_model_len
+        if max_tokens < 1:
+            raise RequestError("invalid_value", "max_tokens must be at least 1", "max_tokens")
+        if prompt_tokens + max_tokens > limit:
+            raise RequestError(
+                "context_length_exceeded",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {param} or completion.",
+                param,
+            )
+
+    # --- submission (any thread) --------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        self.check_lengths(len(req.prompt), req.max_tokens)
+        total = len(req.prompt) + req.max_tokens
+        req.tokens = np.zeros(total, dtype=np.int32)
+        req.tokens[: len(req.prompt)] = req.prompt
+        req.length = len(req.prompt)
+        with self._cond:
+            if self._stopping:
+                req.sink(Failed(503, "engine_shutting_down", "the engine is shutting down"))
+                return
+            if req.request_id in self._by_id:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            self._by_id[req.request_id] = req
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            req = self._by_id.get(request_id)
+            if req is not None:
+                req.cancelled = True
+                self._cond.notify_all()
+
+    # --- scheduler --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="kvfence-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish what is running (up to ``timeout``), fail what is waiting, stop the thread."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._stopping = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            for r in waiting:
+                self._by_id.pop(r.request_id, None)
+            self._cond.notify_all()
+        for r in waiting:
+            r.sink(Failed(503, "engine_shutting_down", "the engine is shutting down"))
+        with self._cond:
+            while (self._running or self._busy) and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+            for r in self._running:
+                r.cancelled = True
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()) + 5.0)
+            self._thread = None
+        else:
+            self._reap()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping and not self._running:
+                    return
+                self._busy = True
+            try:
+                self.step()
+            except Exception:  # keep serving: fail what was in the step, never leak its blocks
+                log.exception("scheduler step failed")
+                self._fail_running(500, "internal_error", "the engine failed to compute this request")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def run_until_idle(self) -> None:
+        """Step in the calling thread until nothing is waiting or running (tests, benchmarks)."""
+        if self._thread is not None:
+            raise RuntimeError("the scheduler thread is running")
+        while True:
+            with self._cond:
+                if not self._waiting and not self._running:
+                    return
+            self.step()
+
+    def _reap(self) -> None:
+        """Release cancelled running sequences and drop cancelled waiting requests."""
+        keep: list[Request] = []
+        for r in self._running:
+            if r.cancelled:
+                self._finish(r, None)
+            else:
+                keep.append(r)
+        self._running = keep
+        with self._cond:
+            dropped = [r for r in self._waiting if r.cancelled]
+            for r in dropped:
+                self._waiting.remove(r)
+                self._by_id.pop(r.request_id, None)
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                if not self._waiting or self._stopping or len(self._running) >= MAX_RUNNING:
+                    return
+                req = self._waiting[0]
+            try:
+                alloc = self.allocator.allocate_sequence(
+                    req.request_id, req.tenant, len(req.tokens), ctx=req.ctx, prompt=req.prompt
+                )
+            except QuotaExceeded as e:
+                self._drop_waiting(req, Failed(429, "quota_exceeded", str(e)))
+                continue
+            except PoolExhausted as e:
+                if self._running:
+                    return  # wait for running sequences to free blocks (FIFO: no overtaking)
+                self._drop_waiting(req, Failed(503, "kv_cache_exhausted", str(e)))
+                continue
+            except AllocationError as e:  # pragma: no cover - every subclass is handled above
+                self._drop_waiting(req, Failed(503, "kv_cache_exhausted", str(e)))
+                continue
+            with self._cond:
+                self._waiting.popleft()
+            req.cached_tokens = alloc.num_cached_tokens
+            req.computed = alloc.num_cached_tokens
+            self._running.append(req)
+            req.sink(Admitted(alloc.num_cached_tokens))
+
+    def _drop_waiting(self, req: Request, event: Failed) -> None:
+        with self._cond:
+            self._waiting.popleft()
+            self._by_id.pop(req.request_id, None)
+        self.metrics.requests.labels("engine", str(event.status)).inc()
+        req.sink(event)
+
+    def step(self) -> None:
+        """One scheduler iteration."""
+        self._reap()
+        self._admit()
+        if not self._running:
+            return
+        groups: dict[str, list[tuple[Request, Chunk, bool]]] = {}
+        budget = MAX_BATCH_TOKENS - sum(1 for r in self._running if r.computed >= len(r.prompt))
+        for r in list(self._running):
+            try:
+                table = self.allocator.readable_table(r.request_id)
+            except StaleReference as e:
+                self._running.remove(r)
+                self._by_id.pop(r.request_id, None)
+                r.sink(Failed(500, "stale_reference", str(e)))
+                continue
+            n_prompt = len(r.prompt)
+            if r.computed < n_prompt:
+                if budget <= 0:
+                    continue
+                end = min(n_prompt, r.computed + PREFILL_CHUNK, r.computed + budget)
+                budget -= end - r.computed
+                chunk = Chunk(table, r.computed, r.tokens[r.computed : end])
+                sample = end == n_prompt
+            else:
+                chunk = Chunk(table, r.computed, r.tokens[r.computed : r.computed + 1])
+                sample = True
+            groups.setdefault(r.adapter, []).append((r, chunk, sample))
+        for adapter, items in groups.items():
+            logits = self.model.forward(self.kv, [c for _, c, _ in items], adapter)
+            next_ids = self.model.greedy(logits)
+            for (r, c, sample), nxt in zip(items, next_ids, strict=True):
+                r.computed += len(c.tokens)
+                self.allocator.commit(r.request_id, r.tokens, r.computed)
+                if not sample:
+                    continue
+                tok = int(nxt)
+                if tok == EOS:
+                    self._finish(r, "stop")
+                    continue
+                r.tokens[r.length] = tok
+                r.length += 1
+                r.generated += 1
+                self.metrics.generated_tokens.inc()
+                r.sink(Token(tok))
+                if r.generated >= r.max_tokens:
+                    self._finish(r, "length")
+        self._running = [r for r in self._running if r.request_id in self._by_id]
+
+    def _finish(self, r: Request, reason: str | None) -> None:
+        """Release a sequence's blocks (its writes are complete: every rank signals the fence)."""
+        self.allocator.release(r.request_id)
+        with self._cond:
+            self._by_id.pop(r.request_id, None)
+        if reason is not None:
+            r.sink(Finished(reason, len(r.prompt), r.generated, r.cached_tokens))
+
+    def _fail_running(self, status: int, code: str, message: str) -> None:
+        for r in self._running:
+            if self.allocator.is_open(r.request_id):
+                self.allocator.release(r.request_id)
+            with self._cond:
+                self._by_id.pop(r.request_id, None)
+            r.sink(Failed(status, code, message))
+        self._running = []
+
+    # --- synchronous helper -------------------------------------------------------------------------
+    def generate(
+        self,
+        tenant: str,
+        prompt: IntArray,
+        max_tokens: int,
+        *,
+        adapter: str = "",
+        namespace: str | None = None,
+        request_id: str | None = None,
+    ) -> tuple[list[int], Finished | Failed]:
+        """Generate in the calling thread (no scheduler thread). Returns the tokens and the end event."""
+        out: list[int] = []
+        end: list[Finished | Failed] = []
+
+        def sink(ev: Event) -> None:
+            if isinstance(ev, Token):
+                out.append(ev.token_id)
+            elif isinstance(ev, Finished | Failed):
+                end.append(ev)
+
+        ns = namespace if namespace is not None else self.expected_namespace(tenant)
+        rid = request_id or f"gen-{id(out)}-{time.monotonic_ns()}"
+        self.submit(Request(rid, tenant, self.context(ns, adapter), prompt, max_tokens, sink))
+        self.run_until_idle()
+        return out, end[0]
+
+    def submit_many(self, requests: Sequence[Request]) -> None:
+        for r in requests:
+            self.submit(r)

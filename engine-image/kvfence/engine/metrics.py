@@ -1,0 +1,92 @@
+"""The engine's Prometheus metrics, one :class:`CollectorRegistry` per engine.
+
+The isolation counters carry the names the wire contract fixes (:mod:`kvfence.contract`), so the
+router, the vLLM middleware and the reference engine all export the same series; dashboards and
+alerts need not care which engine runs a trust class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvfence.contract import (
+    METRIC_CROSS_ACCESS_REJECTED,
+    METRIC_HASH_COLLISION,
+    METRIC_SIGNATURE_REJECTED,
+    METRIC_STALE_REFERENCE,
+)
+
+
+class EngineMetrics:
+    """Counters and gauges of one engine. Every engine (and every test) gets its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.hash_collision = Counter(
+            METRIC_HASH_COLLISION,
+            "Prefix-cache hits whose stored block did not match the request token for token (a miss)",
+            registry=r,
+        )
+        self.cross_access_rejected = Counter(
+            METRIC_CROSS_ACCESS_REJECTED,
+            "Prefix-cache entries reached by a request of another cache namespace, refused",
+            registry=r,
+        )
+        self.stale_reference = Counter(
+            METRIC_STALE_REFERENCE,
+            "Uses of a block handle whose block was freed or reallocated since, refused",
+            registry=r,
+        )
+        self.signature_rejected = Counter(
+            METRIC_SIGNATURE_REJECTED,
+            "Requests refused because their router signature did not verify",
+            ["reason"],
+            registry=r,
+        )
+        self.quota_rejected = Counter(
+            "kvfence_engine_quota_rejected_total",
+            "Requests refused because the tenant's KV-block quota would be exceeded",
+            ["tenant"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvfence_engine_requests_total",
+            "Requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "kvfence_engine_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "kvfence_engine_prefix_cache_hits_total", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.evictions = Counter(
+            "kvfence_engine_kv_evictions_total",
+            "Cached blocks evicted, by whether the evicting tenant was the owner (own) or not (cross)",
+            ["kind"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "kvfence_engine_generated_tokens_total", "Tokens generated", registry=r
+        )
+        self._gauges: dict[str, Gauge] = {}
+
+    def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """A gauge whose value is read from ``fn`` at scrape time (block counts, queue lengths)."""
+        g = Gauge(name, doc, registry=self.registry)
+        g.set_function(fn)
+        self._gauges[name] = g
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """The current value of one sample (tests and the benchmark read counters through this)."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else float(v)

@@ -1,0 +1,235 @@
+"""The tenant-aware prefix cache: chained block hashes, an index, and exact verification of every hit.
+
+Keys
+----
+A full block's key is ``H(parent_key, token_bytes)`` where ``token_bytes`` are the block's token ids
+as little-endian int32 and ``parent_key`` is the previous block's key; the first block's parent is
+the *root key* ``H(ROOT_SEED, context)``. The context folds in everything that changes the KV a
+prompt produces, plus the isolation boundary: model id and revision, adapter, quantization, trust
+class and the cache namespace (:func:`kvfence.contract.cache_namespace`). Like vLLM's ``cache_salt``
+the namespace enters the first block only and reaches every later block through the chain.
+
+``H`` is SHA-256 or BLAKE2b with its full digest (32 or 64 bytes), never truncated. The hash function
+is injectable so tests can force collisions with a deliberately weak one.
+
+Verification
+------------
+The hash only *finds* a candidate. A candidate is a hit only if its stored context is the request's,
+its stored parent is the very block (id and generation) the walk matched one step earlier, and its
+stored tokens equal the request's tokens byte for byte. A candidate from another namespace is refused
+and counted in ``kv_cache_tenant_cross_access_rejected_total``; any other mismatch is a hash
+collision, counted in ``kv_cache_hash_collision_total``. Both are misses.
+
+The cache holds no lock of its own: every method is called with the allocator's lock held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvfence.engine.blocks import BlockHandle, BlockState, KVBlock
+from kvfence.engine.metrics import EngineMetrics
+
+#: ``hash_fn(parent_key, payload) -> key``
+HashFn = Callable[[bytes, bytes | memoryview], bytes]
+
+ROOT_SEED = b"kvfence-prefix-root-v1"
+
+
+def sha256_chain(parent: bytes, payload: bytes | memoryview) -> bytes:
+    h = hashlib.sha256(parent)
+    h.update(payload)
+    return h.digest()
+
+
+def blake2b_chain(parent: bytes, payload: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(parent)  # full 64-byte digest
+    h.update(payload)
+    return h.digest()
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_chain, "blake2b": blake2b_chain}
+
+
+def hash_function(name: str) -> HashFn:
+    try:
+        return HASH_FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown prefix-cache hash algorithm {name!r} (sha256 or blake2b)") from None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheContext:
+    """Everything a prefix key folds in besides the tokens."""
+
+    model: str
+    revision: str
+    adapter: str
+    quantization: str
+    trust_class: str
+    namespace: str
+    _encoded: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        parts = (self.model, self.revision, self.adapter, self.quantization, self.trust_class, self.namespace)
+        buf = bytearray(b"kvfence-context-v1")
+        for p in parts:
+            b = p.encode("utf-8")
+            buf += struct.pack("<I", len(b)) + b  # length-prefixed: no two contexts encode alike
+        object.__setattr__(self, "_encoded", bytes(buf))
+
+    def encode(self) -> bytes:
+        return self._encoded
+
+
+class Verdict(Enum):
+    HIT = "hit"
+    MISS = "miss"  # no entry, or an entry that is not usable right now (fenced)
+    COLLISION = "collision"
+    CROSS_NAMESPACE = "cross_namespace"
+
+
+@dataclass(slots=True)
+class Match:
+    """The verified cached prefix of a prompt."""
+
+    blocks: list[KVBlock]
+    keys: list[bytes]
+    #: the key the next block chains from (the root key if nothing matched)
+    next_parent_key: bytes
+
+
+class PrefixCache:
+    """Index of full, computed blocks by chained key."""
+
+    def __init__(
+        self,
+        block_size: int,
+        metrics: EngineMetrics,
+        *,
+        hash_algorithm: str = "sha256",
+        hash_fn: HashFn | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.block_bytes = 4 * block_size
+        self.metrics = metrics
+        self.hash_fn: HashFn = hash_fn if hash_fn is not None else hash_function(hash_algorithm)
+        self.index: dict[bytes, KVBlock] = {}
+        self._roots: dict[CacheContext, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def root_key(self, ctx: CacheContext) -> bytes:
+        r = self._roots.get(ctx)
+        if r is None:
+            if len(self._roots) > 4096:
+                self._roots.clear()
+            r = self._roots[ctx] = self.hash_fn(ROOT_SEED, ctx.encode())
+        return r
+
+    def keys(self, ctx: CacheContext, token_bytes: bytes | memoryview, num_blocks: int) -> list[bytes]:
+        """The chained keys of the first ``num_blocks`` full blocks (used by the benchmark and tests)."""
+        mv = memoryview(token_bytes)
+        bb = self.block_bytes
+        parent = self.root_key(ctx)
+        out = []
+        h = self.hash_fn
+        for i in range(num_blocks):
+            parent = h(parent, mv[i * bb : (i + 1) * bb])
+            out.append(parent)
+        return out
+
+    def verify(
+        self,
+        block: KVBlock,
+        ctx: CacheContext,
+        parent: BlockHandle | None,
+        tokens: bytes | memoryview,
+    ) -> Verdict:
+        """Decide whether ``block`` (found under a key) really is the block the request asks for."""
+        bctx = block.context
+        if bctx is None:
+            return Verdict.MISS
+        if bctx.namespace != ctx.namespace or bctx.trust_class != ctx.trust_class:
+            return Verdict.CROSS_NAMESPACE
+        if bctx != ctx or block.parent != parent or block.tokens != tokens:
+            return Verdict.COLLISION
+        if block.state is BlockState.FENCED:
+            return Verdict.MISS
+        return Verdict.HIT
+
+    def _count(self, verdict: Verdict) -> None:
+        if verdict is Verdict.COLLISION:
+            self.metrics.hash_collision.inc()
+        elif verdict is Verdict.CROSS_NAMESPACE:
+            self.metrics.cross_access_rejected.inc()
+
+    def lookup(self, ctx: CacheContext, token_bytes: bytes | memoryview, max_blocks: int) -> Match:
+        """Walk the prompt's chain from the root and return the verified cached prefix.
+
+        Stops at the first block that is not a verified hit. Does not take references: the allocator
+        does that under the same lock.
+        """
+        mv = memoryview(token_bytes)
+        bb = self.block_bytes
+        key = self.root_key(ctx)
+        parent: BlockHandle | None = None
+        blocks: list[KVBlock] = []
+        keys: list[bytes] = []
+        h = self.hash_fn
+        index = self.index
+        for i in range(max_blocks):
+            chunk = mv[i * bb : (i + 1) * bb]
+            nxt = h(key, chunk)
+            cand = index.get(nxt)
+            if cand is None:
+                break
+            verdict = self.verify(cand, ctx, parent, chunk)
+            if verdict is not Verdict.HIT:
+                self._count(verdict)
+                break
+            blocks.append(cand)
+            keys.append(nxt)
+            key = nxt
+            parent = BlockHandle(cand.block_id, cand.generation)
+        return Match(blocks, keys, key)
+
+    def insert(
+        self,
+        block: KVBlock,
+        key: bytes,
+        ctx: CacheContext,
+        parent: BlockHandle | None,
+        tokens: bytes | memoryview,
+    ) -> KVBlock | None:
+        """Register ``block`` (full and computed) under ``key``.
+
+        Returns the block now canonical for ``key``: ``block`` itself, or an equal block already
+        registered (``block`` then stays private). Returns None if another, *different* block holds
+        the key (a collision, counted): the caller stops registering this chain.
+        """
+        existing = self.index.get(key)
+        if existing is not None:
+            verdict = self.verify(existing, ctx, parent, tokens)
+            if verdict in (Verdict.HIT, Verdict.MISS) and existing.context is not None:
+                return existing
+            self._count(verdict)
+            return None
+        block.block_hash = key
+        block.context = ctx
+        block.parent = parent
+        block.tokens = bytes(tokens)
+        self.index[key] = block
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        """Drop ``block``'s entry (on eviction)."""
+        key = block.block_hash
+        if key is not None and self.index.get(key) is block:
+            del self.index[key]
+        block.clear_cache_entry()

@@ -1,0 +1,122 @@
+"""Per-tenant KV-block accounting: usage, hard maximum, guaranteed share.
+
+A tenant's *usage* is the number of blocks charged to it: every block it allocated that is not back
+in the clean free list (active, fenced, or cold and cached). Blocks a tenant merely shares through a
+prefix-cache hit (scope TrustClass) stay charged to the tenant that computed them.
+
+* **Hard maximum** (``maxBlocks``): a tenant's usage never exceeds it. When a tenant at its maximum
+  needs blocks, its own cold cached blocks are evicted to make room; if its *active* blocks alone
+  would exceed the maximum, the request is refused (:class:`QuotaExceeded`).
+* **Guaranteed share** (``guaranteedBlocks``): ``max(0, guaranteed - usage)`` blocks of the clean free
+  list are reserved for the tenant (other tenants cannot allocate them), and other tenants may evict
+  the tenant's cold blocks only while its usage is above its guarantee.
+
+Tenants listed in the configuration hold their reservation from the start. Other tenants get the
+default quota while they hold blocks or have open sequences, and are forgotten when idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfence.engine.blocks import BlockList
+from kvfence.engine.config import QuotasConfig, TenantQuota
+
+
+class AllocationError(Exception):
+    """A request for blocks cannot be granted; nothing was allocated."""
+
+
+class QuotaExceeded(AllocationError):
+    """The tenant's hard maximum would be exceeded."""
+
+    def __init__(self, tenant: str, needed: int, active: int, maximum: int) -> None:
+        super().__init__(
+            f"KV-block quota exceeded for tenant {tenant!r}: the request needs {needed} blocks, the tenant "
+            f"holds {active} active blocks and its maximum is {maximum}"
+        )
+        self.tenant = tenant
+        self.needed = needed
+        self.active = active
+        self.maximum = maximum
+
+
+class PoolExhausted(AllocationError):
+    """Not enough blocks obtainable for the tenant right now (free, own cold, or reclaimable)."""
+
+    def __init__(self, tenant: str, needed: int, obtainable: int) -> None:
+        super().__init__(
+            f"KV cache exhausted: tenant {tenant!r} needs {needed} blocks, only {obtainable} are obtainable"
+        )
+        self.tenant = tenant
+        self.needed = needed
+        self.obtainable = obtainable
+
+
+@dataclass(slots=True, eq=False)
+class TenantAccount:
+    tenant: str
+    max_blocks: int
+    guaranteed: int
+    listed: bool
+    usage: int = 0
+    open_sequences: int = 0
+    #: the tenant's unreferenced cached blocks, least recently used first
+    cold: BlockList = field(default_factory=BlockList)
+
+    @property
+    def active(self) -> int:
+        """Charged blocks that are not cold (active or fenced)."""
+        return self.usage - len(self.cold)
+
+    @property
+    def unused_reservation(self) -> int:
+        return max(0, self.guaranteed - self.usage)
+
+    @property
+    def reclaimable_by_others(self) -> int:
+        """Cold blocks other tenants may evict: only those beyond the guaranteed share."""
+        return min(len(self.cold), max(0, self.usage - self.guaranteed))
+
+
+class QuotaBook:
+    """The accounts of one allocator. Guarded by the allocator's lock."""
+
+    def __init__(self, quotas: QuotasConfig, num_blocks: int) -> None:
+        self._quotas = quotas
+        self._num_blocks = num_blocks
+        self.accounts: dict[str, TenantAccount] = {}
+        #: sum over accounts of ``unused_reservation``, maintained incrementally
+        self.total_unused_reservation = 0
+        for tenant in quotas.tenants:
+            self._open(tenant, listed=True)
+
+    def _limits(self, q: TenantQuota) -> tuple[int, int]:
+        maximum = self._num_blocks if q.max_blocks is None else min(q.max_blocks, self._num_blocks)
+        return maximum, min(q.guaranteed_blocks, maximum)
+
+    def _open(self, tenant: str, *, listed: bool) -> TenantAccount:
+        maximum, guaranteed = self._limits(self._quotas.for_tenant(tenant))
+        acct = TenantAccount(tenant, maximum, guaranteed, listed, cold=BlockList(f"cold/{tenant}"))
+        self.accounts[tenant] = acct
+        self.total_unused_reservation += acct.unused_reservation
+        return acct
+
+    def account(self, tenant: str) -> TenantAccount:
+        acct = self.accounts.get(tenant)
+        return acct if acct is not None else self._open(tenant, listed=False)
+
+    def add_usage(self, acct: TenantAccount, delta: int) -> None:
+        before = acct.unused_reservation
+        acct.usage += delta
+        if acct.usage < 0:
+            raise RuntimeError(f"usage of tenant {acct.tenant!r} went negative")
+        self.total_unused_reservation += acct.unused_reservation - before
+
+    def forget_if_idle(self, acct: TenantAccount) -> None:
+        if not acct.listed and acct.usage == 0 and acct.open_sequences == 0:
+            self.total_unused_reservation -= acct.unused_reservation
+            del self.accounts[acct.tenant]
+
+    def reserved_for_others(self, acct: TenantAccount) -> int:
+        return self.total_unused_reservation - acct.unused_reservation
