@@ -328,7 +328,6 @@ class Engine:
         with self._cond:
             self._waiting.popleft()
             self._by_id.pop(req.request_id, None)
-        self.metrics.requests.labels("engine", str(event.status)).inc()
         req.sink(event)
 
     def step(self) -> None:

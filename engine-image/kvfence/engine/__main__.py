@@ -1,0 +1,7 @@
+"""``python -m kvfence.engine --config FILE``: the reference engine server."""
+
+import sys
+
+from kvfence.engine.server import main
+
+sys.exit(main())

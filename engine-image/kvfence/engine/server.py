@@ -1,0 +1,599 @@
+"""The reference engine's OpenAI-compatible HTTP server (aiohttp).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
+server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics``, ``GET /health``.
+
+Every ``/v1/`` request must carry a valid router signature (:class:`kvfence.contract.Verifier`). The
+tenant, trust class and cache namespace come from the signed identity only; a body ``cache_salt`` must
+equal the salt derived from that identity, and the namespace must be the one this engine's
+prefix-cache scope gives the tenant.
+
+Usage::
+
+    kvfence-engine --config /etc/kvfence/engine.yaml [--host H] [--port N]
+    python -m kvfence.engine --config engine.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from kvfence.contract import (
+    BODY_CACHE_SALT,
+    HEADER_SIGNATURE,
+    Identity,
+    NonceCache,
+    SignatureError,
+    Verified,
+    Verifier,
+    derive_cache_salt,
+)
+from kvfence.engine.config import ConfigError, EngineConfig, load_config, load_signing_keys
+from kvfence.engine.engine import (
+    Admitted,
+    Engine,
+    Event,
+    Failed,
+    Finished,
+    Request,
+    RequestError,
+    Token,
+)
+from kvfence.engine.model import ByteTokenizer
+
+log = logging.getLogger("kvfence.engine.server")
+
+ENGINE_KEY: web.AppKey[EngineServer] = web.AppKey("kvfence_engine_server")
+
+_SIG_CODES = {
+    "MissingSignature": "missing_signature",
+    "WrongTrustClass": "wrong_trust_class",
+    "UnknownKey": "unknown_signing_key",
+    "BadSignature": "invalid_signature",
+    "BadTimestamp": "invalid_timestamp",
+    "StaleSignature": "stale_signature",
+    "ReplayedSignature": "replayed_signature",
+}
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error response."""
+
+    def __init__(
+        self, status: int, message: str, *, type_: str, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class KeyRing:
+    """The trust class's verifier, rebuilt when the mounted key files change (key rotation).
+
+    The nonce cache outlives rebuilds, so a rotation does not reopen the replay window.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._nonces = NonceCache()
+        self._stamp: tuple[float, ...] | None = None
+        self._checked = 0.0
+        self.verifier: Verifier | None = None
+        self.current_key: bytes | None = None
+        self._reload(force=True)
+
+    def _mtimes(self) -> tuple[float, ...]:
+        d = Path(self._config.signing_key_dir)
+        out = []
+        for name in ("current", "previous"):
+            try:
+                out.append((d / name).stat().st_mtime)
+            except OSError:
+                out.append(-1.0)
+        return tuple(out)
+
+    def _reload(self, *, force: bool = False) -> None:
+        stamp = self._mtimes()
+        if not force and stamp == self._stamp:
+            return
+        try:
+            keys = load_signing_keys(self._config.signing_key_dir)
+        except ConfigError:
+            if self._config.require_signature and self.verifier is None:
+                raise
+            if self.verifier is not None:
+                log.warning("signing keys unreadable; keeping the previous ones")
+            return
+        self.verifier = Verifier(self._config.trust_class, keys, nonces=self._nonces)
+        self.current_key = keys[0]
+        self._stamp = stamp
+        log.info("loaded %d signing key(s)", len(keys))
+
+    def get(self) -> Verifier | None:
+        now = time.monotonic()
+        if now - self._checked > 1.0:
+            self._checked = now
+            self._reload()
+        return self.verifier
+
+
+class EngineServer:
+    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
+        self.config = config
+        self.engine = engine or Engine(config)
+        self.metrics = self.engine.metrics
+        self.keys = KeyRing(config)
+        self.tokenizer = ByteTokenizer()
+        self.created = int(time.time())
+
+    # --- the contract ---------------------------------------------------------------------------
+    def authenticate(self, request: web.Request, body: bytes) -> Verified:
+        verifier = self.keys.get()
+        signed = any(k.lower() == HEADER_SIGNATURE.lower() for k in request.headers)
+        if not signed and not self.config.require_signature:
+            tenant = "anonymous"
+            ns = self.engine.expected_namespace(tenant)
+            key = self.keys.current_key or b""
+            return Verified(
+                Identity(tenant, self.config.trust_class, ns),
+                derive_cache_salt(key, self.config.trust_class, ns),
+            )
+        if verifier is None:
+            self.metrics.signature_rejected.labels("NoKey").inc()
+            raise ApiError(
+                401, "this engine holds no signing key", type_="authentication_error", code="no_signing_key"
+            )
+        try:
+            verified = verifier.verify(request.headers, request.method, request.raw_path, body)
+        except SignatureError as e:
+            self.metrics.signature_rejected.labels(e.reason).inc()
+            raise ApiError(
+                401,
+                f"router signature rejected: {e}",
+                type_="authentication_error",
+                code=_SIG_CODES.get(e.reason, "invalid_signature"),
+            ) from None
+        expected = self.engine.expected_namespace(verified.identity.tenant)
+        if verified.identity.namespace != expected:
+            self.metrics.signature_rejected.labels("NamespaceMismatch").inc()
+            raise ApiError(
+                403,
+                f"cache namespace {verified.identity.namespace!r} does not match this engine's prefix-cache "
+                f"scope ({self.config.prefix_cache.scope.value}) for the tenant",
+                type_="permission_error",
+                code="cache_namespace_mismatch",
+            )
+        return verified
+
+    # --- helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def parse_json(body: bytes) -> dict[str, Any]:
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(
+                400, f"malformed JSON body: {e}", type_="invalid_request_error", code="invalid_json"
+            ) from None
+        if not isinstance(data, dict):
+            raise ApiError(
+                400,
+                "the request body must be a JSON object",
+                type_="invalid_request_error",
+                code="invalid_json",
+            )
+        return data
+
+    def check_salt(self, data: dict[str, Any], verified: Verified) -> None:
+        if BODY_CACHE_SALT in data and data[BODY_CACHE_SALT] != verified.cache_salt:
+            raise ApiError(
+                403,
+                "cache_salt does not match the salt of the signed identity",
+                type_="permission_error",
+                code="cache_salt_mismatch",
+                param=BODY_CACHE_SALT,
+            )
+
+    def resolve_model(self, data: dict[str, Any]) -> tuple[str, str]:
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(
+                400, "you must provide a model parameter", type_="invalid_request_error", param="model"
+            )
+        adapter = self.engine.adapter_for(model)
+        if adapter is None:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist.",
+                type_="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+        return model, adapter
+
+    @staticmethod
+    def int_field(data: dict[str, Any], name: str, default: int) -> int:
+        v = data.get(name, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ApiError(400, f"{name} must be an integer", type_="invalid_request_error", param=name)
+        return v
+
+    @staticmethod
+    def common_checks(data: dict[str, Any]) -> bool:
+        n = data.get("n", 1)
+        if n != 1:
+            raise ApiError(400, "only n=1 is supported", type_="invalid_request_error", param="n")
+        stream = data.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be a boolean", type_="invalid_request_error", param="stream")
+        return stream
+
+    # --- handlers -----------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        body = await request.read()
+        verified = self.authenticate(request, body)
+        data = self.parse_json(body)
+        self.check_salt(data, verified)
+        model, adapter = self.resolve_model(data)
+        stream = self.common_checks(data)
+        max_tokens = self.int_field(
+            data, "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens", 16
+        )
+        if chat:
+            text = self.tokenizer.chat_prompt(self._messages(data))
+            param = "messages"
+        else:
+            text = self._prompt(data)
+            param = "prompt"
+        prompt = self.tokenizer.encode(text)
+        try:
+            self.engine.check_lengths(len(prompt), max_tokens, param)
+        except RequestError as e:
+            raise ApiError(400, str(e), type_="invalid_request_error", code=e.code, param=e.param) from None
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        ident = verified.identity
+        req = Request(
+            rid, ident.tenant, self.engine.context(ident.namespace, adapter), prompt, max_tokens, sink
+        )
+        self.engine.submit(req)
+        try:
+            first = await events.get()
+            if isinstance(first, Failed):
+                raise ApiError(
+                    first.status,
+                    first.message,
+                    type_=_TYPE_BY_STATUS.get(first.status, "server_error"),
+                    code=first.code,
+                )
+            assert isinstance(first, Admitted)
+            if stream:
+                return await self._stream(request, events, rid, model, chat, endpoint)
+            return await self._collect(events, rid, model, chat, endpoint)
+        finally:
+            self.engine.cancel(rid)  # no-op once finished; frees the blocks of an abandoned request
+
+    async def _collect(
+        self, events: asyncio.Queue[Event], rid: str, model: str, chat: bool, endpoint: str
+    ) -> web.Response:
+        ids: list[int] = []
+        while True:
+            ev = await events.get()
+            if isinstance(ev, Token):
+                ids.append(ev.token_id)
+            elif isinstance(ev, Failed):
+                raise ApiError(
+                    ev.status, ev.message, type_=_TYPE_BY_STATUS.get(ev.status, "server_error"), code=ev.code
+                )
+            elif isinstance(ev, Finished):
+                break
+        text = self.tokenizer.decode(ids)
+        choice: dict[str, Any]
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": ev.reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.reason}
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice],
+                "usage": self._usage(ev),
+            }
+        )
+
+    @staticmethod
+    def _usage(ev: Finished) -> dict[str, Any]:
+        return {
+            "prompt_tokens": ev.prompt_tokens,
+            "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
+        }
+
+    async def _stream(
+        self,
+        request: web.Request,
+        events: asyncio.Queue[Event],
+        rid: str,
+        model: str,
+        chat: bool,
+        endpoint: str,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        decoder = self.tokenizer.incremental_decoder()
+
+        def chunk(delta: str | None, finish: str | None, *, role: bool = False) -> bytes:
+            c: dict[str, Any]
+            if chat:
+                d: dict[str, str] = {}
+                if role:
+                    d["role"] = "assistant"
+                if delta is not None:
+                    d["content"] = delta
+                c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+        if chat:
+            await resp.write(chunk("", None, role=True))
+        while True:
+            ev = await events.get()
+            if isinstance(ev, Token):
+                text = decoder.decode(bytes([ev.token_id]) if ev.token_id < 256 else b"")
+                if text:
+                    await resp.write(chunk(text, None))
+            elif isinstance(ev, Failed):
+                err = {
+                    "error": {
+                        "message": ev.message,
+                        "type": _TYPE_BY_STATUS.get(ev.status, "server_error"),
+                        "param": None,
+                        "code": ev.code,
+                    }
+                }
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                break
+            elif isinstance(ev, Finished):
+                tail = decoder.decode(b"", final=True)
+                await resp.write(chunk(tail if tail else (None if chat else ""), ev.reason))
+                break
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return resp
+
+    def _prompt(self, data: dict[str, Any]) -> str:
+        p = data.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        if not isinstance(p, str):
+            raise ApiError(400, "prompt must be a string", type_="invalid_request_error", param="prompt")
+        return p
+
+    def _messages(self, data: dict[str, Any]) -> list[tuple[str, str]]:
+        msgs = data.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(
+                400, "messages must be a non-empty array", type_="invalid_request_error", param="messages"
+            )
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(
+                    400, f"messages[{i}] needs a role", type_="invalid_request_error", param="messages"
+                )
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                parts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
+                if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content: only text parts are supported",
+                        type_="invalid_request_error",
+                        param="messages",
+                    )
+                content = "".join(str(t) for t in parts)
+            if not isinstance(content, str):
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content must be a string",
+                    type_="invalid_request_error",
+                    param="messages",
+                )
+            out.append((m["role"], content))
+        return out
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.authenticate(request, await request.read())
+        served = self.config.model.served
+        data = [
+            {
+                "id": served,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "kvfence",
+                "root": self.config.model.name,
+                "parent": None,
+            }
+        ]
+        data += [
+            {
+                "id": a,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "kvfence",
+                "root": self.config.model.name,
+                "parent": served,
+            }
+            for a in self.config.adapters
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    # --- app ------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=8 * 1024 * 1024)
+        app[ENGINE_KEY] = self
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/health", self.health)
+        return app
+
+
+@web.middleware
+async def _errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    server = request.app[ENGINE_KEY]
+    endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(request.path, "other")
+    try:
+        return await handler(request)
+    except ApiError as e:
+        server.metrics.requests.labels(endpoint, str(e.status)).inc()
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        server.metrics.requests.labels(endpoint, str(e.status)).inc()
+        return ApiError(
+            e.status, e.reason, type_=_TYPE_BY_STATUS.get(e.status, "invalid_request_error")
+        ).response()
+
+
+async def serve(
+    config: EngineConfig, *, ready: Callable[[int], None] | None = None, stop: asyncio.Event | None = None
+) -> None:
+    """Run the server until ``stop`` is set (or SIGTERM/SIGINT); then drain and shut down."""
+    server = EngineServer(config)
+    server.engine.start()
+    runner = web.AppRunner(server.app(), shutdown_timeout=30.0, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.listen.host, config.listen.port)
+    await site.start()
+    port = config.listen.port
+    for s in runner.sites:
+        srv = getattr(s, "_server", None)
+        if srv is not None and srv.sockets:
+            port = srv.sockets[0].getsockname()[1]
+    log.info(
+        "kvfence engine for trust class %s listening on %s:%d", config.trust_class, config.listen.host, port
+    )
+    if ready is not None:
+        ready(port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining in-flight requests")
+    await runner.cleanup()  # stops accepting, waits for in-flight handlers (shutdown_timeout)
+    await asyncio.to_thread(server.engine.stop, 10.0)
+    log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfence-engine", description="kvfence reference engine (CPU)")
+    parser.add_argument("--config", required=True, help="engine configuration file (YAML or JSON)")
+    parser.add_argument("--host", help="listen address (overrides listen.host)")
+    parser.add_argument("--port", type=int, help="listen port, 0 for any free port (overrides listen.port)")
+    parser.add_argument("--num-blocks", type=int, help="KV blocks in the pool (overrides numBlocks)")
+    parser.add_argument("--signing-key-dir", help="directory with the signing keys (overrides signingKeyDir)")
+    parser.add_argument("--port-file", help="write the bound port to this file once listening")
+    parser.add_argument("--log-level", default=os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(args.config).with_overrides(
+            host=args.host, port=args.port, num_blocks=args.num_blocks, signing_key_dir=args.signing_key_dir
+        )
+        if config.require_signature:
+            load_signing_keys(config.signing_key_dir)
+    except ConfigError as e:
+        print(f"kvfence-engine: {e}", file=sys.stderr)
+        return 2
+
+    def ready(port: int) -> None:
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(str(port))
+            tmp.replace(args.port_file)
+
+    asyncio.run(serve(config, ready=ready))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
