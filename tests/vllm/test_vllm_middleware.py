@@ -1,0 +1,567 @@
+"""The kvfence vLLM middleware, tested as ASGI middleware around a real Starlette app on a real socket.
+
+The app stands in for vLLM's OpenAI server: it records every request that reaches it (headers and the
+parsed JSON body) and answers with what it saw, so a test can prove what crossed the middleware and,
+just as important, what never did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvfence.contract import (
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    METRIC_CROSS_ACCESS_REJECTED,
+    METRIC_SIGNATURE_REJECTED,
+    Identity,
+    cache_namespace,
+    derive_cache_salt,
+    sign,
+)
+from kvfence.vllm.middleware import KeySource, KeySourceError, KvfenceMiddleware
+
+TC = "gold"
+KEY = bytes(range(32))
+OLD_KEY = bytes(range(1, 33))
+OTHER_KEY = bytes(range(64, 96))
+ALICE = Identity("alice", TC, cache_namespace(TC, "alice", "Tenant"))
+BOB = Identity("bob", TC, cache_namespace(TC, "bob", "Tenant"))
+COMPLETIONS = "/v1/completions"
+MIDDLEWARE_FLAG = "kvfence.vllm.middleware.KvfenceMiddleware"  # what the operator passes to --middleware
+
+
+@dataclass
+class Seen:
+    """What reached the app behind the middleware."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, item: dict[str, Any]) -> None:
+        with self.lock:
+            self.requests.append(item)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.requests.clear()
+
+
+def make_app(seen: Seen, middleware: list[Middleware]) -> Starlette:
+    async def infer(request: Request) -> Response:
+        raw = await request.body()
+        body = json.loads(raw)
+        identity = request.scope.get("state", {}).get("kvfence_identity")
+        item = {
+            "path": request.url.path,
+            "body": body,
+            "raw_len": len(raw),
+            "content_length": request.headers.get("content-length"),
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+            "tenant": identity.tenant if identity else None,
+        }
+        seen.add(item)
+        if body.get("stream"):
+
+            async def chunks() -> Any:
+                for i in range(3):
+                    yield f"data: {json.dumps({'i': i})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+        return JSONResponse(
+            {"cache_salt": body.get("cache_salt"), "disconnected": await request.is_disconnected()}
+        )
+
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def anything(request: Request) -> Response:
+        seen.add({"path": request.url.path, "body": await request.body()})
+        return JSONResponse({"reached": True})
+
+    routes = [
+        Route(COMPLETIONS, infer, methods=["POST"]),
+        Route("/v1/chat/completions", infer, methods=["POST"]),
+        Route("/v1/responses", infer, methods=["POST"]),
+        Route("/health", health, methods=["GET", "POST"]),
+        Route("/metrics", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/embeddings", anything, methods=["POST"]),
+        Route("/tokenize", anything, methods=["POST"]),
+        Route("/v1/load_lora_adapter", anything, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, middleware=middleware)
+
+
+class Server:
+    """uvicorn serving an ASGI app on a real socket, in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        cfg = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+
+@dataclass
+class Env:
+    server: Server
+    seen: Seen
+    registry: CollectorRegistry
+    key_dir: Path
+
+    def post(
+        self,
+        body: dict[str, Any] | bytes,
+        *,
+        identity: Identity | None = ALICE,
+        key: bytes = KEY,
+        path: str = COMPLETIONS,
+        sign_path: str | None = None,
+        now: float | None = None,
+        extra: dict[str, str] | None = None,
+        send_body: bytes | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if identity is not None:
+            headers.update(sign(key, identity, "POST", sign_path or path, raw, now=now))
+        headers.update(extra or {})
+        return self.server.request("POST", path, send_body if send_body is not None else raw, headers)
+
+    def rejected(self, reason: str) -> float:
+        v = self.registry.get_sample_value(METRIC_SIGNATURE_REJECTED, {"reason": reason})
+        return 0.0 if v is None else v
+
+
+def write_keys(d: Path, current: bytes, previous: bytes | None = None) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "current").write_bytes(current)
+    if previous is None:
+        with contextlib.suppress(FileNotFoundError):
+            (d / "previous").unlink()
+    else:
+        (d / "previous").write_bytes(previous)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    key_dir = tmp_path_factory.mktemp("keys")
+    write_keys(key_dir, KEY, OLD_KEY)
+    seen = Seen()
+    registry = CollectorRegistry()
+    mw = Middleware(
+        KvfenceMiddleware, keys=KeySource(TC, key_dir), registry=registry, max_body_bytes=64 * 1024
+    )
+    with Server(make_app(seen, [mw])) as server:
+        yield Env(server, seen, registry, key_dir)
+
+
+@pytest.fixture(autouse=True)
+def _clear(request: pytest.FixtureRequest) -> None:
+    if "env" in request.fixturenames:
+        request.getfixturevalue("env").seen.clear()
+
+
+def salt(identity: Identity, key: bytes = KEY) -> str:
+    return derive_cache_salt(key, identity.trust_class, identity.namespace)
+
+
+# --- signed requests reach the app with the derived salt ----------------------------------------
+@pytest.mark.parametrize("path", [COMPLETIONS, "/v1/chat/completions", "/v1/responses"])
+def test_signed_request_reaches_app_with_derived_salt(env: Env, path: str) -> None:
+    status, _, body = env.post({"model": "tiny", "prompt": "héllo ✓", "max_tokens": 4}, path=path)
+    assert status == 200, body
+    assert json.loads(body)["cache_salt"] == salt(ALICE)
+    (got,) = env.seen.requests
+    assert got["path"] == path
+    assert got["body"]["cache_salt"] == salt(ALICE)
+    assert got["body"]["prompt"] == "héllo ✓"
+    assert got["body"]["max_tokens"] == 4
+    # Content-Length was fixed for the rewritten body, and the identity headers did not travel on.
+    assert int(got["content_length"]) == got["raw_len"]
+    assert not [h for h in got["headers"] if h.startswith("x-kvfence-")]
+    assert got["tenant"] == "alice"
+
+
+def test_router_style_body_with_matching_salt_is_accepted(env: Env) -> None:
+    # The router puts the derived salt in the body before it signs: that must pass unchanged.
+    status, _, body = env.post({"model": "tiny", "prompt": "x", "cache_salt": salt(ALICE)})
+    assert status == 200, body
+    assert env.seen.requests[0]["body"]["cache_salt"] == salt(ALICE)
+
+
+def test_two_tenants_get_different_salts(env: Env) -> None:
+    assert env.post({"prompt": "same"}, identity=ALICE)[0] == 200
+    assert env.post({"prompt": "same"}, identity=BOB)[0] == 200
+    salts = [r["body"]["cache_salt"] for r in env.seen.requests]
+    assert salts == [salt(ALICE), salt(BOB)]
+    assert salts[0] != salts[1]
+
+
+def test_previous_key_still_verifies_and_salts_with_that_key(env: Env) -> None:
+    status, _, body = env.post({"prompt": "x"}, key=OLD_KEY)
+    assert status == 200, body
+    assert env.seen.requests[0]["body"]["cache_salt"] == salt(ALICE, OLD_KEY)
+
+
+def test_chunked_body_without_content_length(env: Env) -> None:
+    raw = json.dumps({"prompt": "chunked " * 100}).encode()
+    headers = {"Content-Type": "application/json", **sign(KEY, ALICE, "POST", COMPLETIONS, raw)}
+    conn = http.client.HTTPConnection("127.0.0.1", env.server.port, timeout=10)
+    try:
+        conn.putrequest("POST", COMPLETIONS)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        for i in range(0, len(raw), 97):
+            part = raw[i : i + 97]
+            conn.send(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        conn.send(b"0\r\n\r\n")
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        resp.read()
+    finally:
+        conn.close()
+    (got,) = env.seen.requests
+    assert got["body"]["cache_salt"] == salt(ALICE)
+    assert "transfer-encoding" not in got["headers"]
+    assert int(got["content_length"]) == got["raw_len"]
+
+
+def test_streaming_answer_passes_through(env: Env) -> None:
+    status, headers, body = env.post({"prompt": "x", "stream": True})
+    assert status == 200
+    assert headers["content-type"].startswith("text/event-stream")
+    assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_app_sees_a_live_connection_after_the_replayed_body(env: Env) -> None:
+    # vLLM polls request.is_disconnected() while it generates; after the buffered body the app must
+    # get the real receive channel (not a fake disconnect, not a hang).
+    status, _, body = env.post({"prompt": "x"})
+    assert status == 200
+    assert json.loads(body)["disconnected"] is False
+
+
+# --- client-chosen salts never reach the app ----------------------------------------------------
+def test_unsigned_request_with_client_salt_is_refused(env: Env) -> None:
+    before = env.rejected("MissingSignature")
+    status, headers, body = env.post({"prompt": "x", "cache_salt": salt(BOB)}, identity=None)
+    assert status == 401
+    err = json.loads(body)["error"]
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_signature"
+    assert set(err) == {"message", "type", "param", "code"}
+    assert headers["content-type"] == "application/json"
+    assert "www-authenticate" in headers
+    assert env.seen.requests == []
+    assert env.rejected("MissingSignature") == before + 1
+
+
+def test_signed_body_carrying_another_tenants_salt_is_refused(env: Env) -> None:
+    before = env.registry.get_sample_value(METRIC_CROSS_ACCESS_REJECTED) or 0.0
+    status, _, body = env.post({"prompt": "x", "cache_salt": salt(BOB)}, identity=ALICE)
+    assert status == 403
+    assert json.loads(body)["error"]["type"] == "permission_error"
+    assert env.seen.requests == []
+    assert env.registry.get_sample_value(METRIC_CROSS_ACCESS_REJECTED) == before + 1
+
+
+@pytest.mark.parametrize("field_name", ["extra_key", "kv_transfer_params"])
+def test_other_namespace_fields_are_refused(env: Env, field_name: str) -> None:
+    status, _, _ = env.post({"prompt": "x", field_name: {"x": 1}})
+    assert status == 403
+    assert env.seen.requests == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(client_salt=st.one_of(st.none(), st.text(max_size=40)), tenant=st.sampled_from([ALICE, BOB]))
+def test_property_app_only_ever_sees_the_signed_identity_salt(
+    env: Env, client_salt: str | None, tenant: Identity
+) -> None:
+    env.seen.clear()
+    body: dict[str, Any] = {"prompt": "p"}
+    if client_salt is not None:
+        body["cache_salt"] = client_salt
+    # Signed as the tenant: accepted only when the salt is absent or already the right one.
+    env.post(body, identity=tenant)
+    # Unsigned: never accepted.
+    env.post(body, identity=None)
+    for got in env.seen.requests:
+        assert got["body"]["cache_salt"] == salt(tenant)
+    assert len(env.seen.requests) <= 1
+
+
+# --- forged, stale, replayed ----------------------------------------------------------------------
+def test_forged_signature_with_unknown_key_is_refused(env: Env) -> None:
+    status, _, body = env.post({"prompt": "x"}, key=OTHER_KEY)
+    assert status == 401, body
+    assert env.seen.requests == []
+
+
+def test_tampered_body_is_refused(env: Env) -> None:
+    raw = json.dumps({"prompt": "x"}).encode()
+    status, _, _ = env.post(raw, send_body=json.dumps({"prompt": "y"}).encode())
+    assert status == 401
+    assert env.seen.requests == []
+
+
+def test_signature_for_another_path_is_refused(env: Env) -> None:
+    status, _, _ = env.post({"prompt": "x"}, path="/v1/chat/completions", sign_path=COMPLETIONS)
+    assert status == 401
+    assert env.seen.requests == []
+
+
+def test_bad_signature_header_is_refused(env: Env) -> None:
+    raw = json.dumps({"prompt": "x"}).encode()
+    headers = sign(KEY, ALICE, "POST", COMPLETIONS, raw)
+    headers[HEADER_SIGNATURE] = "v1=" + "0" * 64
+    status, _, _ = env.server.request("POST", COMPLETIONS, raw, headers)
+    assert status == 401
+    assert env.seen.requests == []
+
+
+def test_wrong_trust_class_is_forbidden(env: Env) -> None:
+    silver = Identity("carol", "silver", cache_namespace("silver", "carol", "Tenant"))
+    status, _, body = env.post({"prompt": "x"}, identity=silver)
+    assert status == 403
+    assert json.loads(body)["error"]["type"] == "permission_error"
+    assert env.seen.requests == []
+
+
+def test_stale_signature_is_refused(env: Env) -> None:
+    before = env.rejected("StaleSignature")
+    status, _, _ = env.post({"prompt": "x"}, now=time.time() - 600)
+    assert status == 401
+    assert env.seen.requests == []
+    assert env.rejected("StaleSignature") == before + 1
+
+
+def test_future_signature_is_refused(env: Env) -> None:
+    status, _, _ = env.post({"prompt": "x"}, now=time.time() + 600)
+    assert status == 401
+    assert env.seen.requests == []
+
+
+def test_replayed_request_is_refused(env: Env) -> None:
+    raw = json.dumps({"prompt": "x"}).encode()
+    headers = {"Content-Type": "application/json", **sign(KEY, ALICE, "POST", COMPLETIONS, raw)}
+    assert env.server.request("POST", COMPLETIONS, raw, headers)[0] == 200
+    before = env.rejected("ReplayedSignature")
+    status, _, _ = env.server.request("POST", COMPLETIONS, raw, headers)
+    assert status == 401
+    assert len(env.seen.requests) == 1
+    assert env.rejected("ReplayedSignature") == before + 1
+
+
+def test_duplicate_identity_header_is_refused(env: Env) -> None:
+    raw = json.dumps({"prompt": "x"}).encode()
+    headers = sign(KEY, ALICE, "POST", COMPLETIONS, raw)
+    conn = http.client.HTTPConnection("127.0.0.1", env.server.port, timeout=10)
+    try:
+        conn.putrequest("POST", COMPLETIONS)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.putheader(HEADER_NONCE, "another-nonce")
+        conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw)
+        assert conn.getresponse().status == 401
+    finally:
+        conn.close()
+    assert env.seen.requests == []
+
+
+def test_timestamp_is_covered_by_the_signature(env: Env) -> None:
+    raw = json.dumps({"prompt": "x"}).encode()
+    headers = sign(KEY, ALICE, "POST", COMPLETIONS, raw, now=time.time() - 600)
+    headers[HEADER_TIMESTAMP] = str(int(time.time()))
+    assert env.server.request("POST", COMPLETIONS, raw, headers)[0] == 401
+    assert env.seen.requests == []
+
+
+# --- refuse by default ------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/v1/load_lora_adapter", "/nope"])
+def test_other_post_paths_are_refused_even_when_signed(env: Env, path: str) -> None:
+    status, _, body = env.post({"prompt": "x"}, path=path)
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "not_found"
+    assert env.seen.requests == []
+
+
+def test_post_to_an_open_path_is_refused(env: Env) -> None:
+    status, _, _ = env.server.request("POST", "/health", b"{}", {"Content-Type": "application/json"})
+    assert status == 404
+
+
+def test_get_on_an_inference_path_is_refused(env: Env) -> None:
+    assert env.server.request("GET", COMPLETIONS)[0] == 405
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models"])
+def test_open_paths_pass_unsigned(env: Env, path: str) -> None:
+    status, _, _ = env.server.request("GET", path)
+    assert status == 200
+
+
+def test_query_string_is_refused(env: Env) -> None:
+    raw = json.dumps({"prompt": "x"}).encode()
+    headers = sign(KEY, ALICE, "POST", COMPLETIONS, raw)
+    assert env.server.request("POST", COMPLETIONS + "?cache_salt=x", raw, headers)[0] == 403
+    assert env.seen.requests == []
+
+
+def test_non_json_body_is_a_400(env: Env) -> None:
+    for raw in (b"not json", b"[1, 2]", b'"s"'):
+        status, _, body = env.post(raw)
+        assert status == 400, raw
+        assert json.loads(body)["error"]["code"] == "invalid_json"
+    assert env.seen.requests == []
+
+
+def test_body_over_the_limit_is_a_413(env: Env) -> None:
+    status, _, _ = env.post({"prompt": "x" * (65 * 1024)})
+    assert status == 413
+    assert env.seen.requests == []
+
+
+# --- keys and configuration --------------------------------------------------------------------------
+def test_rotated_key_files_are_picked_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvfence.vllm.middleware as mwmod
+
+    monkeypatch.setattr(mwmod, "KEY_RELOAD_INTERVAL", 0.0)
+    key_dir = tmp_path / "keys"
+    write_keys(key_dir, OLD_KEY)
+    seen = Seen()
+    mw = Middleware(KvfenceMiddleware, keys=KeySource(TC, key_dir), registry=CollectorRegistry())
+    with Server(make_app(seen, [mw])) as server:
+        e = Env(server, seen, CollectorRegistry(), key_dir)
+        assert e.post({"prompt": "x"}, key=KEY)[0] == 401
+        # Rotate as the kubelet does: a new file replaces the old (new inode).
+        tmp = tmp_path / "new"
+        write_keys(tmp, KEY, OLD_KEY)
+        os.replace(tmp / "current", key_dir / "current")
+        os.replace(tmp / "previous", key_dir / "previous")
+        assert e.post({"prompt": "x"}, key=KEY)[0] == 200
+        assert e.post({"prompt": "x"}, key=OLD_KEY)[0] == 200
+        # A broken key file keeps the last good keys instead of locking everyone out.
+        (key_dir / "current").write_bytes(b"short")
+        assert e.post({"prompt": "x"}, key=KEY)[0] == 200
+        # Retiring the previous key refuses it.
+        write_keys(key_dir, KEY)
+        assert e.post({"prompt": "x"}, key=OLD_KEY)[0] == 401
+
+
+def test_keys_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_keys(tmp_path, KEY)
+    monkeypatch.setenv("KVFENCE_TRUST_CLASS", TC)
+    monkeypatch.setenv("KVFENCE_SIGNING_KEY_DIR", str(tmp_path))
+    src = KeySource.from_env()
+    assert src == KeySource(TC, tmp_path)
+    assert src.load() == [KEY]
+
+
+def test_keys_from_the_engine_config_the_operator_mounts(tmp_path: Path) -> None:
+    write_keys(tmp_path / "keys", KEY)
+    cfg = {
+        "trustClass": "silver",
+        "model": {"name": "m", "revision": "1"},
+        "numBlocks": 16,
+        "maxModelLen": 64,
+        "signingKeyDir": str(tmp_path / "keys"),
+    }
+    (tmp_path / "engine.json").write_text(json.dumps(cfg))
+    src = KeySource.from_env({"KVFENCE_ENGINE_CONFIG": str(tmp_path / "engine.json")})
+    assert src == KeySource("silver", tmp_path / "keys")
+
+
+def test_no_keys_means_no_start(tmp_path: Path) -> None:
+    with pytest.raises(KeySourceError):
+        KeySource.from_env({})
+    with pytest.raises(KeySourceError):
+        KvfenceMiddleware(_never, keys=KeySource(TC, tmp_path / "missing"), registry=CollectorRegistry())
+    (tmp_path / "current").write_bytes(b"too short")
+    with pytest.raises(KeySourceError):
+        KvfenceMiddleware(_never, keys=KeySource(TC, tmp_path), registry=CollectorRegistry())
+
+
+async def _never(scope: Any, receive: Any, send: Any) -> None:
+    raise AssertionError("reached the app")
+
+
+def test_loads_the_way_vllm_loads_middleware(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM resolves ``--middleware a.b.Class`` with importlib and calls ``app.add_middleware(Class)``."""
+    write_keys(tmp_path, KEY)
+    monkeypatch.setenv("KVFENCE_TRUST_CLASS", TC)
+    monkeypatch.setenv("KVFENCE_SIGNING_KEY_DIR", str(tmp_path))
+    module_path, name = MIDDLEWARE_FLAG.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_path), name)
+    seen = Seen()
+    app = make_app(seen, [])
+    app.add_middleware(cls)
+    with Server(app) as server:
+        e = Env(server, seen, CollectorRegistry(), tmp_path)
+        assert e.post({"prompt": "x"}, identity=None)[0] == 401
+        assert e.post({"prompt": "x", "cache_salt": "mine"}, identity=None)[0] == 401
+        assert e.post({"prompt": "x"})[0] == 200
+        assert seen.requests[0]["body"]["cache_salt"] == salt(ALICE)
+        # The default registry is the one vLLM's /metrics serves.
+        from prometheus_client import REGISTRY
+
+        assert (
+            REGISTRY.get_sample_value(METRIC_SIGNATURE_REJECTED, {"reason": "MissingSignature"}) or 0
+        ) >= 2
