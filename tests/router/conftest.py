@@ -16,9 +16,11 @@ from router.support import (
     GOLD_KEY,
     GOLD_KEY_OLD,
     SILVER_KEY,
+    EngineStack,
     Proc,
     Stack,
     standard_table,
+    start_engine,
     start_fake,
     start_router,
     write_table,
@@ -51,3 +53,39 @@ def stack(logs: Path, fake_gold: Proc, fake_silver: Proc) -> Iterator[Stack]:
     router = start_router(logs, table_path)
     yield Stack(router, fake_gold, fake_silver, table_path)
     router.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_stack(logs: Path) -> Iterator[EngineStack]:
+    procs: list[Proc] = []
+    try:
+        gold = start_engine(logs, "gold", "gold", "tiny", GOLD_KEY, adapters=("support-bot", "legal-bot"))
+        procs.append(gold)
+        silver = start_engine(logs, "silver", "silver", "small", SILVER_KEY, scope="TrustClass")
+        procs.append(silver)
+        cold_gold = start_engine(
+            logs,
+            "cold-gold",
+            "gold",
+            "tiny",
+            GOLD_KEY,
+            adapters=("support-bot", "legal-bot"),
+            prefix_cache=False,
+        )
+        procs.append(cold_gold)
+        cold_silver = start_engine(
+            logs, "cold-silver", "silver", "small", SILVER_KEY, scope="TrustClass", prefix_cache=False
+        )
+        procs.append(cold_silver)
+        table_path = logs / "routing-engines.json"
+        write_table(table_path, standard_table(gold.url, silver.url))
+        router = start_router(logs, table_path)
+        procs.append(router)
+        cold_path = logs / "routing-cold.json"
+        write_table(cold_path, standard_table(cold_gold.url, cold_silver.url))
+        cold_router = start_router(logs, cold_path)
+        procs.append(cold_router)
+        yield EngineStack(router, gold, silver, cold_router)
+    finally:
+        for p in reversed(procs):
+            p.stop()

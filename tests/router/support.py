@@ -209,3 +209,60 @@ class Stack:
         assert status == 200
         result: list[dict[str, Any]] = json.loads(data)
         return result
+
+
+def start_engine(
+    log_dir: Path,
+    name: str,
+    trust_class: str,
+    served: str,
+    key: bytes,
+    *,
+    adapters: tuple[str, ...] = (),
+    scope: str = "Tenant",
+    prefix_cache: bool = True,
+    num_blocks: int = 2048,
+) -> Proc:
+    """A real reference engine process (``kvfence-engine --config FILE``)."""
+    d = log_dir / f"engine-{name}"
+    (d / "keys").mkdir(parents=True, exist_ok=True)
+    (d / "keys" / "current").write_bytes(key)
+    port = free_port()
+    config = {
+        "trustClass": trust_class,
+        "model": {"name": f"kvfence/{served}", "revision": "1", "servedName": served},
+        "adapters": list(adapters),
+        "blockSize": 16,
+        "numBlocks": num_blocks,
+        "maxModelLen": 1024,
+        "prefixCache": {"enabled": prefix_cache, "scope": scope, "hashAlgorithm": "sha256"},
+        "signingKeyDir": str(d / "keys"),
+        "listen": {"host": "127.0.0.1", "port": port},
+    }
+    (d / "engine.json").write_text(json.dumps(config))
+    exe = Path(sys.executable).parent / "kvfence-engine"
+    return Proc(
+        [str(exe), "--config", str(d / "engine.json"), "--log-level", "WARNING"], port, "/health"
+    ).start(log_dir, timeout=60)
+
+
+def engine_metric(engine: Proc, name: str) -> float:
+    """Sum of every sample of ``name`` (all label sets) on an engine's /metrics."""
+    _, _, data = request("GET", engine.url + "/metrics")
+    total = 0.0
+    for line in data.decode().splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class EngineStack:
+    """The router in front of real reference engines (gold: per-tenant cache scope; silver: the trust
+    class shares), plus a second router in front of *cold* engines (prefix cache disabled) that
+    computes the oracle answers."""
+
+    router: Proc
+    gold: Proc
+    silver: Proc
+    cold_router: Proc
