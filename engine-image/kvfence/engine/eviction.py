@@ -49,6 +49,8 @@ def plan_allocation(
     revived_by_owner = revived_by_owner or {}
     active_after = acct.active + revived_own
     if active_after + needed > acct.max_blocks:
+        if not acct.limited:  # no maxBlocks: the limit is the pool itself
+            raise PoolExhausted(acct.tenant, needed, acct.max_blocks - active_after)
         raise QuotaExceeded(acct.tenant, needed, active_after, acct.max_blocks)
     own_cold = len(acct.cold) - revived_own
     # Evictions the hard maximum forces on the tenant's own cold blocks.

@@ -83,13 +83,23 @@ def _seed(*parts: str) -> int:
 
 
 def rsum0(a: FloatArray) -> FloatArray:
-    """Sum over axis 0 in index order (see the module docstring)."""
-    return np.add.reduce(np.ascontiguousarray(a), axis=0)  # type: ignore[no-any-return]
+    """Sum over axis 0 in index order (see the module docstring).
+
+    numpy reduces a C-contiguous array over axis 0 one slice at a time, but only while there is a
+    second dimension left to loop over: an array whose other dimensions hold a single element is
+    summed pairwise. So such an array gets a zero column, which keeps the order the same.
+    """
+    a = np.ascontiguousarray(a)
+    if a.size == a.shape[0]:
+        padded = np.zeros((a.shape[0], 2), dtype=a.dtype)
+        padded[:, 0] = a.reshape(-1)
+        return np.add.reduce(padded, axis=0)[:1].reshape(a.shape[1:])  # type: ignore[no-any-return]
+    return np.add.reduce(a, axis=0)  # type: ignore[no-any-return]
 
 
 def psum0(a: FloatArray, b: FloatArray) -> FloatArray:
     """``(a * b).sum(axis=0)`` in index order, the product laid out C-contiguous."""
-    return np.add.reduce(np.multiply(a, b, order="C"), axis=0)  # type: ignore[no-any-return]
+    return rsum0(np.multiply(a, b, order="C"))
 
 
 def matmul(x: FloatArray, w: FloatArray, rows: int = 64) -> FloatArray:

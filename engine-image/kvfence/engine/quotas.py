@@ -59,6 +59,8 @@ class TenantAccount:
     max_blocks: int
     guaranteed: int
     listed: bool
+    #: False when the tenant has no ``maxBlocks`` (its maximum is then the pool itself)
+    limited: bool = True
     usage: int = 0
     open_sequences: int = 0
     #: the tenant's unreferenced cached blocks, least recently used first
@@ -96,8 +98,10 @@ class QuotaBook:
         return maximum, min(q.guaranteed_blocks, maximum)
 
     def _open(self, tenant: str, *, listed: bool) -> TenantAccount:
-        maximum, guaranteed = self._limits(self._quotas.for_tenant(tenant))
-        acct = TenantAccount(tenant, maximum, guaranteed, listed, cold=BlockList(f"cold/{tenant}"))
+        q = self._quotas.for_tenant(tenant)
+        maximum, guaranteed = self._limits(q)
+        cold = BlockList(f"cold/{tenant}")
+        acct = TenantAccount(tenant, maximum, guaranteed, listed, limited=q.max_blocks is not None, cold=cold)
         self.accounts[tenant] = acct
         self.total_unused_reservation += acct.unused_reservation
         return acct

@@ -1,0 +1,224 @@
+"""Helpers of the engine suites: configurations, the cold-computation oracle, signed HTTP clients,
+SSE and Prometheus parsing, and the engine started as a real subprocess on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.engine import Engine
+from kvfence.engine.model import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+TRUST_CLASS = "gold"
+TOKENIZER = ByteTokenizer()
+
+
+def config_dict(key_dir: Path | str, **over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "trustClass": TRUST_CLASS,
+        "model": {"name": "kvfence/tiny", "revision": "1", "servedName": "tiny"},
+        "adapters": ["bot"],
+        "blockSize": 16,
+        "numBlocks": 512,
+        "maxModelLen": 320,
+        "signingKeyDir": str(key_dir),
+        "listen": {"host": "127.0.0.1", "port": 0},
+    }
+    base.update(over)
+    return base
+
+
+def make_config(key_dir: Path | str = "/nonexistent", **over: Any) -> EngineConfig:
+    return EngineConfig.model_validate(config_dict(key_dir, **over))
+
+
+def cold_config(cfg: EngineConfig) -> EngineConfig:
+    """The same engine with the prefix cache off: the oracle every warm output is compared with."""
+    data = cfg.model_dump(by_alias=True, mode="json")
+    data["prefixCache"]["enabled"] = False
+    data["quotas"] = {}
+    data["numBlocks"] = max(64, data["maxModelLen"] // data["blockSize"] + 2)
+    return EngineConfig.model_validate(data)
+
+
+class Oracle:
+    """Cold computations (no cache), memoised by (adapter, prompt, max_tokens)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.engine = Engine(cold_config(cfg))
+        self._memo: dict[tuple[str, bytes, int], list[int]] = {}
+
+    def tokens(self, prompt: np.ndarray[Any, Any], max_tokens: int, adapter: str = "") -> list[int]:
+        k = (adapter, prompt.tobytes(), max_tokens)
+        if k not in self._memo:
+            out, end = self.engine.generate("oracle", prompt, max_tokens, adapter=adapter)
+            assert type(end).__name__ == "Finished", end
+            self._memo[k] = out
+        return self._memo[k]
+
+    def text(self, prompt_text: str, max_tokens: int, adapter: str = "") -> str:
+        return TOKENIZER.decode(self.tokens(TOKENIZER.encode(prompt_text), max_tokens, adapter))
+
+    def chat_text(self, messages: list[tuple[str, str]], max_tokens: int, adapter: str = "") -> str:
+        return self.text(TOKENIZER.chat_prompt(messages), max_tokens, adapter)
+
+
+@dataclass
+class Signer:
+    key: bytes
+    trust_class: str = TRUST_CLASS
+    scope: str = "Tenant"
+
+    def identity(self, tenant: str) -> Identity:
+        return Identity(tenant, self.trust_class, cache_namespace(self.trust_class, tenant, self.scope))
+
+    def headers(
+        self,
+        tenant: str,
+        method: str,
+        path: str,
+        body: bytes,
+        *,
+        now: float | None = None,
+        nonce: str | None = None,
+    ) -> dict[str, str]:
+        return sign(self.key, self.identity(tenant), method, path, body, now=now, nonce=nonce)
+
+    def salt(self, tenant: str) -> str:
+        ident = self.identity(tenant)
+        return derive_cache_salt(self.key, ident.trust_class, ident.namespace)
+
+
+@dataclass
+class Reply:
+    status: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+    @property
+    def error(self) -> dict[str, Any]:
+        err: dict[str, Any] = self.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        return err
+
+
+class Client:
+    """Signs and sends requests to an engine at ``base`` (one aiohttp session per call batch)."""
+
+    def __init__(self, base: str, signer: Signer) -> None:
+        self.base = base
+        self.signer = signer
+
+    async def send(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        body: Any = None,
+        *,
+        tenant: str = "acme",
+        method: str = "POST",
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        signed: bool = True,
+    ) -> Reply:
+        data = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
+        h = dict(headers or {})
+        if signed and headers is None:
+            h.update(self.signer.headers(tenant, method, path, data))
+        h.setdefault("Content-Type", "application/json")
+        async with session.request(method, self.base + path, data=data or None, headers=h) as r:
+            return Reply(r.status, await r.text())
+
+    def run(self, coro_fn: Callable[[aiohttp.ClientSession], Any]) -> Any:
+        async def main() -> Any:
+            conn = aiohttp.TCPConnector(limit=256)
+            async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=300)) as s:
+                return await coro_fn(s)
+
+        return asyncio.run(main())
+
+    def one(self, path: str, body: Any = None, **kw: Any) -> Reply:
+        return self.run(lambda s: self.send(s, path, body, **kw))  # type: ignore[no-any-return]
+
+
+def sse_events(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded ("[DONE]" kept as the string)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def scrape(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text page."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+class EngineProcess:
+    def __init__(self, config_path: Path, port_file: Path, log_path: Path) -> None:
+        self.log_path = log_path
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "engine-image"), str(ROOT / "operator")]),
+        }
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvfence.engine",
+                "--config",
+                str(config_path),
+                "--port-file",
+                str(port_file),
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
+        )
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"engine did not start:\n{log_path.read_text()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,152 @@
+"""Prefix-cache keys, exact verification, and forced hash collisions."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfence.contract import CacheScope, cache_namespace
+from kvfence.engine.allocator import FencedAllocator
+from kvfence.engine.metrics import EngineMetrics
+from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache, hash_function
+
+BS = 4
+
+
+def ctx(namespace: str = "tenant/gold/a", **over: str) -> CacheContext:
+    fields = {"model": "m", "revision": "r", "adapter": "", "quantization": "none", "trust_class": "gold"}
+    fields.update(over)
+    return CacheContext(namespace=namespace, **fields)
+
+
+def setup(hash_fn: HashFn | None = None, algo: str = "sha256") -> FencedAllocator:
+    m = EngineMetrics()
+    pc = PrefixCache(BS, m, hash_algorithm=algo, hash_fn=hash_fn)
+    return FencedAllocator("gold", 64, BS, metrics=m, prefix_cache=pc)
+
+
+def cache_prompt(
+    a: FencedAllocator, sid: str, c: CacheContext, tenant: str, prompt: np.ndarray[Any, Any]
+) -> int:
+    got = a.allocate_sequence(sid, tenant, len(prompt), ctx=c, prompt=prompt)
+    a.commit(sid, prompt, len(prompt))
+    a.release(sid)
+    return got.num_cached_tokens
+
+
+def arr(*v: int) -> np.ndarray[Any, np.dtype[np.int32]]:
+    return np.array(v, dtype=np.int32)
+
+
+@pytest.mark.parametrize(("algo", "size"), [("sha256", 32), ("blake2b", 64)])
+def test_keys_are_full_cryptographic_digests_chained_from_the_context(algo: str, size: int) -> None:
+    pc = PrefixCache(BS, EngineMetrics(), hash_algorithm=algo)
+    tokens = arr(*range(8)).tobytes()
+    k = pc.keys(ctx(), tokens, 2)
+    assert [len(x) for x in k] == [size, size]
+    h = hash_function(algo)
+    assert k[1] == h(k[0], tokens[16:32])
+    assert k[0] == h(pc.root_key(ctx()), tokens[:16])
+    with pytest.raises(ValueError, match="unknown prefix-cache hash"):
+        hash_function("xxhash64")
+
+
+@pytest.mark.parametrize(
+    "field", ["model", "revision", "adapter", "quantization", "trust_class", "namespace"]
+)
+def test_every_context_field_changes_every_key(field: str) -> None:
+    pc = PrefixCache(BS, EngineMetrics())
+    tokens = arr(*range(12)).tobytes()
+    base = ctx()
+    other = ctx(**{field: "different"}) if field != "namespace" else ctx("tenant/gold/b")
+    assert not set(pc.keys(base, tokens, 3)) & set(pc.keys(other, tokens, 3))
+
+
+def test_context_encoding_is_unambiguous() -> None:
+    assert ctx(model="ab", revision="c").encode() != ctx(model="a", revision="bc").encode()
+
+
+def test_namespaces_follow_the_contract() -> None:
+    assert cache_namespace("gold", "acme", CacheScope.TENANT) != cache_namespace(
+        "gold", "beta", CacheScope.TENANT
+    )
+    assert cache_namespace("gold", "acme", CacheScope.TRUST_CLASS) == cache_namespace(
+        "gold", "beta", CacheScope.TRUST_CLASS
+    )
+
+
+def weak_hash(parent: bytes, payload: bytes | memoryview) -> bytes:
+    """Deliberately terrible: 8 bits, and it ignores the parent (so the namespace too)."""
+    return bytes([sum(bytes(payload)) % 3])
+
+
+def namespace_blind_hash(parent: bytes, payload: bytes | memoryview) -> bytes:
+    """A strong hash that forgets the chain: the 'salt dropped from the key' bug (vLLM #44096)."""
+    return hashlib.sha256(bytes(payload)).digest()
+
+
+def test_forced_collisions_are_caught_by_exact_verification_and_counted() -> None:
+    a = setup(hash_fn=weak_hash)
+    c = ctx()
+    p1 = arr(*range(1, 10))  # 2 full blocks cacheable
+    assert cache_prompt(a, "s1", c, "a", p1) == 0
+    # Different tokens, but with the weak hash every key collides with something stored.
+    p2 = arr(*range(2, 11))
+    assert weak_hash(b"", p2[:4].tobytes()) in a.prefix_cache.index  # type: ignore[union-attr]
+    assert cache_prompt(a, "s2", c, "a", p2) == 0
+    assert a.metrics.value("kv_cache_hash_collision_total") >= 1
+    assert a.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 0
+    # The genuine prefix still hits.
+    assert a.cached_prefix_tokens(c, p1) == 8
+    a.check_consistency()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=5, max_size=20), min_size=2, max_size=8),
+)
+def test_with_a_weak_hash_every_hit_is_still_an_exact_prefix(prompts: list[list[int]]) -> None:
+    a = setup(hash_fn=weak_hash)
+    c = ctx()
+    stored: list[np.ndarray[Any, Any]] = []
+    for i, p in enumerate(prompts):
+        prompt = arr(*p)
+        got = cache_prompt(a, f"s{i}", c, "a", prompt)
+        if got:
+            # a hit of n tokens must be a prefix some earlier prompt really had
+            assert any(len(s) >= got and np.array_equal(s[:got], prompt[:got]) for s in stored)
+        stored.append(prompt)
+    a.check_consistency()
+
+
+def test_an_entry_of_another_namespace_is_refused_and_counted() -> None:
+    a = setup(hash_fn=namespace_blind_hash)
+    system = arr(*range(30, 39))  # the same system prompt for both tenants
+    assert cache_prompt(a, "a1", ctx("tenant/gold/a"), "a", system) == 0
+    assert cache_prompt(a, "a2", ctx("tenant/gold/a"), "a", system) == 8  # a hits its own blocks
+    got = a.allocate_sequence("b1", "b", len(system), ctx=ctx("tenant/gold/b"), prompt=system)
+    assert got.num_cached_tokens == 0  # the key matched a's entry; ownership refused it
+    assert a.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 1
+    assert all(a.owner_of(i) == "b" for i in got.table.tolist())
+    a.commit("b1", system, len(system))  # b's blocks cannot take a's keys
+    a.release("b1")
+    assert a.cached_prefix_tokens(ctx("tenant/gold/a"), system) == 8
+    a.check_consistency()
+
+
+def test_a_hit_requires_the_same_parent_block() -> None:
+    a = setup(hash_fn=weak_hash)  # keys ignore the parent: only the stored parent link saves us
+    c = ctx()
+    A, B, C = (1, 1, 1, 1), (2, 2, 2, 2), (0, 0, 0, 0)
+    cache_prompt(a, "y", c, "a", arr(*C, *B, 9))  # B is stored with parent C
+    cache_prompt(a, "x", c, "a", arr(*A, 9))  # A is stored at the root
+    before = a.metrics.value("kv_cache_hash_collision_total")
+    # A hits; B's key then finds the stored B, whose tokens match but whose parent is C, not A: its
+    # KV was computed after other tokens, so it must not be used.
+    assert a.cached_prefix_tokens(c, arr(*A, *B, 9)) == 4
+    assert a.metrics.value("kv_cache_hash_collision_total") == before + 1
