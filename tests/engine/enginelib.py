@@ -222,3 +222,43 @@ class EngineProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+class InProcessServer:
+    """The HTTP server in this process (its own event loop thread) on a real socket, so a test can
+    inject a hash function and inspect the allocator directly."""
+
+    def __init__(self, server: Any) -> None:
+        import threading
+
+        from aiohttp import web
+
+        self.server = server
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self.port = 0
+
+        async def main() -> None:
+            runner = web.AppRunner(server.app(), shutdown_timeout=5.0)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = runner.addresses[0][1]
+            self._stop = asyncio.Event()
+            self._ready.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        server.engine.start()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(main(),), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("in-process server did not start")
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        assert self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        self.server.engine.stop(10)
