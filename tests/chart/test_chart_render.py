@@ -1,0 +1,446 @@
+"""Template tests of charts/kvfence: lint, render several values files, assert on the rendered objects.
+
+They use the helm binary built from source by `make components` (no cluster needed).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chart.chartsupport import (
+    CHART,
+    CI_VALUES,
+    NAMESPACE,
+    ROOT,
+    Obj,
+    container,
+    find,
+    flag,
+    helm,
+    normalize_rules,
+    one,
+    render,
+    render_raw,
+)
+
+from kvfence import contract
+from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
+from kvfence.operator import builders, rbac
+
+CI = {p.name.removesuffix("-values.yaml"): p for p in CI_VALUES}
+RECOMMENDED = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/part-of",
+    "helm.sh/chart",
+)
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[Obj]]:
+    return {name: render([path]) for name, path in CI.items()}
+
+
+def test_the_ci_values_files_exist() -> None:
+    assert {"default", "ha", "monitoring", "minimal"} <= set(CI)
+
+
+@pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "no-values" if v is None else v.name)
+def test_helm_lint_strict_is_clean(values: Path | None) -> None:
+    args = ["lint", "--strict", str(CHART)] + (["-f", str(values)] if values else [])
+    res = helm(*args, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[WARNING]" not in res.stdout and "[ERROR]" not in res.stdout, res.stdout
+
+
+def test_chart_crds_are_the_generated_ones_byte_for_byte() -> None:
+    generated = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
+    shipped = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    assert generated, "no generated CRDs in crds/"
+    assert shipped.keys() == generated.keys()
+    for name, data in generated.items():
+        assert shipped[name] == data, f"charts/kvfence/crds/{name} differs from crds/{name}: copy it again"
+
+
+def test_every_object_has_the_recommended_labels_and_one_resource_per_template(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    for name, objs in rendered.items():
+        for o in objs:
+            labels = o["metadata"].get("labels", {})
+            missing = [k for k in RECOMMENDED if k not in labels]
+            assert not missing, f"{name}: {o['kind']}/{o['metadata']['name']} lacks {missing}"
+            assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    for tpl in (CHART / "templates").glob("*.yaml"):
+        text = tpl.read_text()
+        # One resource per file; only the per-namespace RoleBindings loop over a list.
+        assert text.count("\nkind: ") + text.startswith("kind: ") <= 1, tpl.name
+        assert len(re.findall(r"^apiVersion:", text, re.M)) == 1, tpl.name
+
+
+def test_values_have_a_comment_per_key() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    free_form_indent: int | None = None  # inside an example value (resources, hosts, ...): not keys
+    checked = 0
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z][A-Za-z0-9]*):", line)
+        if not m:
+            continue
+        indent, key = len(m.group(1)), m.group(2)
+        if free_form_indent is not None:
+            if indent > free_form_indent:
+                continue
+            free_form_indent = None
+        assert key[0].islower() and "_" not in key, f"values key {key!r} is not camelCase"
+        above = lines[i - 1].strip() if i else ""
+        # A block key (operator:, router:) is documented by its children's comments.
+        is_block = line.rstrip().endswith(":") and key not in FREE_FORM
+        assert above.startswith("#") or is_block, f"values.yaml line {i + 1}: {key} has no comment"
+        checked += 1
+        if key in FREE_FORM:
+            free_form_indent = indent
+    assert checked > 80
+
+
+FREE_FORM = {"resources", "hosts", "parentRefs"}
+
+
+def test_default_objects(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["default"]
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+    assert kinds == sorted(
+        [
+            ("ServiceAccount", "kvfence-operator"),
+            ("ServiceAccount", "kvfence-router"),
+            ("ClusterRole", "kvfence-operator"),
+            ("ClusterRole", "kvfence-operator-tenant-secrets"),
+            ("ClusterRoleBinding", "kvfence-operator"),
+            ("Role", "kvfence-operator-leader-election"),
+            ("RoleBinding", "kvfence-operator-leader-election"),
+            ("Deployment", "kvfence-operator"),
+            ("Deployment", "kvfence-router"),
+            ("Service", "kvfence-operator-metrics"),
+            ("Service", "kvfence-router"),
+            ("PodDisruptionBudget", "kvfence-operator"),
+            ("PodDisruptionBudget", "kvfence-router"),
+            ("ConfigMap", "kvfence-dashboard"),
+        ]
+    )
+    for o in objs:
+        if o["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert o["metadata"]["namespace"] == NAMESPACE, o["metadata"]["name"]
+
+
+def test_names_are_release_namespaced() -> None:
+    objs = render(release="blue")
+    names = {o["metadata"]["name"] for o in objs}
+    assert "blue-kvfence-operator" in names and "blue-kvfence-router" in names
+    assert all(n.startswith("blue-kvfence") for n in names), names
+    op = one(objs, "Deployment", "blue-kvfence-operator")
+    assert flag(container(op), "lease-name") == ["blue-kvfence-operator"]
+
+
+def test_operator_deployment_is_ha_and_hardened(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["default"]
+    op = one(objs, "Deployment", "kvfence-operator")
+    c = container(op)
+    assert op["spec"]["replicas"] == 2
+    assert c["command"] == ["kvfence-operator"]
+    assert "--leader-elect" in c["args"]
+    assert flag(c, "lease-namespace") == [NAMESPACE]
+    assert flag(c, "router-namespace") == [NAMESPACE]
+    assert flag(c, "identity") == ["$(POD_NAME)"]
+    assert {e["name"] for e in c["env"]} >= {"POD_NAME", "POD_NAMESPACE"}
+    # The flags it is given are flags the operator has.
+    from kvfence.operator.main import parse_args
+
+    args = parse_args([a.replace("$(POD_NAME)", "pod-0") for a in c["args"]])
+    assert args.router_namespace == NAMESPACE and args.leader_elect is True
+    assert args.lease_name == "kvfence-operator" and args.identity == "pod-0"
+    _assert_hardened(op)
+    assert op["spec"]["template"]["spec"]["serviceAccountName"] == "kvfence-operator"
+    assert c["ports"][0]["containerPort"] == args.health_port
+
+
+def _assert_hardened(deploy: Obj) -> None:
+    pod = deploy["spec"]["template"]["spec"]
+    c = container(deploy)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert c["livenessProbe"] and c["readinessProbe"]
+    assert c["resources"]["requests"]
+
+
+def test_router_deployment_reads_the_routing_table_the_operator_renders(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    objs = rendered["default"]
+    r = one(objs, "Deployment", "kvfence-router")
+    c = container(r)
+    pod = r["spec"]["template"]["spec"]
+    assert c["command"] == ["kvfence-router"]
+    vol = next(v for v in pod["volumes"] if "secret" in v)
+    assert vol["secret"]["secretName"] == ROUTING_SECRET_NAME
+    assert vol["secret"]["optional"] is True
+    assert vol["secret"]["items"] == [{"key": ROUTING_SECRET_KEY, "path": ROUTING_SECRET_KEY}]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
+    assert flag(c, "routing-table") == [f"{mount['mountPath']}/{ROUTING_SECRET_KEY}"]
+    assert pod["automountServiceAccountToken"] is False
+    _assert_hardened(r)
+    # The flags are the router's own.
+    from kvfence.router.server import parse_args
+
+    args = parse_args(c["args"])
+    assert args.replicas == 2 and args.port == c["ports"][0]["containerPort"]
+    # The Service reaches those pods.
+    svc = one(objs, "Service", "kvfence-router")
+    assert svc["spec"]["selector"].items() <= r["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_engine_network_policy_admits_the_router_pods(rendered: dict[str, list[Obj]]) -> None:
+    """The operator is told the router's labels; the NetworkPolicy it builds must select these pods."""
+    objs = rendered["default"]
+    op_args = container(one(objs, "Deployment", "kvfence-operator"))
+    router_labels = one(objs, "Deployment", "kvfence-router")["spec"]["template"]["metadata"]["labels"]
+    told = dict(kv.split("=", 1) for kv in flag(op_args, "router-pod-label"))
+    assert told and told.items() <= router_labels.items()
+    # What the operator would build with its defaults also matches (labels the chart always sets).
+    assert builders.OperatorOptions().router_pod_labels.items() <= router_labels.items()
+    opts = builders.OperatorOptions(router_namespace=NAMESPACE, router_pod_labels=told)
+    from kvfence.api.trustclass import TrustClass
+
+    tc = TrustClass.model_validate(
+        {
+            "apiVersion": "kvfence.dev/v1alpha1",
+            "kind": "TrustClass",
+            "metadata": {"name": "gold"},
+            "spec": {
+                "engine": {"runtime": "reference", "image": "x", "model": {"name": "m", "revision": "1"}}
+            },
+        }
+    )
+    peer = builders.network_policy(tc, opts)["spec"]["ingress"][0]["from"][0]
+    assert peer["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
+
+
+def test_rbac_matches_the_operators_own_definition(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["default"]
+    assert normalize_rules(one(objs, "ClusterRole", "kvfence-operator")["rules"]) == normalize_rules(
+        rbac.cluster_role()["rules"]
+    )
+    assert normalize_rules(
+        one(objs, "ClusterRole", "kvfence-operator-tenant-secrets")["rules"]
+    ) == normalize_rules(rbac.tenant_secrets_role()["rules"])
+    assert one(objs, "ClusterRole", "kvfence-operator-tenant-secrets")["metadata"]["name"] == (
+        rbac.TENANT_SECRETS_ROLE
+    )
+    role = one(objs, "Role", "kvfence-operator-leader-election")
+    assert normalize_rules(role["rules"]) == normalize_rules(
+        rbac.lease_role(NAMESPACE, "kvfence-operator")["rules"]
+    )
+    crb = one(objs, "ClusterRoleBinding", "kvfence-operator")
+    assert crb["roleRef"]["name"] == "kvfence-operator"
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "kvfence-operator", "namespace": NAMESPACE}]
+    rb = one(objs, "RoleBinding", "kvfence-operator-leader-election")
+    assert rb["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    # Nothing in the chart grants the router any API access.
+    assert not [
+        b
+        for b in find(objs, "RoleBinding") + find(objs, "ClusterRoleBinding")
+        if "router" in str(b["subjects"])
+    ]
+    # The operator's names are the ones its code uses.
+    assert builders.SIGNING_SECRET_NAME in str(rbac.cluster_role()["rules"])
+
+
+def test_rbac_covers_a_renamed_release() -> None:
+    objs = render(release="blue")
+    role = one(objs, "Role", "blue-kvfence-operator-leader-election")
+    assert normalize_rules(role["rules"]) == normalize_rules(
+        rbac.lease_role(NAMESPACE, "blue-kvfence-operator")["rules"]
+    )
+
+
+def test_ha_values(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["ha"]
+    op = one(objs, "Deployment", "kvfence-operator")
+    assert op["spec"]["replicas"] == 3
+    assert flag(container(op), "lease-seconds") == ["30"]
+    assert container(op)["image"] == "registry.example.com/kvfence/control-plane@sha256:" + "0" * 64
+    r = one(objs, "Deployment", "kvfence-router")
+    assert "replicas" not in r["spec"]  # the HPA owns it
+    assert flag(container(r), "replicas") == ["3"]  # quotas divided by minReplicas
+    hpa = one(objs, "HorizontalPodAutoscaler", "kvfence-router")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "kvfence-router",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    ing = one(objs, "Ingress", "kvfence-router")
+    assert ing["spec"]["ingressClassName"] == "nginx"
+    assert ing["spec"]["tls"] == [{"hosts": ["llm.example.com"], "secretName": "llm-example-tls"}]
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]
+    assert backend == {"service": {"name": "kvfence-router", "port": {"name": "http"}}}
+    bindings = find(objs, "RoleBinding", "kvfence-operator-tenant-secrets")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for b in bindings:
+        assert b["roleRef"]["kind"] == "ClusterRole" and b["roleRef"]["name"] == rbac.TENANT_SECRETS_ROLE
+        assert b["subjects"] == [
+            {"kind": "ServiceAccount", "name": "kvfence-operator", "namespace": NAMESPACE}
+        ]
+    assert one(objs, "PodDisruptionBudget", "kvfence-router")["spec"]["maxUnavailable"] == 1
+
+
+def test_minimal_values(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["minimal"]
+    op = one(objs, "Deployment", "kvfence-operator")
+    assert op["spec"]["replicas"] == 1
+    assert "--no-leader-elect" in container(op)["args"]
+    assert not find(objs, "Role") and not find(objs, "PodDisruptionBudget")
+    assert not find(objs, "ConfigMap")
+    assert flag(container(one(objs, "Deployment", "kvfence-router")), "replicas") == ["1"]
+
+
+def test_monitoring_values(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["monitoring"]
+    monitors = {o["metadata"]["name"]: o for o in find(objs, "ServiceMonitor")}
+    assert set(monitors) == {"kvfence-router", "kvfence-operator"}
+    for m in monitors.values():
+        assert m["metadata"]["labels"]["release"] == "prometheus"
+    svc_port_names = {
+        s["metadata"]["name"]: [p["name"] for p in s["spec"]["ports"]] for s in find(objs, "Service")
+    }
+    assert monitors["kvfence-router"]["spec"]["endpoints"][0]["port"] in svc_port_names["kvfence-router"]
+    assert (
+        monitors["kvfence-operator"]["spec"]["endpoints"][0]["port"]
+        in svc_port_names["kvfence-operator-metrics"]
+    )
+    pm = one(objs, "PodMonitor")
+    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": builders.ENGINE_APP}
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"  # the engine container's port name
+    route = one(objs, "HTTPRoute", "kvfence-router")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] == [
+        {"name": "public", "namespace": "gateways", "sectionName": "https"}
+    ]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "kvfence-router", "port": 8080}]
+
+
+def _alerts(objs: list[Obj]) -> dict[str, Obj]:
+    rule = one(objs, "PrometheusRule")
+    return {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+
+def test_prometheus_rule_has_the_isolation_and_capacity_alerts(rendered: dict[str, list[Obj]]) -> None:
+    alerts = _alerts(rendered["monitoring"])
+    required = {
+        "KvfenceHashCollisionDetected": contract.METRIC_HASH_COLLISION,
+        "KvfenceCrossTenantAccessRejected": contract.METRIC_CROSS_ACCESS_REJECTED,
+        "KvfenceStaleReference": contract.METRIC_STALE_REFERENCE,
+        "KvfenceTenantQuotaSaturated": "kvfence_router_quota_rejections_total",
+        "KvfenceEngineUnavailable": "kvfence_router_engine_healthy",
+        "KvfenceEngineSignatureRejected": contract.METRIC_SIGNATURE_REJECTED,
+    }
+    for alert, metric in required.items():
+        assert alert in alerts, alert
+        assert metric in alerts[alert]["expr"], (alert, alerts[alert]["expr"])
+        assert alerts[alert]["labels"]["severity"] in ("warning", "critical")
+        assert alerts[alert]["labels"]["team"] == "ml-platform"
+        # Prometheus templates survived Helm's templating.
+        assert "{{ $" in json.dumps(alerts[alert]["annotations"])
+    assert alerts["KvfenceEngineUnavailable"]["for"] == "2m"
+
+
+def _known_metric_names() -> set[str]:
+    from kvfence.engine.metrics import EngineMetrics
+    from kvfence.operator import metrics as op_metrics
+    from kvfence.router.metrics import RouterMetrics
+
+    names = set()
+    for m in RouterMetrics().all:
+        names |= {m.name, m.name + "_bucket", m.name + "_sum", m.name + "_count"}
+    for registry in (EngineMetrics().registry, op_metrics.REGISTRY):
+        for fam in registry.collect():
+            names |= {s.name for s in fam.samples}
+            names.add(fam.name)
+            if fam.type == "counter":
+                names.add(fam.name + "_total")
+            if fam.type == "histogram":
+                names |= {fam.name + "_bucket", fam.name + "_sum", fam.name + "_count"}
+    # Gauges the reference engine registers when it starts (kvfence.engine.engine), and vLLM's own.
+    names |= {
+        "kvfence_engine_kv_blocks_total",
+        "kvfence_engine_kv_blocks_free",
+        "kvfence_engine_kv_blocks_active",
+        "kvfence_engine_kv_blocks_fenced",
+        "kvfence_engine_kv_blocks_cached",
+        "kvfence_engine_requests_waiting",
+        "kvfence_engine_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits",
+        "vllm:prefix_cache_queries",
+    }
+    return names
+
+
+METRIC_RE = re.compile(r"\b((?:kvfence|kv_cache|vllm:)[a-z0-9_:]*)")
+
+
+@pytest.mark.parametrize("source", ["alerts", "dashboard"])
+def test_alerts_and_dashboard_only_use_metrics_that_exist(
+    rendered: dict[str, list[Obj]], source: str
+) -> None:
+    known = _known_metric_names()
+    if source == "alerts":
+        exprs = [a["expr"] for a in _alerts(rendered["monitoring"]).values()]
+    else:
+        cm = one(rendered["default"], "ConfigMap", "kvfence-dashboard")
+        dash = json.loads(cm["data"]["kvfence.json"])
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+        assert dash["uid"] and len(exprs) >= 10
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    used = {m for e in exprs for m in METRIC_RE.findall(e)}
+    assert used, "no metric names found"
+    unknown = sorted(used - known)
+    assert not unknown, f"{source} reference metrics nobody exports: {unknown}"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["router.replicaCount=0"], "minimum"),
+        (["operator.logFormat=xml"], "logFormat"),
+        (["router.typo=1"], "additional properties"),
+        (["image.digest=latest"], "digest"),
+        (["operator.replicaCount=2", "operator.leaderElection.enabled=false"], "leaderElection"),
+    ],
+)
+def test_bad_values_are_refused(sets: list[str], message: str) -> None:
+    res = render_raw(sets=sets, check=False)
+    assert res.returncode != 0
+    assert message.lower() in res.stderr.lower(), res.stderr
+
+
+def test_values_schema_is_valid_json_and_covers_every_top_level_key() -> None:
+    import yaml
+
+    schema: dict[str, Any] = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"])
+    assert schema["additionalProperties"] is False
