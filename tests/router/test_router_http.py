@@ -256,3 +256,40 @@ def test_console_script_help() -> None:
     exe = Path(sys.executable).parent / "kvfence-router"
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True, timeout=60)
     assert "--routing-table" in out.stdout and "--replicas" in out.stdout
+
+
+def test_client_disconnect_mid_stream_releases_quota(stack: Stack) -> None:
+    """erin may have one request at a time. She opens a stream that the engine holds silent, then
+    hangs up: the router must notice (without waiting for the engine), abort the engine request and
+    free her slot."""
+
+    async def run() -> None:
+        url = stack.router.url + "/v1/completions"
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(
+                url,
+                json={"model": "tiny", "prompt": "GATED hangup", "stream": True},
+                headers=auth(KEYS["erin"]),
+            )
+            assert resp.status == 200
+            await resp.content.readany()
+            resp.close()  # hang up while the engine is silent
+            for _ in range(600):
+                async with s.post(
+                    url, json={"model": "tiny", "prompt": "y"}, headers=auth(KEYS["erin"])
+                ) as r:
+                    if r.status == 200:
+                        break
+                    assert r.status == 429
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("erin's slot was never released")
+            async with s.post(stack.gold.url + "/control/release"):
+                pass
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    _, _, metrics = request("GET", stack.router.url + "/metrics")
+    assert (
+        b'kvfence_router_requests_total{tenant="erin",trust_class="gold",'
+        b'endpoint="/v1/completions",code="499"} 1' in metrics
+    )

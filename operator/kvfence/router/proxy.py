@@ -64,6 +64,7 @@ class Relay:
     response: web.StreamResponse
     total_tokens: int | None  # usage.total_tokens as the engine reported it, if it did
     stream_events: int = 0  # SSE events relayed (streams only)
+    client_gone: bool = False  # the client disconnected before the end of the answer
 
 
 class EngineState:
@@ -289,6 +290,11 @@ class Proxy:
                 "bad_gateway",
                 "upstream_error",
             ) from None
+        except asyncio.CancelledError:
+            # The client went away (the server cancels the handler): abort the engine's answer
+            # rather than return a half-read connection to the pool.
+            resp.close()
+            raise
         finally:
             resp.release()
 
@@ -328,7 +334,7 @@ class Proxy:
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             # The client went away: drop the engine connection so that the engine stops generating.
             resp.close()
-            raise
+            return Relay(out, None, scanner.events if scanner else 0, client_gone=True)
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
             await out.write_eof()
         if scanner is None:
