@@ -217,8 +217,8 @@ class QuotaSpec(KubeModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": f"!has(self.defaults.{f}) || !has(self.limits.{f}) "
-                    f"|| self.defaults.{f} <= self.limits.{f}",
+                    "rule": f"!has(self.defaults) || !has(self.limits) || !has(self.defaults.{f}) "
+                    f"|| !has(self.limits.{f}) || self.defaults.{f} <= self.limits.{f}",
                     "message": f"defaults.{f} must not exceed limits.{f}",
                     "fieldPath": f".defaults.{f}",
                     "reason": "FieldValueInvalid",
@@ -257,7 +257,7 @@ class TrustClassSpec(KubeModel):
                     "rule": "self.engine.runtime != 'vllm' || self.prefixCache.hashAlgorithm == 'sha256'",
                     "message": "the vllm runtime supports only the sha256 prefix-cache hash",
                     "fieldPath": ".prefixCache.hashAlgorithm",
-                    "reason": "FieldValueNotSupported",
+                    "reason": "FieldValueInvalid",
                 },
                 {
                     "rule": "self.resources.gpu.count == 0 || "
@@ -346,7 +346,7 @@ class TrustClass(KubeModel):
                 {
                     "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
                     "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters",
-                    "reason": "FieldValueTooLong",
+                    "reason": "FieldValueInvalid",
                 }
             ]
         }

@@ -1,0 +1,243 @@
+"""A small synchronous Kubernetes client for the operator: GET/LIST/DELETE, server-side apply with the
+``kvfence-operator`` field manager, status and metadata patches, Events, Leases.
+
+It wraps ``kubernetes.client.ApiClient`` (auth, TLS, kubeconfig and in-cluster config come from there)
+and counts every request by verb, so the metrics and the tests can prove that an operator with nothing
+to do writes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import threading
+import urllib.parse
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from kvfence.operator.builders import FIELD_MANAGER
+
+log = logging.getLogger("kvfence.operator.apply")
+
+Obj = dict[str, Any]
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+@dataclass(frozen=True)
+class Resource:
+    plural: str
+    namespaced: bool
+
+
+#: (apiVersion, kind) -> REST resource, for every kind the operator touches.
+RESOURCES: dict[tuple[str, str], Resource] = {
+    ("v1", "Namespace"): Resource("namespaces", False),
+    ("v1", "ConfigMap"): Resource("configmaps", True),
+    ("v1", "Secret"): Resource("secrets", True),
+    ("v1", "Service"): Resource("services", True),
+    ("v1", "Event"): Resource("events", True),
+    ("apps/v1", "Deployment"): Resource("deployments", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): Resource("networkpolicies", True),
+    ("policy/v1", "PodDisruptionBudget"): Resource("poddisruptionbudgets", True),
+    ("coordination.k8s.io/v1", "Lease"): Resource("leases", True),
+    ("kvfence.dev/v1alpha1", "TrustClass"): Resource("trustclasses", False),
+    ("kvfence.dev/v1alpha1", "TenantBinding"): Resource("tenantbindings", True),
+}
+
+
+class KubeError(Exception):
+    """A request the API server answered with an error status."""
+
+    def __init__(self, status: int, reason: str, body: str) -> None:
+        self.status, self.reason, self.body = status, reason, body
+        message = reason
+        with contextlib.suppress(ValueError, AttributeError):
+            message = json.loads(body).get("message", reason)
+        super().__init__(f"{status}: {message}")
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def forbidden(self) -> bool:
+        return self.status == 403
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+
+def path_for(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
+    res = RESOURCES[(api_version, kind)]
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if res.namespaced and namespace:
+        base += f"/namespaces/{namespace}"
+    base += f"/{res.plural}"
+    if name:
+        base += f"/{name}"
+    return base
+
+
+def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig (``$KUBECONFIG`` or the argument)."""
+    cfg = k8s.Configuration()
+    try:
+        if kubeconfig:
+            raise k8s_config.ConfigException("explicit kubeconfig")
+        k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+    except k8s_config.ConfigException:
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
+    return k8s.ApiClient(cfg)
+
+
+class Kube:
+    def __init__(self, api: k8s.ApiClient, on_request: Callable[[str, str], None] | None = None) -> None:
+        self.api = api
+        self._on_request = on_request
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()  # verb -> count
+
+    # --- transport ------------------------------------------------------------------------------
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        url = self.api.configuration.host + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        self.api.update_params_for_auth(headers, [], ["BearerToken"], path, method, body)
+        with self._lock:
+            self.requests[method] += 1
+        if self._on_request is not None:
+            self._on_request(method, path.split("/")[-1] if method == "POST" else _resource_of(path))
+        try:
+            resp = self.api.rest_client.request(method, url, headers=headers, body=body, _request_timeout=30)  # type: ignore[no-untyped-call]
+        except k8s.ApiException as e:
+            raise KubeError(int(e.status or 0), str(e.reason), str(e.body or "")) from None
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise KubeError(
+                resp.status, str(resp.reason), data.decode() if isinstance(data, bytes) else str(data)
+            )
+        return json.loads(data) if data else None
+
+    def writes(self) -> int:
+        with self._lock:
+            return sum(n for verb, n in self.requests.items() if verb in WRITE_VERBS)
+
+    # --- reads ----------------------------------------------------------------------------------
+    def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> Obj | None:
+        try:
+            obj: Obj = self.request("GET", path_for(api_version, kind, namespace, name))
+            return obj
+        except KubeError as e:
+            if e.not_found:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None
+    ) -> list[Obj]:
+        query = {"labelSelector": label_selector} if label_selector else None
+        out: Obj = self.request("GET", path_for(api_version, kind, namespace), query=query)
+        items: list[Obj] = out.get("items", [])
+        return items
+
+    # --- writes ---------------------------------------------------------------------------------
+    def apply(self, obj: Obj, *, field_manager: str = FIELD_MANAGER, subresource: str = "") -> Obj:
+        """Server-side apply ``obj`` (force: the operator owns every field it sets)."""
+        meta = obj["metadata"]
+        path = path_for(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        if subresource:
+            path += f"/{subresource}"
+        out: Obj = self.request(
+            "PATCH",
+            path,
+            query={"fieldManager": field_manager, "force": "true"},
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+        return out
+
+    def patch_status(self, api_version: str, kind: str, name: str, namespace: str | None, status: Obj) -> Obj:
+        out: Obj = self.request(
+            "PATCH",
+            path_for(api_version, kind, namespace, name) + "/status",
+            query={"fieldManager": FIELD_MANAGER},
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+        return out
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        try:
+            self.request(
+                "DELETE",
+                path_for(api_version, kind, namespace, name),
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            )
+            return True
+        except KubeError as e:
+            if e.not_found:
+                return False
+            raise
+
+    def create(self, obj: Obj) -> Obj:
+        meta = obj["metadata"]
+        out: Obj = self.request(
+            "POST", path_for(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj
+        )
+        return out
+
+    def replace(self, obj: Obj) -> Obj:
+        meta = obj["metadata"]
+        out: Obj = self.request(
+            "PUT", path_for(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]), body=obj
+        )
+        return out
+
+
+def _resource_of(path: str) -> str:
+    parts = [p for p in path.split("/") if p]
+    # /api/v1/namespaces/ns/secrets/name[/status] or /apis/g/v/...
+    skip = 2 if parts and parts[0] == "api" else 3
+    rest = parts[skip:]
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    return rest[0] if rest else "?"
+
+
+# --- comparing desired with live ------------------------------------------------------------------
+def is_subset(desired: Any, live: Any) -> bool:
+    """Whether every field of ``desired`` is present in ``live`` with the same value (lists element
+    by element, same length). Server-side defaults in ``live`` are ignored; scalars compare as strings
+    when their types differ (``2`` vs ``"2"`` for a quantity)."""
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return False
+        return all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(desired) != len(live):
+            return False
+        return all(is_subset(d, x) for d, x in zip(desired, live, strict=True))
+    if type(desired) is not type(live) and not isinstance(desired, bool) and not isinstance(live, bool):
+        return str(desired) == str(live)
+    return bool(desired == live)
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

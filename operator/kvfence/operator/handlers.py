@@ -1,0 +1,246 @@
+"""kopf handlers: thin. Each one turns a watch event into a key for the work queue; the
+:class:`~kvfence.operator.reconciler.Reconciler` does the work, level-based, in worker threads.
+
+Why a queue rather than kopf's create/update/delete handlers: every reconcile here is idempotent and
+looks at the whole picture (a binding's fate depends on the other bindings), so a burst of events for
+one key collapses into one reconcile, a failure is retried with backoff, and the operator writes no
+bookkeeping of its own onto the objects (no last-handled-configuration annotation): a restarted
+operator with nothing to do sends no write request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kopf
+
+from kvfence.api.common import GROUP, VERSION
+from kvfence.operator import metrics
+from kvfence.operator.apply import load_api_client
+from kvfence.operator.builders import FIELD_MANAGER as MANAGER
+from kvfence.operator.builders import LABEL_MANAGED_BY, LABEL_TRUST_CLASS
+from kvfence.operator.reconciler import ROUTING, Key, Reconciler, Requeue, class_key
+
+log = logging.getLogger("kvfence.operator")
+
+MANAGED = {LABEL_MANAGED_BY: MANAGER}
+
+#: Set by ``main``: where kopf's own connection (its watches) gets its credentials from.
+LOGIN: dict[str, str | None] = {"kubeconfig": None}
+
+
+class Controller:
+    """A de-duplicating work queue with per-key exclusivity, retries with backoff, and a resync."""
+
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        *,
+        workers: int = 4,
+        resync_seconds: float = 300.0,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.reconciler = reconciler
+        self._on_stop = on_stop
+        self.workers = workers
+        self.resync_seconds = resync_seconds
+        self.known_classes: set[str] = set()
+        self.namespace_labels: dict[str, dict[str, str]] = {}
+        self.binding_generations: dict[str, Any] = {}
+        self._queue: asyncio.Queue[Key] | None = None
+        self._queued: set[Key] = set()
+        self._processing: set[Key] = set()
+        self._dirty: set[Key] = set()
+        self._failures: dict[Key, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.idle = asyncio.Event()
+
+    # --- queue ---------------------------------------------------------------------------------
+    def enqueue(self, key: Key, delay: float = 0.0) -> None:
+        if self._loop is None or self._queue is None:
+            raise RuntimeError("controller not started")
+        if delay > 0:
+            self._loop.call_later(delay, self.enqueue, key)
+            return
+        if key in self._queued:
+            return
+        if key in self._processing:
+            self._dirty.add(key)
+            return
+        self._queued.add(key)
+        self._queue.put_nowait(key)
+        self.idle.clear()
+        metrics.QUEUE_DEPTH.set(len(self._queued))
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
+        self._tasks.append(asyncio.create_task(self._resync()))
+        self.enqueue(ROUTING)
+
+    async def stop(self) -> None:
+        if self._on_stop is not None:
+            self._on_stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _worker(self, _: int) -> None:
+        assert self._queue is not None
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            metrics.QUEUE_DEPTH.set(len(self._queued))
+            self._processing.add(key)
+            kind = key[0]
+            started = time.monotonic()
+            follow: set[Key] = set()
+            try:
+                follow = await asyncio.to_thread(self.reconciler.reconcile, key)
+                self._failures.pop(key, None)
+                metrics.RECONCILES.labels(kind=kind, result="ok").inc()
+            except Requeue as r:
+                metrics.RECONCILES.labels(kind=kind, result="requeue").inc()
+                log.debug("requeue %s in %.1fs: %s", key, r.delay, r)
+                self.enqueue(key, r.delay)
+            except Exception as e:
+                n = self._failures.get(key, 0) + 1
+                self._failures[key] = n
+                delay = min(60.0, 0.5 * 2 ** min(n, 7))
+                metrics.RECONCILES.labels(kind=kind, result="error").inc()
+                metrics.RECONCILE_ERRORS.labels(kind=kind).inc()
+                log.warning(
+                    "reconcile %s failed (attempt %d, retry in %.1fs): %s", "/".join(key), n, delay, e
+                )
+                self.enqueue(key, delay)
+            finally:
+                metrics.RECONCILE_SECONDS.labels(kind=kind).observe(time.monotonic() - started)
+                self._processing.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.enqueue(key)
+            for f in follow:
+                self.enqueue(f)
+            if not self._queued and not self._processing:
+                self.idle.set()
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            # API keys are re-read (a rotated key in a tenant's Secret is picked up here) and every
+            # class is compared with the cluster again (drift of objects the operator cannot watch).
+            self.reconciler.state.keys.clear()
+            self.enqueue(ROUTING)
+            for name in sorted(self.known_classes):
+                self.enqueue(class_key(name))
+
+
+def _controller(memo: Any) -> Controller:
+    c: Controller = memo.controller
+    return c
+
+
+# --- kopf wiring ---------------------------------------------------------------------------------
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's watches use the same credentials as the reconciler (``--kubeconfig`` or in-cluster)."""
+    cfg = load_api_client(LOGIN["kubeconfig"]).configuration
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (
+        (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    )
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        trust_env=settings.networking.trust_env,
+    )
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    settings.posting.enabled = False  # the reconciler posts its own, meaningful Events
+    settings.scanning.disabled = True  # no CRD/namespace scanning: fewer permissions needed
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+    await _controller(memo).start()
+
+
+@kopf.on.cleanup()
+async def shutdown(memo: Any, **_: Any) -> None:
+    await _controller(memo).stop()
+
+
+@kopf.on.event(GROUP, VERSION, "trustclasses")
+async def trustclass_event(name: str, type: str | None, memo: Any, **_: Any) -> None:
+    c = _controller(memo)
+    if type == "DELETED":
+        c.known_classes.discard(name)
+    else:
+        c.known_classes.add(name)
+    c.enqueue(class_key(name))
+    c.enqueue(ROUTING)
+
+
+@kopf.on.event(GROUP, VERSION, "tenantbindings")
+async def tenantbinding_event(
+    namespace: str | None, name: str, type: str | None, meta: kopf.Meta, memo: Any, **_: Any
+) -> None:
+    c = _controller(memo)
+    key = f"{namespace}/{name}"
+    generation = meta.get("generation")
+    if type == "DELETED" or c.binding_generations.get(key) != generation:
+        # The spec changed (or the binding is new/gone): its API keys are read again.
+        c.reconciler.state.keys.pop(key, None)
+    if type == "DELETED":
+        c.binding_generations.pop(key, None)
+    else:
+        c.binding_generations[key] = generation
+    c.enqueue(ROUTING)
+
+
+@kopf.on.event("", "v1", "namespaces")
+async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
+    c = _controller(memo)
+    new = dict(labels) if type != "DELETED" else None
+    if c.namespace_labels.get(name) != new:
+        if new is None:
+            c.namespace_labels.pop(name, None)
+        else:
+            c.namespace_labels[name] = new
+        c.enqueue(ROUTING)  # a namespace's labels decide which bindings its class admits
+    owner = (labels or {}).get(LABEL_TRUST_CLASS)
+    if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER:
+        c.enqueue(class_key(owner))
+
+
+def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
+    @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
+    async def child_event(labels: kopf.Labels, memo: Any, **_: Any) -> None:
+        owner = labels.get(LABEL_TRUST_CLASS)
+        if owner:
+            _controller(memo).enqueue(class_key(owner))
+
+    return child_event
+
+
+# Children the operator watches: an edit or a delete of one of them is repaired at once. Secrets are
+# not watched (that would need cluster-wide read access to every Secret); the resync repairs them.
+CHILD_WATCHERS = [
+    _child_handler("apps", "v1", "deployments"),
+    _child_handler("", "v1", "services"),
+    _child_handler("", "v1", "configmaps"),
+    _child_handler("networking.k8s.io", "v1", "networkpolicies"),
+    _child_handler("policy", "v1", "poddisruptionbudgets"),
+]

@@ -1,0 +1,274 @@
+"""``kvfence-operator``: run the kopf operator with leader election, health and metrics endpoints and
+JSON logs.
+
+    kvfence-operator [--kubeconfig PATH] [--router-namespace kvfence-system] [--health-port 8080]
+
+``/healthz`` (alive: the event loop ticks), ``/readyz`` (leading and the first routing decision is
+made) and ``/metrics`` (Prometheus) are served on ``--health-port``, also while a replica waits for
+the lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import faulthandler
+import http.server
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import kopf
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvfence.operator import handlers as _handlers  # registers the kopf handlers
+from kvfence.operator import metrics
+from kvfence.operator.apply import Kube, load_api_client
+from kvfence.operator.builders import FIELD_MANAGER, OperatorOptions
+from kvfence.operator.leader import LeaderElector
+from kvfence.operator.reconciler import Event, Reconciler
+
+log = logging.getLogger("kvfence.operator")
+HEARTBEAT_STALE_SECONDS = 60.0
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        out: dict[str, Any] = {
+            "time": dt.datetime.fromtimestamp(record.created, dt.UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for attr in ("k8s_ref",):
+            if hasattr(record, attr):
+                out[attr] = getattr(record, attr)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(fmt: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for noisy in ("kubernetes", "urllib3", "aiohttp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not verbose:
+        # kopf logs every successful handler call; ours only enqueue keys.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+
+
+class EventRecorder:
+    """Posts core/v1 Events about the custom resources (best effort: a failure is only logged)."""
+
+    def __init__(self, kube: Kube, instance: str) -> None:
+        self.kube, self.instance = kube, instance
+
+    def __call__(self, ev: Event) -> None:
+        meta = ev.obj.get("metadata", {})
+        ns = meta.get("namespace") or "default"
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta.get('name', 'kvfence')}.", "namespace": ns},
+            "involvedObject": {
+                "apiVersion": ev.obj.get("apiVersion"),
+                "kind": ev.obj.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": ev.reason,
+            "message": ev.message[:1024],
+            "type": ev.type,
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": f"kvfence.dev/{FIELD_MANAGER}",
+            "reportingInstance": self.instance,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.kube.create(body)
+        except Exception as e:
+            log.warning("could not post event %s: %s", ev.reason, e)
+
+
+class Health:
+    def __init__(self) -> None:
+        self.heartbeat = time.monotonic()
+        self.leading = threading.Event()
+        self.ready = threading.Event()
+
+    def alive(self) -> bool:
+        return not self.leading.is_set() or time.monotonic() - self.heartbeat < HEARTBEAT_STALE_SECONDS
+
+
+def serve_health(port: int, host: str, health: Health) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.startswith("/metrics"):
+                body, ctype, code = generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST, 200
+            elif self.path.startswith("/healthz"):
+                ok = health.alive()
+                body, ctype, code = (b"ok\n" if ok else b"stale\n"), "text/plain", 200 if ok else 503
+            elif self.path.startswith("/readyz"):
+                ok = health.ready.is_set()
+                body, ctype, code = (b"ok\n" if ok else b"not leading\n"), "text/plain", 200 if ok else 503
+            else:
+                body, ctype, code = b"not found\n", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+    return server
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfence-operator", description="The kvfence operator.")
+    p.add_argument(
+        "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig (default: in-cluster)"
+    )
+    p.add_argument("--router-namespace", default="kvfence-system", help="where the routing table Secret goes")
+    p.add_argument(
+        "--router-pod-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="labels of the router pods the engines' NetworkPolicy admits (repeatable; default "
+        "app.kubernetes.io/name=kvfence, app.kubernetes.io/component=router)",
+    )
+    p.add_argument("--cluster-domain", default="cluster.local")
+    p.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz, /metrics (0: off)")
+    p.add_argument("--health-host", default="0.0.0.0")  # noqa: S104 - a pod listens on its own IP
+    p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "kvfence-system"))
+    p.add_argument("--lease-name", default="kvfence-operator")
+    p.add_argument("--lease-seconds", type=int, default=15)
+    p.add_argument("--identity", default=f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--resync-seconds", type=float, default=300.0)
+    p.add_argument("--log-format", choices=["json", "text"], default="json")
+    p.add_argument("--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps every thread's stack
+    setup_logging(args.log_format, args.verbose)
+    health = Health()
+    if args.health_port:
+        serve_health(args.health_port, args.health_host, health)
+
+    _handlers.LOGIN["kubeconfig"] = args.kubeconfig
+    api = load_api_client(args.kubeconfig)
+    kube = Kube(api, on_request=metrics.count_request)
+    lease_kube = Kube(
+        load_api_client(args.kubeconfig), on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc()
+    )
+    router_labels = dict(kv.split("=", 1) for kv in args.router_pod_label)
+    opts = OperatorOptions(router_namespace=args.router_namespace, cluster_domain=args.cluster_domain)
+    if router_labels:
+        opts = OperatorOptions(
+            router_namespace=args.router_namespace,
+            cluster_domain=args.cluster_domain,
+            router_pod_labels=router_labels,
+        )
+    # Stops kopf, the lease renewal and a wait for the lease. kopf waits for a threading.Event in an
+    # executor thread, so it is also set when kopf stops on its own (SIGTERM): see Controller.stop.
+    stop = threading.Event()
+    exit_code = 0
+    elector: LeaderElector | None = None
+    if args.leader_elect:
+        elector = LeaderElector(
+            lease_kube,
+            args.lease_namespace,
+            args.lease_name,
+            args.identity,
+            lease_seconds=args.lease_seconds,
+            renew_seconds=max(1.0, args.lease_seconds / 3),
+        )
+
+        def _stop(*_: Any) -> None:
+            stop.set()
+
+        prev = signal.signal(signal.SIGTERM, _stop)
+        if not elector.acquire(stop):
+            return 0
+        signal.signal(signal.SIGTERM, prev)
+
+        def lost() -> None:
+            nonlocal exit_code
+            exit_code = 1
+            stop.set()
+
+        elector.keep_renewing(stop, lost)
+    health.leading.set()
+    metrics.LEADER.set(1)
+
+    reconciler = Reconciler(kube, opts, emit=EventRecorder(kube, args.identity))
+    controller = _handlers.Controller(
+        reconciler, workers=args.workers, resync_seconds=args.resync_seconds, on_stop=stop.set
+    )
+
+    async def heartbeat() -> None:
+        while True:
+            health.heartbeat = time.monotonic()
+            if reconciler.state.routing_ready.is_set():
+                health.ready.set()
+            await asyncio.sleep(2)
+
+    beats: list[asyncio.Task[None]] = []
+
+    @kopf.on.startup()
+    async def _start_heartbeat(**_: Any) -> None:
+        beats.append(asyncio.get_running_loop().create_task(heartbeat()))
+
+    @kopf.on.cleanup()
+    async def _stop_heartbeat(**_: Any) -> None:
+        for t in beats:
+            t.cancel()
+
+    log.info("kvfence-operator %s starting (router namespace %s)", opts.version, opts.router_namespace)
+    try:
+        kopf.run(
+            clusterwide=True,
+            standalone=True,
+            stop_flag=stop,
+            memo=kopf.Memo(controller=controller),
+        )
+    finally:
+        stop.set()
+        metrics.LEADER.set(0)
+        if elector is not None:
+            elector.release()
+    return exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the operator (served by ``--metrics-port``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+RECONCILES = Counter(
+    "kvfence_operator_reconciles",
+    "Reconciles run, by kind (class, routing, binding) and result (ok, requeue, error).",
+    ["kind", "result"],
+    registry=REGISTRY,
+)
+RECONCILE_ERRORS = Counter(
+    "kvfence_operator_reconcile_errors",
+    "Reconciles that raised an error, by kind.",
+    ["kind"],
+    registry=REGISTRY,
+)
+RECONCILE_SECONDS = Histogram(
+    "kvfence_operator_reconcile_duration_seconds",
+    "Wall time of one reconcile, by kind.",
+    ["kind"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
+API_REQUESTS = Counter(
+    "kvfence_operator_api_requests",
+    "Requests the reconciler sent to the Kubernetes API, by HTTP verb and resource (leader election apart).",
+    ["verb", "resource"],
+    registry=REGISTRY,
+)
+LEASE_REQUESTS = Counter(
+    "kvfence_operator_lease_requests",
+    "Requests sent for leader election, by HTTP verb.",
+    ["verb"],
+    registry=REGISTRY,
+)
+QUEUE_DEPTH = Gauge("kvfence_operator_queue_depth", "Keys waiting in the work queue.", registry=REGISTRY)
+LEADER = Gauge("kvfence_operator_leader", "1 while this replica holds the leader lease.", registry=REGISTRY)
+
+
+def count_request(verb: str, resource: str) -> None:
+    API_REQUESTS.labels(verb=verb, resource=resource).inc()

@@ -1,0 +1,159 @@
+"""Least-privilege RBAC of the operator, as data (the Helm chart renders the same objects:
+``python -m kvfence.operator.rbac`` prints them as YAML).
+
+What the operator may do, and why:
+
+* ``kvfence.dev``: read and watch TrustClasses and TenantBindings, patch their status, patch a
+  TrustClass to add/remove its own finalizer, update ``trustclasses/finalizers`` (owner references
+  with ``blockOwnerDeletion``).
+* Namespaces: watch (a namespace's labels decide which bindings a class admits), create/patch the
+  class namespaces, delete one when its class is deleted.
+* Deployments, Services, ConfigMaps, NetworkPolicies, PodDisruptionBudgets: watch (drift repair) and
+  create/patch. Never delete: garbage collection does it through owner references.
+* Secrets: **no list or watch, and no get on arbitrary Secrets.** ``create`` (which reveals nothing),
+  and get/patch/update only on the two names it owns (``kvfence-signing-key`` in class namespaces,
+  ``kvfence-routing`` in the router's namespace).
+* Tenants' API-key Secrets: only where a namespace opts in, by binding the ClusterRole
+  ``kvfence-operator-tenant-secrets`` to the operator with a RoleBinding in that namespace. Elsewhere a
+  binding is ``Denied`` with reason ``ApiKeySecretForbidden``.
+* Events: create. Leases: only its own, in its own namespace (a Role).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+from kvfence.api.common import GROUP
+from kvfence.api.routing import ROUTING_SECRET_NAME
+from kvfence.operator.builders import SIGNING_SECRET_NAME
+
+Obj = dict[str, Any]
+NAME = "kvfence-operator"
+TENANT_SECRETS_ROLE = "kvfence-operator-tenant-secrets"
+LABELS = {
+    "app.kubernetes.io/name": "kvfence",
+    "app.kubernetes.io/component": "operator",
+    "app.kubernetes.io/part-of": "kvfence",
+}
+RBAC = "rbac.authorization.k8s.io/v1"
+WRITE = ["create", "patch"]
+WATCH = ["get", "list", "watch"]
+
+
+def cluster_role() -> Obj:
+    return {
+        "apiVersion": RBAC,
+        "kind": "ClusterRole",
+        "metadata": {"name": NAME, "labels": LABELS},
+        "rules": [
+            {"apiGroups": [GROUP], "resources": ["trustclasses", "tenantbindings"], "verbs": WATCH},
+            {"apiGroups": [GROUP], "resources": ["trustclasses"], "verbs": ["patch"]},
+            {
+                "apiGroups": [GROUP],
+                "resources": ["trustclasses/status", "tenantbindings/status"],
+                "verbs": ["get", "patch", "update"],
+            },
+            {"apiGroups": [GROUP], "resources": ["trustclasses/finalizers"], "verbs": ["update"]},
+            {"apiGroups": [""], "resources": ["namespaces"], "verbs": [*WATCH, *WRITE, "delete"]},
+            {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": [*WATCH, *WRITE]},
+            {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": [*WATCH, *WRITE]},
+            {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": [*WATCH, *WRITE]},
+            {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": [*WATCH, *WRITE]},
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+            {
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": [SIGNING_SECRET_NAME, ROUTING_SECRET_NAME],
+                "verbs": ["get", "patch", "update"],
+            },
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+        ],
+    }
+
+
+def tenant_secrets_role() -> Obj:
+    """Bound per tenant namespace (RoleBinding) by whoever admits that namespace's tenants."""
+    return {
+        "apiVersion": RBAC,
+        "kind": "ClusterRole",
+        "metadata": {"name": TENANT_SECRETS_ROLE, "labels": LABELS},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
+    }
+
+
+def tenant_secrets_binding(namespace: str, operator_namespace: str) -> Obj:
+    return {
+        "apiVersion": RBAC,
+        "kind": "RoleBinding",
+        "metadata": {"name": TENANT_SECRETS_ROLE, "namespace": namespace, "labels": LABELS},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": TENANT_SECRETS_ROLE,
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": operator_namespace}],
+    }
+
+
+def lease_role(namespace: str, lease_name: str = NAME) -> Obj:
+    return {
+        "apiVersion": RBAC,
+        "kind": "Role",
+        "metadata": {"name": f"{NAME}-leader-election", "namespace": namespace, "labels": LABELS},
+        "rules": [
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": [lease_name],
+                "verbs": ["get", "update"],
+            },
+        ],
+    }
+
+
+def manifests(namespace: str = "kvfence-system") -> list[Obj]:
+    """ServiceAccount, roles and bindings of an operator running in ``namespace``."""
+    subject = [{"kind": "ServiceAccount", "name": NAME, "namespace": namespace}]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": NAME, "namespace": namespace, "labels": LABELS},
+        },
+        cluster_role(),
+        tenant_secrets_role(),
+        {
+            "apiVersion": RBAC,
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": NAME, "labels": LABELS},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": NAME},
+            "subjects": subject,
+        },
+        lease_role(namespace),
+        {
+            "apiVersion": RBAC,
+            "kind": "RoleBinding",
+            "metadata": {"name": f"{NAME}-leader-election", "namespace": namespace, "labels": LABELS},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": f"{NAME}-leader-election",
+            },
+            "subjects": subject,
+        },
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    ns = args[0] if args else "kvfence-system"
+    sys.stdout.write(yaml.safe_dump_all(manifests(ns), sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

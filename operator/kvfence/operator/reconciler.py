@@ -1,0 +1,509 @@
+"""Level-based reconciliation: read what is, build what should be, apply only the difference.
+
+Nothing here depends on kopf: :class:`Reconciler` is driven by keys (``("class", name)`` or
+``("routing",)``) from the work queue in :mod:`kvfence.operator.handlers`, and is safe to call again
+at any time, for any reason (a watch event, a resync, a retry, a restart). A reconcile that finds the
+cluster as it should be sends no write request at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvfence.api import conditions as C
+from kvfence.api.common import API_VERSION, TenantQuotas
+from kvfence.api.routing import ROUTING_SECRET_NAME
+from kvfence.api.tenantbinding import TenantBinding
+from kvfence.api.trustclass import TrustClass
+from kvfence.contract import key_id, new_signing_key
+from kvfence.operator import builders as B
+from kvfence.operator import routes as R
+from kvfence.operator.apply import Kube, KubeError, is_subset, now_rfc3339
+
+log = logging.getLogger("kvfence.operator")
+
+Obj = dict[str, Any]
+Key = tuple[str, ...]
+ROUTING: Key = ("routing",)
+FINALIZER = "kvfence.dev/cleanup"
+FINALIZER_MANAGER = "kvfence-operator-finalizer"
+
+
+class Requeue(Exception):
+    """Try again later (a dependency is not there yet)."""
+
+    def __init__(self, message: str, delay: float = 2.0) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+def class_key(name: str) -> Key:
+    return ("class", name)
+
+
+def spec_hash(obj: Obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_spec_hash(obj: Obj) -> Obj:
+    """``obj`` annotated with the hash of itself: a change of the *desired* object (also a field
+    removed) is seen without reading anything but the live annotation."""
+    h = spec_hash(obj)
+    out = dict(obj)
+    meta = dict(out["metadata"])
+    meta["annotations"] = {**meta.get("annotations", {}), B.ANNOTATION_SPEC_HASH: h}
+    out["metadata"] = meta
+    return out
+
+
+def needs_apply(desired: Obj, live: Obj | None) -> bool:
+    if live is None:
+        return True
+    return not is_subset(desired, live)
+
+
+def set_condition(
+    existing: list[Obj], ctype: str, status: bool, reason: str, message: str, generation: int | None
+) -> Obj:
+    """A metav1.Condition; lastTransitionTime kept unless the status flips."""
+    st = "True" if status else "False"
+    old = next((c for c in existing if c.get("type") == ctype), None)
+    ltt = (
+        old["lastTransitionTime"]
+        if old and old.get("status") == st and old.get("lastTransitionTime")
+        else None
+    )
+    cond: Obj = {
+        "type": ctype,
+        "status": st,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": ltt or now_rfc3339(),
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def _strip_times(status: Obj) -> Obj:
+    out = dict(status)
+    out["conditions"] = sorted(
+        ({k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions", [])),
+        key=lambda c: str(c.get("type")),
+    )
+    return out
+
+
+def status_differs(desired: Obj, live: Obj | None) -> bool:
+    return _strip_times(desired) != _strip_times(live or {})
+
+
+@dataclass
+class Event:
+    obj: Obj
+    reason: str
+    message: str
+    type: str = "Normal"
+
+
+@dataclass
+class State:
+    """What the reconciler remembers between reconciles (all of it can be rebuilt from the cluster)."""
+
+    signing: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
+    keys: dict[str, tuple[tuple[str, str | None, str], R.KeyLookup]] = field(default_factory=dict)
+    tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
+    bound_count: dict[str, int] = field(default_factory=dict)
+    routing_ready: threading.Event = field(default_factory=threading.Event)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kube: Kube,
+        opts: B.OperatorOptions,
+        *,
+        emit: Callable[[Event], None] | None = None,
+        new_key: Callable[[], bytes] = new_signing_key,
+    ) -> None:
+        self.kube = kube
+        self.opts = opts
+        self.state = State()
+        self._emit = emit or (lambda e: None)
+        self._new_key = new_key
+        self._routing_lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------------------
+    def reconcile(self, key: Key) -> set[Key]:
+        """Reconcile one key; return the keys that must be reconciled because of it."""
+        if key == ROUTING:
+            return self.reconcile_routing()
+        if key[0] == "class":
+            return self.reconcile_class(key[1])
+        if key[0] == "binding":
+            self.state.keys.pop(f"{key[1]}/{key[2]}", None)
+            return {ROUTING}
+        raise ValueError(f"unknown key {key!r}")
+
+    # --- TrustClass ------------------------------------------------------------------------------
+    def reconcile_class(self, name: str) -> set[Key]:
+        body = self.kube.get(API_VERSION, "TrustClass", name)
+        if body is None:
+            self._forget(name)
+            return {ROUTING}
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            return self._finalize(body)
+        if FINALIZER not in (meta.get("finalizers") or []):
+            self._set_finalizer(body, present=True)
+        try:
+            tc = TrustClass.model_validate(body)
+        except ValidationError as e:
+            self._class_status(body, None, degraded=("InvalidSpec", str(e)))
+            return set()
+        ns_name = tc.target_namespace
+        owner = B.owner_reference(body)
+        live_ns = self.kube.get("v1", "Namespace", ns_name)
+        if live_ns is not None and (live_ns["metadata"].get("labels") or {}).get(B.LABEL_TRUST_CLASS) != name:
+            msg = f"namespace {ns_name!r} exists and does not belong to TrustClass {name!r}"
+            self._class_status(body, tc, degraded=(C.REASON_NAMESPACE_CONFLICT, msg))
+            self._emit(Event(body, C.REASON_NAMESPACE_CONFLICT, msg, "Warning"))
+            return set()
+        if live_ns is not None and live_ns["metadata"].get("deletionTimestamp"):
+            raise Requeue(f"namespace {ns_name} is still terminating", delay=5)
+        changed: list[str] = []
+        self._ensure(B.namespace(tc, self.opts, owner), live_ns, changed)
+
+        if not self.state.routing_ready.is_set():
+            raise Requeue("waiting for the first routing decision", delay=0.5)
+        # The signing key: kept, created once, rotated on request.
+        live_secret = self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns_name)
+        live_keys = B.read_signing_secret(live_secret)
+        rotation = (meta.get("annotations") or {}).get(B.ANNOTATION_ROTATE)
+        current, previous, token = B.plan_signing_keys(
+            live_keys, rotation, self._new_key() if live_keys[0] is None or rotation != live_keys[2] else b""
+        )
+        if live_keys[0] is not None and current != live_keys[0]:
+            self._emit(Event(body, "SigningKeyRotated", f"signing key rotated, new key id {key_id(current)}"))
+        try:
+            objs = B.children(
+                tc,
+                signing=(current, previous, token),
+                tenant_quotas=self.state.tenant_quotas.get(name),
+                opts=self.opts,
+                owner=owner,
+            )
+        except ValueError as e:
+            self._class_status(body, tc, degraded=("InvalidEngineConfig", str(e)))
+            return set()
+        deployment_live: Obj | None = None
+        for obj in objs:
+            if obj["kind"] == "Secret":
+                live = live_secret
+            else:
+                live = self.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], ns_name)
+            applied = self._ensure(obj, live, changed)
+            if obj["kind"] == "Deployment":
+                deployment_live = applied
+        if changed:
+            self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
+        keys = (current,) if previous is None else (current, previous)
+        follow: set[Key] = set()
+        if self.state.signing.get(name) != keys:
+            self.state.signing[name] = keys
+            follow.add(ROUTING)
+        self._class_status(body, tc, deployment=deployment_live, key=current)
+        return follow
+
+    def _ensure(self, desired: Obj, live: Obj | None, changed: list[str]) -> Obj | None:
+        desired = with_spec_hash(desired)
+        if not needs_apply(desired, live):
+            return live
+        applied = self.kube.apply(desired)
+        changed.append(f"{desired['kind']}/{desired['metadata']['name']}")
+        log.info("applied %s %s", desired["kind"], desired["metadata"]["name"])
+        return applied
+
+    def _set_finalizer(self, body: Obj, *, present: bool) -> None:
+        patch = {
+            "apiVersion": API_VERSION,
+            "kind": "TrustClass",
+            "metadata": {"name": body["metadata"]["name"], "finalizers": [FINALIZER] if present else []},
+        }
+        self.kube.apply(patch, field_manager=FINALIZER_MANAGER)
+
+    def _finalize(self, body: Obj) -> set[Key]:
+        name = body["metadata"]["name"]
+        if FINALIZER not in (body["metadata"].get("finalizers") or []):
+            return {ROUTING}
+        self._forget(name)
+        # Take the class out of the routing table first: nothing may route to what is going away.
+        self.reconcile_routing()
+        try:
+            tc_ns = TrustClass.model_validate(body).target_namespace
+        except ValidationError:
+            tc_ns = None
+        if tc_ns:
+            live_ns = self.kube.get("v1", "Namespace", tc_ns)
+            if (
+                live_ns is not None
+                and (live_ns["metadata"].get("labels") or {}).get(B.LABEL_TRUST_CLASS) == name
+            ):
+                self.kube.delete("v1", "Namespace", tc_ns)
+        self._emit(Event(body, "Deleted", "trust class removed from routing; its namespace is being deleted"))
+        self._set_finalizer(body, present=False)
+        return set()
+
+    def _forget(self, name: str) -> None:
+        self.state.signing.pop(name, None)
+        self.state.tenant_quotas.pop(name, None)
+        self.state.bound_count.pop(name, None)
+
+    def _class_status(
+        self,
+        body: Obj,
+        tc: TrustClass | None,
+        *,
+        deployment: Obj | None = None,
+        key: bytes | None = None,
+        degraded: tuple[str, str] | None = None,
+    ) -> None:
+        meta = body["metadata"]
+        gen = meta.get("generation")
+        live_status: Obj = body.get("status") or {}
+        existing = live_status.get("conditions", [])
+        status: Obj = {"observedGeneration": gen}
+        if tc is not None:
+            status["namespace"] = tc.target_namespace
+            status["endpoint"] = B.endpoint(tc, self.opts)
+            status["boundTenants"] = self.state.bound_count.get(tc.name, 0)
+        if key is not None:
+            status["signingKeyId"] = key_id(key)
+        if degraded is not None:
+            reason, msg = degraded
+            conds = [
+                set_condition(existing, C.READY, False, reason, msg, gen),
+                set_condition(existing, C.PROGRESSING, False, reason, msg, gen),
+                set_condition(existing, C.DEGRADED, True, reason, msg, gen),
+            ]
+        else:
+            assert tc is not None
+            want = tc.spec.replicas
+            dstat: Obj = (deployment or {}).get("status") or {}
+            dgen_ok = dstat.get("observedGeneration", 0) >= (deployment or {}).get("metadata", {}).get(
+                "generation", 1
+            )
+            ready = int(dstat.get("readyReplicas", 0) or 0)
+            available = int(dstat.get("availableReplicas", 0) or 0)
+            updated = int(dstat.get("updatedReplicas", 0) or 0)
+            total = int(dstat.get("replicas", 0) or 0)
+            status["replicas"] = total
+            status["readyReplicas"] = ready
+            dconds = {c.get("type"): c for c in dstat.get("conditions", [])}
+            stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
+            failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
+            rolled = dgen_ok and updated >= want and total == want and available >= want
+            if want == 0:
+                ready_c = set_condition(
+                    existing, C.READY, False, C.REASON_SCALED_TO_ZERO, "replicas is 0", gen
+                )
+            elif rolled:
+                ready_c = set_condition(
+                    existing,
+                    C.READY,
+                    True,
+                    C.REASON_AVAILABLE,
+                    f"{available}/{want} engine replicas available",
+                    gen,
+                )
+            else:
+                ready_c = set_condition(
+                    existing,
+                    C.READY,
+                    False,
+                    C.REASON_UNAVAILABLE,
+                    f"{available}/{want} engine replicas available",
+                    gen,
+                )
+            if rolled or want == 0:
+                prog = set_condition(existing, C.PROGRESSING, False, C.REASON_ROLLOUT_COMPLETE, "", gen)
+            else:
+                prog = set_condition(
+                    existing,
+                    C.PROGRESSING,
+                    True,
+                    C.REASON_ROLLING_OUT,
+                    f"{updated}/{want} updated, {ready}/{want} ready",
+                    gen,
+                )
+            if stuck or failure:
+                why = (dconds.get("ReplicaFailure") or dconds.get("Progressing") or {}).get("message", "")
+                deg = set_condition(existing, C.DEGRADED, True, C.REASON_UNAVAILABLE, why, gen)
+            else:
+                deg = set_condition(existing, C.DEGRADED, False, C.REASON_AS_EXPECTED, "", gen)
+            conds = [ready_c, prog, deg]
+            old_ready: Obj = next((c for c in existing if c.get("type") == C.READY), {})
+            if old_ready.get("status") != ready_c["status"]:
+                self._emit(
+                    Event(
+                        body,
+                        ready_c["reason"],
+                        ready_c["message"] or ready_c["reason"],
+                        "Normal" if ready_c["status"] == "True" else "Warning",
+                    )
+                )
+        status["conditions"] = conds
+        if status_differs(status, live_status):
+            self.kube.patch_status(API_VERSION, "TrustClass", meta["name"], None, status)
+
+    # --- routing ---------------------------------------------------------------------------------
+    def reconcile_routing(self) -> set[Key]:
+        with self._routing_lock:
+            return self._reconcile_routing()
+
+    def _reconcile_routing(self) -> set[Key]:
+        tc_bodies = self.kube.list(API_VERSION, "TrustClass")
+        tb_bodies = self.kube.list(API_VERSION, "TenantBinding")
+        namespaces = {
+            n["metadata"]["name"]: dict(n["metadata"].get("labels") or {})
+            for n in self.kube.list("v1", "Namespace")
+        }
+        classes: dict[str, R.ClassState] = {}
+        for body in tc_bodies:
+            try:
+                tc = TrustClass.model_validate(body)
+            except ValidationError:
+                continue
+            deleting = bool(body["metadata"].get("deletionTimestamp"))
+            keys = () if deleting else self._signing_keys(tc)
+            classes[tc.name] = R.ClassState(tc, keys, deleting)
+        bindings: list[TenantBinding] = []
+        raw: dict[str, Obj] = {}
+        for body in tb_bodies:
+            try:
+                b = TenantBinding.model_validate(body)
+            except ValidationError:
+                continue
+            bindings.append(b)
+            raw[b.key] = body
+        lookups = {b.key: self._api_keys(b) for b in bindings}
+        live_keys = set(lookups)
+        for k in list(self.state.keys):
+            if k not in live_keys:
+                del self.state.keys[k]
+        out = R.decide(classes, bindings, namespaces, lookups, self.opts)
+
+        secret = with_spec_hash(R.routing_secret(out.table, self.opts))
+        live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
+        if needs_apply(secret, live):
+            self.kube.apply(secret)
+            log.info(
+                "routing table written: %d trust classes, %d tenants",
+                len(out.table.trust_classes),
+                len(out.table.tenants),
+            )
+
+        for b in bindings:
+            self._binding_status(raw[b.key], out.decisions[b.key])
+
+        follow: set[Key] = set()
+        bound: dict[str, int] = {}
+        for d in out.decisions.values():
+            if d.bound and d.trust_class:
+                bound[d.trust_class] = bound.get(d.trust_class, 0) + 1
+        for name in set(classes) | set(self.state.tenant_quotas) | set(out.tenant_quotas):
+            if self.state.tenant_quotas.get(name, {}) != out.tenant_quotas.get(name, {}):
+                follow.add(class_key(name))
+        for name in classes:
+            if self.state.bound_count.get(name, 0) != bound.get(name, 0):
+                follow.add(class_key(name))
+        self.state.tenant_quotas = out.tenant_quotas
+        self.state.bound_count = bound
+        if not self.state.routing_ready.is_set():
+            self.state.routing_ready.set()
+        return {k for k in follow if k[1] in classes}
+
+    def _signing_keys(self, tc: TrustClass) -> tuple[bytes, ...]:
+        cached = self.state.signing.get(tc.name)
+        if cached is not None:
+            return cached
+        secret = self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, tc.target_namespace)
+        cur, prev, _ = B.read_signing_secret(secret)
+        if cur is None:
+            return ()
+        keys = (cur,) if prev is None else (cur, prev)
+        self.state.signing[tc.name] = keys
+        return keys
+
+    def _api_keys(self, b: TenantBinding) -> R.KeyLookup:
+        ref = b.spec.api_key_secret_ref
+        ident = (ref.name, ref.key, str(b.metadata.get("resourceVersion", "")))
+        cached = self.state.keys.get(b.key)
+        if cached is not None and cached[0][:2] == ident[:2]:
+            return cached[1]
+        try:
+            secret = self.kube.get("v1", "Secret", ref.name, b.namespace)
+        except KubeError as e:
+            if e.forbidden:
+                lookup = R.KeyLookup(
+                    error=C.REASON_SECRET_FORBIDDEN,
+                    message=f"the operator may not read Secret {b.namespace}/{ref.name} "
+                    "(bind the kvfence-operator-tenant-secrets ClusterRole in this namespace)",
+                )
+                return lookup  # not cached: a RoleBinding granted later is seen at the next reconcile
+            raise
+        if secret is None:
+            lookup = R.KeyLookup(
+                error=C.REASON_SECRET_NOT_FOUND, message=f"Secret {b.namespace}/{ref.name} not found"
+            )
+        else:
+            try:
+                keys = R.api_keys_from_secret(secret, ref.key)
+                lookup = R.KeyLookup(hashes=tuple(sorted({R.hash_api_key(k) for k in keys})))
+            except (ValueError, UnicodeDecodeError):
+                lookup = R.KeyLookup(
+                    error=C.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text"
+                )
+        if lookup.error is None:
+            self.state.keys[b.key] = (ident, lookup)
+        return lookup
+
+    def _binding_status(self, body: Obj, d: R.Decision) -> None:
+        meta = body["metadata"]
+        gen = meta.get("generation")
+        live_status: Obj = body.get("status") or {}
+        existing = live_status.get("conditions", [])
+        bound_reason = d.reason if not d.bound else C.REASON_BOUND
+        conds = [
+            set_condition(existing, C.BOUND, d.bound, bound_reason, d.message, gen),
+            set_condition(
+                existing,
+                C.DENIED,
+                d.denied,
+                d.reason if d.denied else C.REASON_NOT_DENIED,
+                d.message if d.denied else "",
+                gen,
+            ),
+        ]
+        status: Obj = {"observedGeneration": gen, "conditions": conds}
+        if d.trust_class:
+            status["trustClass"] = d.trust_class
+        if d.api_keys is not None:
+            status["apiKeys"] = d.api_keys
+        if not status_differs(status, live_status):
+            return
+        self.kube.patch_status(API_VERSION, "TenantBinding", meta["name"], meta["namespace"], status)
+        old = {c.get("type"): c for c in existing}
+        if (
+            old.get(C.BOUND, {}).get("status") != conds[0]["status"]
+            or old.get(C.DENIED, {}).get("reason") != conds[1]["reason"]
+        ):
+            self._emit(Event(body, d.reason, d.message, "Normal" if d.bound or not d.denied else "Warning"))
