@@ -119,18 +119,22 @@ class PrefixCache:
         self.metrics = metrics
         self.hash_fn: HashFn = hash_fn if hash_fn is not None else hash_function(hash_algorithm)
         self.index: dict[bytes, KVBlock] = {}
-        self._roots: dict[CacheContext, bytes] = {}
+        self._roots: dict[CacheContext, tuple[CacheContext, bytes]] = {}
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def root_key(self, ctx: CacheContext) -> bytes:
-        r = self._roots.get(ctx)
-        if r is None:
+    def canonical(self, ctx: CacheContext) -> tuple[CacheContext, bytes]:
+        """The interned equal context (so verification can compare by identity) and its root key."""
+        hit = self._roots.get(ctx)
+        if hit is None:
             if len(self._roots) > 4096:
                 self._roots.clear()
-            r = self._roots[ctx] = self.hash_fn(ROOT_SEED, ctx.encode())
-        return r
+            hit = self._roots[ctx] = (ctx, self.hash_fn(ROOT_SEED, ctx.encode()))
+        return hit
+
+    def root_key(self, ctx: CacheContext) -> bytes:
+        return self.canonical(ctx)[1]
 
     def keys(self, ctx: CacheContext, token_bytes: bytes | memoryview, num_blocks: int) -> list[bytes]:
         """The chained keys of the first ``num_blocks`` full blocks (used by the benchmark and tests)."""
@@ -177,26 +181,30 @@ class PrefixCache:
         """
         mv = memoryview(token_bytes)
         bb = self.block_bytes
-        key = self.root_key(ctx)
-        parent: BlockHandle | None = None
+        ctx, key = self.canonical(ctx)
+        parent: tuple[int, int] | None = None
         blocks: list[KVBlock] = []
         keys: list[bytes] = []
         h = self.hash_fn
         index = self.index
+        fenced = BlockState.FENCED
         for i in range(max_blocks):
             chunk = mv[i * bb : (i + 1) * bb]
             nxt = h(key, chunk)
             cand = index.get(nxt)
             if cand is None:
                 break
-            verdict = self.verify(cand, ctx, parent, chunk)
-            if verdict is not Verdict.HIT:
-                self._count(verdict)
-                break
+            # fast path: same interned context, same parent, same tokens, usable
+            fast = cand.context is ctx and cand.parent == parent and chunk == cand.tokens
+            if not fast or cand.state is fenced:
+                verdict = self.verify(cand, ctx, None if parent is None else BlockHandle(*parent), chunk)
+                if verdict is not Verdict.HIT:
+                    self._count(verdict)
+                    break
             blocks.append(cand)
             keys.append(nxt)
             key = nxt
-            parent = BlockHandle(cand.block_id, cand.generation)
+            parent = (cand.block_id, cand.generation)
         return Match(blocks, keys, key)
 
     def insert(
@@ -221,7 +229,7 @@ class PrefixCache:
             self._count(verdict)
             return None
         block.block_hash = key
-        block.context = ctx
+        block.context = self.canonical(ctx)[0]
         block.parent = parent
         block.tokens = bytes(tokens)
         self.index[key] = block
