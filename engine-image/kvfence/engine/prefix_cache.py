@@ -195,7 +195,8 @@ class PrefixCache:
             if cand is None:
                 break
             # fast path: same interned context, same parent, same tokens, usable
-            fast = cand.context is ctx and cand.parent == parent and chunk == cand.tokens
+            stored: object = cand.tokens  # bytes == memoryview compares the bytes (memcmp)
+            fast = cand.context is ctx and cand.parent == parent and stored == chunk
             if not fast or cand.state is fenced:
                 verdict = self.verify(cand, ctx, None if parent is None else BlockHandle(*parent), chunk)
                 if verdict is not Verdict.HIT:
