@@ -175,6 +175,7 @@ def test_bad_requests_get_precise_errors_and_leave_the_pool_consistent(
         shared = Identity("acme", "gold", "class/gold")  # a namespace this engine's scope does not give
         body = json.dumps(completion("x")).encode()
         out["namespace"] = await client.send(s, path, raw=body, headers=sign(key, shared, "POST", path, body))
+        out["extra_key"] = await client.send(s, path, completion("x", extra_key="victim"))
         out["bad_n"] = await client.send(s, path, completion("x", n=2))
         out["bad_messages"] = await client.send(
             s, "/v1/chat/completions", {"model": "tiny", "messages": "hi"}
@@ -199,6 +200,7 @@ def test_bad_requests_get_precise_errors_and_leave_the_pool_consistent(
         "over_quota": (429, "rate_limit_error", "quota_exceeded"),
         "salt_mismatch": (403, "permission_error", "cache_salt_mismatch"),
         "namespace": (403, "permission_error", "cache_namespace_mismatch"),
+        "extra_key": (403, "permission_error", "forbidden_field"),
         "unsigned_models": (401, "authentication_error", "missing_signature"),
         "no_route": (404, "invalid_request_error", None),
     }
@@ -220,6 +222,7 @@ def test_bad_requests_get_precise_errors_and_leave_the_pool_consistent(
             reason == "MissingSignature" and f'{METRIC_SIGNATURE_REJECTED}{{reason="{reason}"}} 2.0' in text
         ), reason
     assert 'kvfence_engine_quota_rejected_total{tenant="small"} 1.0' in text
+    assert m[METRIC_CROSS_ACCESS_REJECTED] == 1  # the client-chosen salt was an attempt at another namespace
     assert_pool_settled(m)
     # the engine still serves normally afterwards
     assert client.one(path, completion("after")).status == 200

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from kvfence.contract import (
     BODY_CACHE_SALT,
+    CLIENT_FORBIDDEN_BODY_FIELDS,
     HEADER_SIGNATURE,
     Identity,
     NonceCache,
@@ -216,7 +217,19 @@ class EngineServer:
         return data
 
     def check_salt(self, data: dict[str, Any], verified: Verified) -> None:
+        for name in CLIENT_FORBIDDEN_BODY_FIELDS:
+            if name != BODY_CACHE_SALT and name in data:
+                self.metrics.signature_rejected.labels("ForbiddenBodyField").inc()
+                raise ApiError(
+                    403,
+                    f"{name} chooses KV-cache state and is not accepted",
+                    type_="permission_error",
+                    code="forbidden_field",
+                    param=name,
+                )
         if BODY_CACHE_SALT in data and data[BODY_CACHE_SALT] != verified.cache_salt:
+            self.metrics.signature_rejected.labels("CacheSaltMismatch").inc()
+            self.metrics.cross_access_rejected.inc()
             raise ApiError(
                 403,
                 "cache_salt does not match the salt of the signed identity",
@@ -540,11 +553,7 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port)
     await site.start()
-    port = config.listen.port
-    for s in runner.sites:
-        srv = getattr(s, "_server", None)
-        if srv is not None and srv.sockets:
-            port = srv.sockets[0].getsockname()[1]
+    port = int(runner.addresses[0][1]) if runner.addresses else config.listen.port
     log.info(
         "kvfence engine for trust class %s listening on %s:%d", config.trust_class, config.listen.host, port
     )
