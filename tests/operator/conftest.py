@@ -1,15 +1,28 @@
-"""Factories for the operator's unit tests (pure: no cluster)."""
+"""Fixtures of the operator suites: factories for the pure unit tests, and the operator run as a real
+process against the local control plane (``cluster`` from tests/conftest.py) for the integration tests."""
 
 from __future__ import annotations
 
+import base64
 import copy
-from collections.abc import Callable
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
+from kvfence.operator import rbac
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -66,3 +79,218 @@ def make_tb() -> Callable[..., TenantBinding]:
         return TenantBinding.model_validate(body)
 
     return make
+
+
+# --- the operator as a process on the real control plane ------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_NS = "kvfence-system"
+SA_USER = f"system:serviceaccount:{OPERATOR_NS}:{rbac.NAME}"
+
+
+def wait_for(
+    pred: Callable[[], Any], what: str, timeout: float = 120.0, interval: float = 0.5, dump: Any = None
+) -> Any:
+    """Poll ``pred`` until it returns something truthy (generous deadline; no timing assertions)."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # the apiserver may be restarting
+            last_exc = e
+        time.sleep(interval)
+    extra = f"\nlast error: {last_exc}" if last_exc else ""
+    if dump is not None:
+        extra += "\n" + dump()
+    raise AssertionError(f"timed out waiting for {what}{extra}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Kubectl:
+    """Admin access for the tests (the operator itself never uses it)."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def __call__(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        res: subprocess.CompletedProcess[str] = self.cluster.kubectl(*args, check=check, input=input)
+        return res
+
+    def json(self, *args: str) -> Any:
+        res = self.cluster.kubectl(*args, "-o", "json", check=False)
+        if res.returncode != 0:
+            if "NotFound" in res.stderr or "not found" in res.stderr:
+                return None
+            raise AssertionError(f"kubectl {' '.join(args)}: {res.stderr}")
+        return json.loads(res.stdout)
+
+    def apply(self, *objs: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        doc = {"apiVersion": "v1", "kind": "List", "items": list(objs)}
+        return self.cluster.kubectl(
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "--field-manager=tests",
+            "--validate=false",
+            "-f",
+            "-",
+            input=json.dumps(doc),
+            check=False,
+        )
+
+    def routing_table(self) -> dict[str, Any]:
+        s = self.json("get", "secret", "kvfence-routing", "-n", OPERATOR_NS)
+        assert s is not None, "no routing table"
+        data: dict[str, Any] = json.loads(base64.b64decode(s["data"]["routing.json"]))
+        return data
+
+
+class OperatorProcess:
+    """``python -m kvfence.operator`` under its own ServiceAccount token (never the admin kubeconfig)."""
+
+    def __init__(self, cluster: Any, kubeconfig: Path, workdir: Path, identity: str = "op-0") -> None:
+        self.cluster, self.kubeconfig, self.workdir, self.identity = cluster, kubeconfig, workdir, identity
+        self.port = _free_port()
+        self.log = workdir / f"operator-{identity}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        cmd = [
+            sys.executable, "-m", "kvfence.operator",
+            "--kubeconfig", str(self.kubeconfig),
+            "--health-host", "127.0.0.1", "--health-port", str(self.port),
+            "--lease-namespace", OPERATOR_NS, "--lease-seconds", "6",
+            "--resync-seconds", "5", "--identity", self.identity, "--log-format", "json",
+        ]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
+
+    def _get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, ""
+        except OSError:
+            return 0, ""
+
+    def ready(self) -> bool:
+        return self._get("/readyz")[0] == 200
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        wait_for(self.ready, f"operator {self.identity} ready", timeout, dump=self.tail)
+
+    def metrics(self) -> dict[str, float]:
+        code, text = self._get("/metrics")
+        assert code == 200
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def writes(self) -> float:
+        return sum(
+            v
+            for k, v in self.metrics().items()
+            if k.startswith("kvfence_operator_api_requests_total")
+            and any(f'verb="{verb}"' in k for verb in ("POST", "PUT", "PATCH", "DELETE"))
+        )
+
+    def reconciles(self, kind: str) -> float:
+        return sum(
+            v
+            for k, v in self.metrics().items()
+            if k.startswith("kvfence_operator_reconciles_total") and f'kind="{kind}"' in k
+        )
+
+    def tail(self, lines: int = 80) -> str:
+        if not self.log.exists():
+            return ""
+        return f"===== operator {self.identity} log =====\n" + "\n".join(
+            self.log.read_text().splitlines()[-lines:]
+        )
+
+
+@pytest.fixture(scope="session")
+def kv(cluster: Any) -> Kubectl:
+    return Kubectl(cluster)
+
+
+@pytest.fixture(scope="session")
+def installed(cluster: Any, kv: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CRDs, the operator's namespace, ServiceAccount and least-privilege RBAC; returns the SA kubeconfig."""
+    kv("apply", "--server-side", "-f", str(ROOT / "crds"))
+    for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
+        kv("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}}
+    res = kv.apply(ns, *rbac.manifests(OPERATOR_NS))
+    assert res.returncode == 0, res.stderr
+    token = kv("create", "token", rbac.NAME, "-n", OPERATOR_NS, "--duration=6h").stdout.strip()
+    admin = json.loads(Path(cluster.kubeconfig).read_text())
+    cluster_entry = admin["clusters"][0]
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster_entry],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": cluster_entry["name"], "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    path.write_text(json.dumps(cfg))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Any, installed: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(cluster, installed, tmp_path_factory.mktemp("oplog"))
+    op.start()
+    try:
+        op.wait_ready()
+        yield op
+    finally:
+        op.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        op = getattr(item, "funcargs", {}).get("operator")
+        if isinstance(op, OperatorProcess):
+            report.sections.append(("kvfence operator log", op.tail(200)))
