@@ -51,7 +51,7 @@ def tokens_of(evs: list[Event]) -> list[int]:
     return [e.token_id for e in evs if isinstance(e, Token)]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     system=st.sampled_from(SYSTEMS),
     questions=st.lists(st.text(st.characters(codec="utf-8"), max_size=40), min_size=1, max_size=4),

@@ -299,8 +299,11 @@ def test_isolation_holds_even_when_keys_ignore_the_namespace(key_dir: Path) -> N
             return await asyncio.gather(*(client.send(s, "/v1/completions", b, tenant=t) for t, b in jobs))
 
         replies = client.run(fire)
-        for (_, body), reply in zip(jobs, replies, strict=True):
+        for (tenant, body), reply in zip(jobs, replies, strict=True):
             assert text_of(reply, chat_api=False, stream=body["stream"]) == expected(oracle, body)
+            if tenant == "beta" and not body["stream"]:
+                # beta never attaches to acme's blocks (and cannot register its own under taken keys)
+                assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # beta reached acme's entries through the colliding keys and was refused every time
         assert engine.metrics.value("kv_cache_tenant_cross_access_rejected_total") > 0
         acc = engine.allocator.check_consistency()  # includes: no block in a table of another namespace
@@ -399,3 +402,48 @@ def test_cli_rejects_a_bad_config(tmp_path: Path) -> None:
     assert main(["--config", str(p)]) == 2
     p.write_text(json.dumps(config_dict(tmp_path / "no-keys")))
     assert main(["--config", str(p)]) == 2
+
+
+def test_a_client_that_hangs_up_frees_its_blocks(key_dir: Path) -> None:
+    cfg = make_config(key_dir, numBlocks=64)
+    server = EngineServer(cfg)
+    srv = InProcessServer(server)
+    try:
+        client = Client(srv.base, Signer((key_dir / "current").read_bytes()))
+        body = json.dumps(completion("Talk for a long time.", 250, stream=True)).encode()
+
+        async def hang_up(s: aiohttp.ClientSession) -> bytes:
+            h = client.signer.headers("acme", "POST", "/v1/completions", body)
+            async with s.post(srv.base + "/v1/completions", data=body, headers=h) as r:
+                first = await r.content.readuntil(b"\n\n")
+                r.close()  # drop the connection mid-stream
+                return first
+
+        assert client.run(hang_up).startswith(b"data: ")
+        alloc = server.engine.allocator
+        deadline = time.monotonic() + 60
+        while alloc.num_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+        acc = alloc.check_consistency()
+        assert acc.active == 0 and acc.sequences == 0
+        assert server.metrics.value("kvfence_engine_generated_tokens_total") < 250  # it stopped early
+    finally:
+        srv.stop()
+
+
+def test_unsigned_requests_are_served_only_when_signatures_are_not_required(key_dir: Path) -> None:
+    cfg = make_config(key_dir, requireSignature=False)
+    srv = InProcessServer(EngineServer(cfg))
+    try:
+        client = Client(srv.base, Signer((key_dir / "current").read_bytes()))
+        r = client.one("/v1/completions", completion("dev mode", 3), signed=False)
+        assert r.status == 200
+        assert r.json()["choices"][0]["text"] == Oracle(cfg).text("dev mode", 3)
+        forged = client.one(
+            "/v1/completions",
+            completion("x"),
+            headers={"X-Kvfence-Signature": "v1=00", "X-Kvfence-Tenant": "acme"},
+        )
+        assert forged.status == 401  # a signed request is still verified
+    finally:
+        srv.stop()

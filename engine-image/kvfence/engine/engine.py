@@ -341,9 +341,12 @@ class Engine:
         for r in list(self._running):
             try:
                 table = self.allocator.readable_table(r.request_id)
-            except StaleReference as e:
+            except StaleReference as e:  # refused and counted by the allocator; never read
                 self._running.remove(r)
-                self._by_id.pop(r.request_id, None)
+                if self.allocator.is_open(r.request_id):
+                    self.allocator.release(r.request_id)
+                with self._cond:
+                    self._by_id.pop(r.request_id, None)
                 r.sink(Failed(500, "stale_reference", str(e)))
                 continue
             n_prompt = len(r.prompt)
