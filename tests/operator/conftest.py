@@ -243,6 +243,11 @@ class OperatorProcess:
 
 
 @pytest.fixture(scope="session")
+def wait() -> Callable[..., Any]:
+    return wait_for
+
+
+@pytest.fixture(scope="session")
 def kv(cluster: Any) -> Kubectl:
     return Kubectl(cluster)
 

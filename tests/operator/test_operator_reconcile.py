@@ -1,0 +1,477 @@
+"""The operator as a process, under its own ServiceAccount, against the real control plane: engines
+scheduled onto fake GPU nodes, dedicated nodes, bindings and the routing table, drift repair, key
+rotation, deletion, and least-privilege RBAC."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvfence.operator import rbac
+
+pytestmark = pytest.mark.cluster
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def tc(name: str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"engine": {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}}}
+    base.update(spec)
+    return {
+        "apiVersion": "kvfence.dev/v1alpha1",
+        "kind": "TrustClass",
+        "metadata": {"name": name},
+        "spec": base,
+    }
+
+
+def tb(name: str, ns: str, tenant: str, trust_class: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfence.dev/v1alpha1",
+        "kind": "TenantBinding",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "tenantId": tenant,
+            "trustClassName": trust_class,
+            "apiKeySecretRef": {"name": f"{name}-keys"},
+            **spec,
+        },
+    }
+
+
+def keys_secret(name: str, ns: str, *keys: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{name}-keys", "namespace": ns},
+        "stringData": {f"k{i}": k for i, k in enumerate(keys)},
+    }
+
+
+def tenant_ns(name: str, *, label: str | None, grant: bool) -> list[dict[str, Any]]:
+    ns: dict[str, Any] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    if label:
+        ns["metadata"]["labels"] = {"kvfence.dev/tenants": label}
+    return [ns, *([rbac.tenant_secrets_binding(name, "kvfence-system")] if grant else [])]
+
+
+def sha(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions", []):
+        if c["type"] == ctype:
+            return dict(c)
+    return {}
+
+
+def ready(kv: Any, name: str) -> bool:
+    obj = kv.json("get", "trustclass", name)
+    c = condition(obj, "Ready")
+    return bool(
+        obj and c.get("status") == "True" and c.get("observedGeneration") == obj["metadata"]["generation"]
+    )
+
+
+def pods(kv: Any, ns: str) -> list[dict[str, Any]]:
+    got = kv.json("get", "pods", "-n", ns)
+    return [p for p in (got or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.fixture
+def cleanup(kv: Any, wait: Any) -> Iterator[list[str]]:
+    """TrustClasses (and namespaces) a test created: deleted afterwards, waiting until they are gone
+    so that their pods do not affect the next test's scheduling."""
+    classes: list[str] = []
+    yield classes
+    for name in classes:
+        kv("delete", "trustclass", name, "--ignore-not-found", "--wait=false")
+    for name in classes:
+        wait(lambda n=name: kv.json("get", "trustclass", n) is None, f"TrustClass {name} deleted", 120)
+        wait(
+            lambda n=name: kv.json("get", "namespace", f"kvf-{n}") is None, f"namespace kvf-{name} gone", 180
+        )
+
+
+def test_operator_rbac_is_least_privilege(installed: Any, kv: Any) -> None:
+    sa = f"--as=system:serviceaccount:kvfence-system:{rbac.NAME}"
+
+    def can(*args: str) -> bool:
+        return kv("auth", "can-i", *args, sa, check=False).stdout.strip() == "yes"
+
+    # what it needs
+    assert can("watch", "trustclasses.kvfence.dev")
+    assert can("patch", "trustclasses.kvfence.dev", "--subresource=status")
+    assert can("patch", "deployments", "-n", "kvf-anything")
+    assert can("get", "secret/kvfence-signing-key", "-n", "kvf-anything")
+    assert can("patch", "secret/kvfence-routing", "-n", "kvfence-system")
+    assert can("update", "lease/kvfence-operator", "-n", "kvfence-system")
+    # what it must not do
+    assert not can("get", "secrets", "-n", "kube-system")
+    assert not can("get", "secret/some-tenant-secret", "-n", "default")
+    assert not can("list", "secrets", "--all-namespaces")
+    assert not can("watch", "secrets", "-n", "kvfence-system")
+    assert not can("delete", "deployments", "-n", "kvf-anything")
+    assert not can("create", "pods", "-n", "kvf-anything")
+    assert not can("create", "clusterrolebindings")
+    assert not can("update", "lease/someone-else", "-n", "kvfence-system")
+    assert not can("delete", "trustclasses.kvfence.dev")
+    assert not can("*", "*")
+
+
+def test_gpu_engines_land_on_gpu_nodes_with_the_right_resource_names(
+    cluster: Any, operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup += ["gpu-h100", "gpu-mig"]
+    res = kv.apply(
+        tc(
+            "gpu-h100",
+            replicas=2,
+            resources={"gpu": {"count": 2}, "cpu": "2", "memory": "8Gi"},
+            placement={"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+        ),
+        tc(
+            "gpu-mig",
+            resources={"gpu": {"count": 1, "resourceName": "nvidia.com/mig-1g.5gb"}},
+            placement={"tolerations": [GPU_TOLERATION]},
+        ),
+    )
+    assert res.returncode == 0, res.stderr
+    for name in ("gpu-h100", "gpu-mig"):
+        wait(lambda n=name: ready(kv, n), f"{name} Ready", 180, dump=operator.tail)
+    h100 = pods(kv, "kvf-gpu-h100")
+    assert len(h100) == 2
+    for p in h100:
+        assert p["spec"]["nodeName"] in cluster.gpu_nodes and "h100" in p["spec"]["nodeName"]
+        assert p["status"]["phase"] == "Running"
+        res_ = p["spec"]["containers"][0]["resources"]
+        assert res_["limits"]["nvidia.com/gpu"] == "2" and res_["requests"]["nvidia.com/gpu"] == "2"
+        assert res_["limits"]["memory"] == "8Gi"
+    (mig,) = pods(kv, "kvf-gpu-mig")
+    assert mig["spec"]["nodeName"] == "kvf-gpu-mig-0"
+    assert mig["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-1g.5gb": "1"}
+    # hardened pods
+    spec = mig["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    status = kv.json("get", "trustclass", "gpu-h100")["status"]
+    assert status["readyReplicas"] == 2 and status["namespace"] == "kvf-gpu-h100"
+    assert condition({"status": status}, "Progressing")["status"] == "False"
+    assert condition({"status": status}, "Degraded")["status"] == "False"
+
+
+def test_too_many_gpus_stay_pending_and_are_reported(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup.append("gpu-huge")
+    assert kv.apply(tc("gpu-huge", resources={"gpu": {"count": 16}})).returncode == 0
+    wait(lambda: pods(kv, "kvf-gpu-huge"), "a pod", 120)
+
+    def not_ready() -> bool:
+        obj = kv.json("get", "trustclass", "gpu-huge")
+        return (
+            condition(obj, "Ready").get("reason") == "EngineUnavailable"
+            and condition(obj, "Progressing")["status"] == "True"
+        )
+
+    wait(not_ready, "Ready=False EngineUnavailable", 120, dump=operator.tail)
+    (p,) = pods(kv, "kvf-gpu-huge")
+    assert p["status"]["phase"] == "Pending" and not p["spec"].get("nodeName")
+
+
+def test_dedicated_trust_classes_never_share_a_node(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup += ["ded-a", "ded-b", "shared-c"]
+    dedicated = {"dedicatedNodes": {"enabled": True}, "tolerations": [GPU_TOLERATION]}
+    res = kv.apply(
+        tc("ded-a", replicas=2, resources={"gpu": {"count": 1}}, placement=dedicated),
+        tc("ded-b", replicas=2, resources={"gpu": {"count": 1}}, placement=dedicated),
+        tc(
+            "shared-c",
+            replicas=4,
+            resources={"gpu": {"count": 0}},
+            placement={"tolerations": [GPU_TOLERATION]},
+        ),
+    )
+    assert res.returncode == 0, res.stderr
+    for name in ("ded-a", "ded-b", "shared-c"):
+        wait(lambda n=name: ready(kv, n), f"{name} Ready", 180, dump=operator.tail)
+    by_node: dict[str, set[str]] = {}
+    for name in ("ded-a", "ded-b", "shared-c"):
+        for p in pods(kv, f"kvf-{name}"):
+            by_node.setdefault(p["spec"]["nodeName"], set()).add(
+                p["metadata"]["labels"]["kvfence.dev/trust-class"]
+            )
+    for node, classes in by_node.items():
+        if classes & {"ded-a", "ded-b"}:
+            assert len(classes) == 1, f"{node} runs {classes}"
+    assert sum(len(v) for v in by_node.values()) >= 3
+
+
+def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
+    cleanup += ["route-gold", "route-silver"]
+    objs = [
+        tc(
+            "route-gold",
+            replicas=0,
+            engine={
+                "image": "kvfence/engine:dev",
+                "model": {"name": "kvfence/tiny", "servedName": "tiny"},
+                "adapters": [{"name": "support", "source": "/adapters/support"}],
+            },
+            namespaceSelector={"matchLabels": {"kvfence.dev/tenants": "gold"}},
+            quotas={
+                "defaults": {"requestsPerMinute": 60},
+                "limits": {"requestsPerMinute": 600, "maxKVBlocks": 512},
+            },
+        ),
+        tc("route-silver", replicas=0, namespaceSelector={}),
+        *tenant_ns("rt-a", label="gold", grant=True),
+        *tenant_ns("rt-b", label="gold", grant=True),
+        *tenant_ns("rt-rogue", label=None, grant=True),
+        *tenant_ns("rt-closed", label="gold", grant=False),
+    ]
+    assert kv.apply(*objs).returncode == 0
+    bindings = [
+        (
+            "ok",
+            "rt-a",
+            "t-ok",
+            "route-gold",
+            {"allowedAdapters": ["support"], "quotas": {"requestsPerMinute": 120}},
+        ),
+        ("silver", "rt-rogue", "t-silver", "route-silver", {}),
+        ("rogue", "rt-rogue", "t-rogue", "route-gold", {}),
+        ("missing", "rt-a", "t-missing", "route-platinum", {}),
+        ("forbidden", "rt-closed", "t-forbidden", "route-gold", {}),
+        ("adapter", "rt-a", "t-adapter", "route-gold", {"allowedAdapters": ["other"]}),
+        ("greedy", "rt-a", "t-greedy", "route-gold", {"quotas": {"requestsPerMinute": 6000}}),
+        ("nosecret", "rt-a", "t-nosecret", "route-gold", {}),
+    ]
+    for name, ns, tenant, cls, spec in bindings:
+        secret = [keys_secret(name, ns, f"sk-{name}")] if name != "nosecret" else []
+        assert kv.apply(*secret, tb(name, ns, tenant, cls, **spec)).returncode == 0
+    # a later binding claiming an existing tenant id, with the first one's API key as well
+    wait(
+        lambda: condition(kv.json("get", "tb", "ok", "-n", "rt-a"), "Bound").get("status") == "True",
+        "ok Bound",
+        120,
+    )
+    assert (
+        kv.apply(keys_secret("dup", "rt-b", "sk-dup"), tb("dup", "rt-b", "t-ok", "route-gold")).returncode
+        == 0
+    )
+    expected = {
+        ("rt-a", "ok"): ("True", "False", "Bound"),
+        ("rt-rogue", "silver"): ("True", "False", "Bound"),
+        ("rt-rogue", "rogue"): ("False", "True", "NamespaceNotAdmitted"),
+        ("rt-a", "missing"): ("False", "True", "TrustClassNotFound"),
+        ("rt-closed", "forbidden"): ("False", "True", "ApiKeySecretForbidden"),
+        ("rt-a", "adapter"): ("False", "True", "AdapterNotInTrustClass"),
+        ("rt-a", "greedy"): ("False", "True", "QuotaExceedsClassLimit"),
+        ("rt-a", "nosecret"): ("False", "True", "ApiKeySecretNotFound"),
+        ("rt-b", "dup"): ("False", "True", "DuplicateTenantId"),
+    }
+
+    def statuses() -> dict[tuple[str, str], tuple[str, str, str]]:
+        out = {}
+        for item in kv.json("get", "tenantbindings", "-A")["items"]:
+            key = (item["metadata"]["namespace"], item["metadata"]["name"])
+            if key in expected:
+                b, d = condition(item, "Bound"), condition(item, "Denied")
+                reason = d.get("reason") if d.get("status") == "True" else b.get("reason")
+                out[key] = (b.get("status"), d.get("status"), reason)
+                assert b.get("observedGeneration") == item["metadata"]["generation"]
+        return out
+
+    wait(
+        lambda: statuses() == expected,
+        "binding statuses",
+        120,
+        dump=lambda: f"{statuses()}\n{operator.tail()}",
+    )
+    table = kv.routing_table()
+    assert set(table["tenants"]) == {"t-ok", "t-silver"}
+    ok = table["tenants"]["t-ok"]
+    assert ok["trustClass"] == "route-gold" and ok["binding"] == "rt-a/ok"
+    assert ok["apiKeyHashes"] == [sha("sk-ok")]
+    assert ok["allowedAdapters"] == ["support"] and ok["quotas"]["requestsPerMinute"] == 120
+    gold = table["trustClasses"]["route-gold"]
+    assert gold["endpoint"] == "http://kvfence-engine.kvf-route-gold.svc.cluster.local:8000"
+    assert gold["servedModels"] == ["tiny"] and gold["adapters"] == ["support"]
+    signing = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-route-gold")["data"]["current"]
+    assert gold["signingKeys"] == [signing]
+    text = json.dumps(table)
+    for name, *_ in bindings:
+        assert f"sk-{name}" not in text  # only hashes
+        if name not in ("ok", "silver"):
+            assert sha(f"sk-{name}") not in text, f"denied binding {name} reached the routing table"
+    assert sha("sk-dup") not in text
+    # Events tell what happened
+    events = kv("get", "events", "-n", "rt-rogue", "--field-selector", "involvedObject.name=rogue").stdout
+    assert "NamespaceNotAdmitted" in events
+    # admitting the namespace later binds the tenant
+    kv("label", "namespace", "rt-rogue", "kvfence.dev/tenants=gold")
+    wait(
+        lambda: "t-rogue" in kv.routing_table()["tenants"],
+        "t-rogue routed after its namespace is admitted",
+        120,
+    )
+    # the class's status counts its tenants
+    wait(
+        lambda: kv.json("get", "trustclass", "route-gold")["status"].get("boundTenants") == 2,
+        "boundTenants",
+        60,
+    )
+    # a key rotated in the tenant's Secret is picked up (resync)
+    kv.apply(keys_secret("ok", "rt-a", "sk-ok-2"))
+    wait(
+        lambda: kv.routing_table()["tenants"]["t-ok"]["apiKeyHashes"] == [sha("sk-ok-2")],
+        "rotated API key",
+        60,
+    )
+    for ns in ("rt-a", "rt-b", "rt-rogue", "rt-closed"):
+        kv("delete", "namespace", ns, "--wait=false")
+
+
+def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
+    cleanup.append("drift")
+    assert kv.apply(tc("drift", replicas=2, resources={"gpu": {"count": 1}})).returncode == 0
+    wait(lambda: ready(kv, "drift"), "drift Ready", 180, dump=operator.tail)
+    ns = "kvf-drift"
+    kv("scale", "deployment/kvfence-engine", "-n", ns, "--replicas=0")
+    wait(
+        lambda: kv.json("get", "deployment", "kvfence-engine", "-n", ns)["spec"]["replicas"] == 2,
+        "replicas restored",
+        60,
+        dump=operator.tail,
+    )
+    kv("delete", "service", "kvfence-engine", "-n", ns)
+    wait(lambda: kv.json("get", "service", "kvfence-engine", "-n", ns) is not None, "service back", 60)
+    kv(
+        "patch",
+        "configmap",
+        "kvfence-engine-config",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"data":{"engine.json":"{}"}}',
+    )
+    wait(
+        lambda: (
+            json.loads(
+                kv.json("get", "configmap", "kvfence-engine-config", "-n", ns)["data"]["engine.json"]
+            ).get("trustClass")
+            == "drift"
+        ),
+        "config restored",
+        60,
+    )
+    kv("delete", "networkpolicy", "kvfence-engine-ingress", "-n", ns)
+    wait(
+        lambda: kv.json("get", "networkpolicy", "kvfence-engine-ingress", "-n", ns) is not None,
+        "netpol back",
+        60,
+    )
+    kv("delete", "pdb", "kvfence-engine", "-n", ns)
+    wait(lambda: kv.json("get", "pdb", "kvfence-engine", "-n", ns) is not None, "pdb back", 60)
+    # Secrets are not watched (RBAC); the resync brings a deleted signing key back (a new one).
+    kv("delete", "secret", "kvfence-signing-key", "-n", ns)
+    wait(
+        lambda: kv.json("get", "secret", "kvfence-signing-key", "-n", ns) is not None, "signing key back", 60
+    )
+    wait(lambda: ready(kv, "drift"), "drift Ready again", 120)
+
+
+def test_signing_key_rotation(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
+    cleanup.append("rotate")
+    assert kv.apply(tc("rotate", replicas=1, resources={"gpu": {"count": 0}})).returncode == 0
+    wait(lambda: ready(kv, "rotate"), "rotate Ready", 180, dump=operator.tail)
+    before = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate")["data"]
+    assert set(before) == {"current"} and len(base64.b64decode(before["current"])) == 32
+    # reconciling again keeps the key
+    kv("annotate", "trustclass", "rotate", "example.com/poke=1")
+    kv("annotate", "trustclass", "rotate", "kvfence.dev/rotate-signing-key=r1")
+
+    def rotated() -> bool:
+        data = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate")["data"]
+        return data.get("previous") == before["current"] and data["current"] != before["current"]
+
+    wait(rotated, "key rotated", 60, dump=operator.tail)
+    after = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate")["data"]
+    wait(
+        lambda: (
+            kv.routing_table()["trustClasses"]["rotate"]["signingKeys"]
+            == [after["current"], after["previous"]]
+        ),
+        "routing table carries both keys, new first",
+        60,
+    )
+    # the same token does not rotate again
+    kv("annotate", "trustclass", "rotate", "example.com/poke=2", "--overwrite")
+    wait(lambda: ready(kv, "rotate"), "rotate Ready", 120)
+    assert kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate")["data"] == after
+
+
+def test_deleting_a_trustclass_removes_everything(operator: Any, kv: Any, wait: Any) -> None:
+    objs = [
+        tc("doomed", replicas=1, resources={"gpu": {"count": 1}}, namespaceSelector={}),
+        *tenant_ns("doomed-tenants", label=None, grant=True),
+        keys_secret("victim", "doomed-tenants", "sk-victim"),
+        tb("victim", "doomed-tenants", "t-victim", "doomed"),
+    ]
+    assert kv.apply(*objs).returncode == 0
+    wait(lambda: ready(kv, "doomed"), "doomed Ready", 180, dump=operator.tail)
+    wait(lambda: "t-victim" in kv.routing_table()["tenants"], "victim routed", 60)
+    obj = kv.json("get", "trustclass", "doomed")
+    assert "kvfence.dev/cleanup" in obj["metadata"]["finalizers"]
+    ns = kv.json("get", "namespace", "kvf-doomed")
+    assert ns["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    for kind in ("deployment", "service", "configmap", "networkpolicy", "pdb"):
+        child = kv.json("get", kind, "-n", "kvf-doomed", "-l", "kvfence.dev/trust-class=doomed")["items"]
+        assert child and all(c["metadata"]["ownerReferences"][0]["kind"] == "TrustClass" for c in child)
+    kv("delete", "trustclass", "doomed", "--wait=false")
+    wait(lambda: kv.json("get", "trustclass", "doomed") is None, "TrustClass gone (finalizer released)", 120)
+    table = kv.routing_table()
+    assert "doomed" not in table["trustClasses"] and "t-victim" not in table["tenants"]
+    wait(lambda: kv.json("get", "namespace", "kvf-doomed") is None, "namespace and children gone", 180)
+    wait(
+        lambda: (
+            condition(kv.json("get", "tb", "victim", "-n", "doomed-tenants"), "Denied").get("reason")
+            == "TrustClassNotFound"
+        ),
+        "binding Denied",
+        60,
+    )
+    kv("delete", "namespace", "doomed-tenants", "--wait=false")
+
+
+def test_namespace_conflict_is_degraded_not_adopted(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    kv("create", "namespace", "someone-elses")
+    cleanup.append("squatter")
+    assert kv.apply(tc("squatter", namespace="someone-elses", replicas=0)).returncode == 0
+
+    def degraded() -> bool:
+        return (
+            condition(kv.json("get", "trustclass", "squatter"), "Degraded").get("reason")
+            == "NamespaceConflict"
+        )
+
+    wait(degraded, "Degraded NamespaceConflict", 60, dump=operator.tail)
+    assert kv.json("get", "deployments", "-n", "someone-elses")["items"] == []
+    kv("delete", "trustclass", "squatter", "--wait=false")
+    wait(lambda: kv.json("get", "trustclass", "squatter") is None, "squatter deleted", 60)
+    assert kv.json("get", "namespace", "someone-elses") is not None  # never deleted: not ours
+    cleanup.clear()
+    kv("delete", "namespace", "someone-elses", "--wait=false")
