@@ -117,6 +117,15 @@ def test_openai_endpoints(start_engine: Start, key_dir: Path) -> None:
     assert text_of(r, chat_api=False, stream=False) == expected(oracle, body)
     r = client.one("/v1/completions", {**body, "stream": True})
     assert r.status == 200 and text_of(r, chat_api=False, stream=True) == expected(oracle, body)
+    r = client.one("/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    usage = events[-2]["usage"]
+    assert usage["total_tokens"] == data["usage"]["total_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # 15 prompt tokens: no full block
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == expected(oracle, body)
+    bad = client.one("/v1/completions", {**body, "stream": True, "stream_options": "yes"})
+    assert bad.status == 400 and bad.error["param"] == "stream_options"
 
     body = chat("What is the refund policy?", 7, model="bot")
     r = client.one("/v1/chat/completions", body)

@@ -289,6 +289,7 @@ class EngineServer:
         self.check_salt(data, verified)
         model, adapter = self.resolve_model(data)
         stream = self.common_checks(data)
+        include_usage = self._include_usage(data) if stream else False
         max_tokens = self.int_field(
             data, "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens", 16
         )
@@ -326,7 +327,7 @@ class EngineServer:
                 )
             assert isinstance(first, Admitted)
             if stream:
-                return await self._stream(request, events, rid, model, chat, endpoint)
+                return await self._stream(request, events, rid, model, chat, endpoint, include_usage)
             return await self._collect(events, rid, model, chat, endpoint)
         finally:
             self.engine.cancel(rid)  # no-op once finished; frees the blocks of an abandoned request
@@ -385,6 +386,7 @@ class EngineServer:
         model: str,
         chat: bool,
         endpoint: str,
+        include_usage: bool = False,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -430,11 +432,26 @@ class EngineServer:
             elif isinstance(ev, Finished):
                 tail = decoder.decode(b"", final=True)
                 await resp.write(chunk(tail if tail else (None if chat else ""), ev.reason))
+                if include_usage:  # OpenAI's stream_options.include_usage: a last chunk, no choices
+                    u = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
+                    u["usage"] = self._usage(ev)
+                    await resp.write(b"data: " + json.dumps(u, separators=(",", ":")).encode() + b"\n\n")
                 break
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.metrics.requests.labels(endpoint, "200").inc()
         return resp
+
+    @staticmethod
+    def _include_usage(data: dict[str, Any]) -> bool:
+        opts = data.get("stream_options")
+        if opts is None:
+            return False
+        if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+            raise ApiError(
+                400, "stream_options must be an object", type_="invalid_request_error", param="stream_options"
+            )
+        return bool(opts.get("include_usage", False))
 
     def _prompt(self, data: dict[str, Any]) -> str:
         p = data.get("prompt")
