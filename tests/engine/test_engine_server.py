@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from engine.enginelib import (
     TOKENIZER,
     Client,
@@ -403,7 +404,7 @@ def test_sigterm_drains_an_inflight_stream_and_exits_cleanly(start_engine: Start
     assert "shutting down" in proc.log_path.read_text()
 
 
-def test_cli_rejects_a_bad_config(tmp_path: Path) -> None:
+def test_cli_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvfence.engine.server import main
 
     p = tmp_path / "bad.yaml"
@@ -411,6 +412,14 @@ def test_cli_rejects_a_bad_config(tmp_path: Path) -> None:
     assert main(["--config", str(p)]) == 2
     p.write_text(json.dumps(config_dict(tmp_path / "no-keys")))
     assert main(["--config", str(p)]) == 2
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "current").write_bytes(os.urandom(32))
+    p.write_text(json.dumps(config_dict(keys, quantization="fp4")))
+    assert main(["--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "signing key" in err and "is missing" in err
+    assert "quantization 'none' or 'int8', not 'fp4'" in err
 
 
 def test_a_client_that_hangs_up_frees_its_blocks(key_dir: Path) -> None:

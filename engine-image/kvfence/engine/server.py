@@ -561,10 +561,14 @@ async def _errors(
 
 
 async def serve(
-    config: EngineConfig, *, ready: Callable[[int], None] | None = None, stop: asyncio.Event | None = None
+    config: EngineConfig,
+    *,
+    server: EngineServer | None = None,
+    ready: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Run the server until ``stop`` is set (or SIGTERM/SIGINT); then drain and shut down."""
-    server = EngineServer(config)
+    server = server or EngineServer(config)
     server.engine.start()
     runner = web.AppRunner(server.app(), shutdown_timeout=30.0, access_log=None)
     await runner.setup()
@@ -607,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if config.require_signature:
             load_signing_keys(config.signing_key_dir)
-    except ConfigError as e:
+        server = EngineServer(config)  # builds the model: refuses a dtype/quantization it cannot run
+    except (ConfigError, ValueError) as e:
         print(f"kvfence-engine: {e}", file=sys.stderr)
         return 2
 
@@ -617,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.write_text(str(port))
             tmp.replace(args.port_file)
 
-    asyncio.run(serve(config, ready=ready))
+    asyncio.run(serve(config, server=server, ready=ready))
     return 0
 
 
