@@ -197,3 +197,28 @@ def test_warm_suffixes_of_every_length_near_a_block_boundary(length: int) -> Non
         out, end = warm.generate("acme", p, 5)
         assert out == oracle.tokens(p, 5)
     assert isinstance(end, Finished) and end.cached_tokens == (length - 1) // 16 * 16
+
+
+def test_a_tenant_waiting_for_blocks_does_not_hold_back_another_tenant() -> None:
+    cfg = make_config(numBlocks=12, quotas={"tenants": {"b": {"guaranteedBlocks": 2}}})
+    e = Engine(cfg)
+    seen: dict[str, list[Event]] = {}
+
+    def submit(rid: str, tenant: str, text: str, max_tokens: int) -> None:
+        ctx = e.context(e.expected_namespace(tenant), "")
+        e.submit(Request(rid, tenant, ctx, TOKENIZER.encode(text), max_tokens, collect(seen, rid)))
+
+    submit("a1", "a", "x" * 100, 40)  # 9 blocks: all of the pool but b's reservation and one block
+    e.step()
+    assert isinstance(seen["a1"][0], Admitted)
+    submit("a2", "a", "y" * 100, 40)  # does not fit until a1 is done
+    submit("b1", "b", "short", 8)  # fits in b's guaranteed share
+    e.step()
+    assert "a2" not in seen  # still waiting, in order
+    assert isinstance(seen["b1"][0], Admitted)  # not queued behind a2
+    assert not any(isinstance(ev, Finished) for ev in seen["a1"])
+    e.run_until_idle()
+    for rid in ("a1", "a2", "b1"):
+        assert isinstance(seen[rid][-1], Finished), seen[rid][-1]
+    acc = e.allocator.check_consistency()
+    assert acc.active == acc.fenced == acc.sequences == 0

@@ -1,9 +1,10 @@
 """The reference engine: the isolation core, the tiny model and a batching scheduler.
 
 One scheduler thread steps every running sequence together: each step admits waiting requests
-(allocation is all or nothing, for the prompt plus ``max_tokens``), feeds each running sequence either
-its next prompt chunk (chunked prefill) or its last generated token, runs the model once per adapter
-group, registers the blocks that became full in the prefix cache, and samples greedily.
+(all or nothing, for the prompt plus ``max_tokens``; first come first served per tenant), feeds each
+running sequence either its next prompt chunk (chunked prefill) or its last generated token, runs the
+model once per adapter group, registers the blocks that became full in the prefix cache, and samples
+greedily.
 
 Prefix-cache hits attach the cached blocks by reference and skip their computation: a request whose
 first ``n`` prompt tokens are cached starts its prefill at position ``n``, reading those positions'
@@ -25,7 +26,6 @@ import numpy as np
 
 from kvfence.contract import cache_namespace
 from kvfence.engine.allocator import (
-    AllocationError,
     FencedAllocator,
     PoolExhausted,
     QuotaExceeded,
@@ -297,11 +297,20 @@ class Engine:
                 self._by_id.pop(r.request_id, None)
 
     def _admit(self) -> None:
-        while True:
-            with self._cond:
-                if not self._waiting or self._stopping or len(self._running) >= MAX_RUNNING:
-                    return
-                req = self._waiting[0]
+        """Admit waiting requests in order. A request that does not fit yet blocks only later requests
+        of *its own tenant* (per-tenant FIFO): one tenant's large request cannot hold back another
+        tenant whose request fits, e.g. in its guaranteed share."""
+        with self._cond:
+            if self._stopping:
+                return
+            queue = list(self._waiting)
+        blocked: set[str] = set()
+        exhausted: list[tuple[Request, PoolExhausted]] = []
+        for req in queue:
+            if len(self._running) >= MAX_RUNNING:
+                return
+            if req.tenant in blocked or req.cancelled:
+                continue
             try:
                 alloc = self.allocator.allocate_sequence(
                     req.request_id, req.tenant, len(req.tokens), ctx=req.ctx, prompt=req.prompt
@@ -310,23 +319,23 @@ class Engine:
                 self._drop_waiting(req, Failed(429, "quota_exceeded", str(e)))
                 continue
             except PoolExhausted as e:
-                if self._running:
-                    return  # wait for running sequences to free blocks (FIFO: no overtaking)
-                self._drop_waiting(req, Failed(503, "kv_cache_exhausted", str(e)))
-                continue
-            except AllocationError as e:  # pragma: no cover - every subclass is handled above
-                self._drop_waiting(req, Failed(503, "kv_cache_exhausted", str(e)))
+                blocked.add(req.tenant)
+                exhausted.append((req, e))
                 continue
             with self._cond:
-                self._waiting.popleft()
+                self._waiting.remove(req)
             req.cached_tokens = alloc.num_cached_tokens
             req.computed = alloc.num_cached_tokens
             self._running.append(req)
             req.sink(Admitted(alloc.num_cached_tokens))
+        if exhausted and not self._running:
+            # Nothing runs, so nothing will free blocks: the first request that did not fit never will.
+            first, err = exhausted[0]
+            self._drop_waiting(first, Failed(503, "kv_cache_exhausted", str(err)))
 
     def _drop_waiting(self, req: Request, event: Failed) -> None:
         with self._cond:
-            self._waiting.popleft()
+            self._waiting.remove(req)
             self._by_id.pop(req.request_id, None)
         req.sink(event)
 
