@@ -201,7 +201,8 @@ def test_build_body_strips_and_salts_and_signature_verifies() -> None:
     v = Verifier("gold", [GOLD_KEY])
     verified = v.verify(headers, "POST", "/v1/completions", payload)
     assert verified.cache_salt == alice.cache_salt
-    headers[HEADER_SIGNATURE] = headers[HEADER_SIGNATURE][:-1] + "0"
+    sig = headers[HEADER_SIGNATURE]
+    headers[HEADER_SIGNATURE] = sig[:-1] + ("1" if sig[-1] == "0" else "0")
     with pytest.raises(Exception, match="signature"):
         Verifier("gold", [GOLD_KEY]).verify(headers, "POST", "/v1/completions", payload)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from kvfence.contract import BODY_CACHE_SALT, sign, strip_client_body, strip_client_headers
 from kvfence.router.errors import RouterError
@@ -138,6 +139,7 @@ class Proxy:
         self.metrics = metrics
         self.config = config or ProxyConfig()
         self.engines: dict[str, EngineState] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
         self._session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(
             total=self.config.total_timeout,
@@ -231,9 +233,18 @@ class Proxy:
         """Send ``payload`` to the engine and relay its answer."""
         cls = plan.trust_class
         self.check_available(cls)
+        url = self._urls.get((cls.endpoint, path))
+        if url is None:
+            url = self._urls[(cls.endpoint, path)] = URL(cls.endpoint + path)
         try:
-            resp = await self.session.post(cls.endpoint + path, data=payload, headers=headers)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as e:
+            try:
+                resp = await self.session.post(url, data=payload, headers=headers)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the engine had just closed: nothing was processed.
+                # Retry once on a fresh connection, with a fresh nonce (the engine refuses replays).
+                headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
+                resp = await self.session.post(url, data=payload, headers=headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             self._mark(cls, False, f"connection failed: {type(e).__name__}")
             self.metrics.upstream_errors.inc((cls.name, "connect"))
             raise RouterError(
@@ -251,7 +262,7 @@ class Proxy:
                 "engine_timeout",
                 "upstream_error",
             ) from None
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, ConnectionError) as e:
             self.metrics.upstream_errors.inc((cls.name, "protocol"))
             raise RouterError(
                 502,
