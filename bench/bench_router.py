@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -462,6 +463,7 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=64, help="connections for the throughput runs")
     ap.add_argument("--latency-connections", type=int, default=32)
     ap.add_argument("--vllm-router", default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     a = ap.parse_args()
     if a.role == "upstream":
         asyncio.run(_serve_fixed(a.target_port))
@@ -483,29 +485,44 @@ def main() -> None:
         start_vllm_router(a.vllm_router, upstream.port, workdir),
     ]
     have_wrk = shutil.which("wrk") is not None
-    rows: list[dict[str, object]] = []
+    # Rounds interleave the targets, so that a burst of load from elsewhere on the machine hits all of
+    # them alike; each figure is the median over the rounds.
+    samples: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
     try:
-        for t in targets:
-            if t.port is None:
-                rows.append({"name": t.name, "reason": t.reason})
-                continue
-            lat = run_loadgen("open", t.port, a.rate, a.seconds, a.latency_connections)
-            thr = (
-                run_wrk(t.port, a.seconds, a.connections, workdir)
-                if have_wrk
-                else run_loadgen("closed", t.port, a.rate, a.seconds, a.connections)
-            )
-            rows.append({"name": t.name, **lat, "rps": thr["rps"], "thr_errors": thr["errors"]})
-            print(f"  measured {t.name}", file=sys.stderr)
+        for rnd in range(a.rounds):
+            for t in targets:
+                if t.port is None:
+                    continue
+                lat = run_loadgen("open", t.port, a.rate, a.seconds, a.latency_connections)
+                thr = (
+                    run_wrk(t.port, a.seconds, a.connections, workdir)
+                    if have_wrk
+                    else run_loadgen("closed", t.port, a.rate, a.seconds, a.connections)
+                )
+                samples[t.name].append({**lat, "rps": thr["rps"], "thr_errors": thr["errors"]})
+                print(f"  round {rnd + 1}/{a.rounds}: measured {t.name}", file=sys.stderr)
     finally:
         for t in [*targets, upstream]:
             stop(t)
+    rows: list[dict[str, object]] = []
+    for t in targets:
+        if t.port is None:
+            rows.append({"name": t.name, "reason": t.reason})
+            continue
+        got = samples[t.name]
+        row: dict[str, object] = {"name": t.name}
+        for key in ("p50", "p99", "max", "achieved_rps", "rps"):
+            row[key] = statistics.median(x[key] for x in got)
+        row["errors"] = sum(x["errors"] for x in got)
+        row["thr_errors"] = sum(x["thr_errors"] for x in got)
+        rows.append(row)
 
     base = rows[0]
     vllm = next((r for r in rows if r["name"] == "vllm-router" and "rps" in r), None)
     print()
     print(
-        f"upstream: {upstream.name}; latency: open loop at {a.rate:.0f} req/s for {a.seconds:.0f}s "
+        f"medians of {a.rounds} interleaved rounds; upstream: {upstream.name}; "
+        f"latency: open loop at {a.rate:.0f} req/s for {a.seconds:.0f}s "
         f"over {a.latency_connections} connections; throughput: "
         f"{'wrk -t1 -c' + str(a.connections) if have_wrk else 'python closed loop'}; cores: {os.cpu_count()}"
     )

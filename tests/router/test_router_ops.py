@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from router.support import (
     SILVER_KEY,
     Proc,
     auth,
+    free_port,
     request,
     standard_table,
     start_fake,
@@ -228,5 +230,50 @@ def test_graceful_shutdown_finishes_inflight_stream(
         data = asyncio.run(asyncio.wait_for(run(), 60))
         assert len([e for e in data.split(b"\n\n") if e.startswith(b"data: {")]) == 4
         assert router.popen.wait(30) == 0
+    finally:
+        router.stop()
+
+
+def test_starts_unready_without_a_table_and_becomes_ready(tmp_path: Path, logs: Path, own_gold: Proc) -> None:
+    """The Secret volume is optional: the router must start before the operator wrote any table."""
+    table_path = tmp_path / "routing.json"
+    router = Proc(
+        [
+            sys.executable,
+            "-m",
+            "kvfence.router.server",
+            "--routing-table",
+            str(table_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--reload-interval",
+            "0.1",
+        ],
+        0,
+        "/healthz",
+    )
+    router.port = int(router.args[router.args.index("--port") + 1])
+    router.start(logs)
+    try:
+        status, _, data = request("GET", router.url + "/readyz")
+        assert status == 503 and json.loads(data)["error"]["code"] == "not_ready"
+        status, _, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 503 and json.loads(data)["error"]["code"] == "not_ready"
+        write_table(table_path, standard_table(own_gold.url, own_gold.url))
+        wait_for(lambda: request("GET", router.url + "/readyz")[0] == 200, "ready")
+        status, _, _ = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "x"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 200
     finally:
         router.stop()

@@ -260,3 +260,14 @@ def test_compile_is_pure_function_of_table() -> None:
     a = compile_table(RoutingTable.model_validate_json(raw))
     b = compile_table(RoutingTable.model_validate_json(raw))
     assert a.tenants == b.tenants
+
+
+def test_reads_the_table_as_the_operator_renders_it() -> None:
+    """The operator writes ``table_json(RoutingTable)`` into the Secret; the router must read it."""
+    from kvfence.api.routing import RoutingTable
+    from kvfence.operator.routes import table_json
+
+    model = RoutingTable.model_validate(standard_table("http://gold:8000", "http://silver:8000"))
+    compiled = parse_table(table_json(model).encode())
+    assert set(compiled.tenants) == set(model.tenants)
+    assert authenticate(compiled, f"Bearer {KEYS['carol']}").identity.namespace == "class/silver"

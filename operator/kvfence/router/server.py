@@ -109,9 +109,14 @@ def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     return v
 
 
+_DECODER = json.JSONDecoder(
+    parse_constant=_reject_constant
+)  # built once: json.loads(**kw) builds one per call
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = _DECODER.decode(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise RouterError(400, "The request body is not valid JSON.", "invalid_json") from None
     if not isinstance(body, dict):
