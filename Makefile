@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CLUSTER_DIR ?= .cluster
 BIN_DIR = $(shell tests/cluster/build-components.sh --print)
 
-.PHONY: help venv components up down test lint typecheck unit crds bench clean
+.PHONY: help venv components node-deps up down test lint typecheck unit crds bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -19,11 +19,14 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed ## Create .venv with kvfence and its dev tools
 
-components: ## Build (or reuse the cached) kube-apiserver, etcd, kwok, helm, ...
-	tests/cluster/build-components.sh >/dev/null
+components: node-deps ## Build (or reuse the cached) kube-apiserver, etcd, kwok, helm, kubelet, ...
+	tests/cluster/build-components.sh --real-node >/dev/null
+
+node-deps: ## Install the Debian packages the real node needs (containerd, runc, CNI plugins, ipset)
+	tests/cluster/install-node-deps.sh
 
 up: venv components ## Start the local control plane (kubeconfig in .cluster/kubeconfig)
-	$(PY) tests/cluster/localcluster.py up --dir $(CLUSTER_DIR) --bin-dir $(BIN_DIR)
+	$(PY) tests/cluster/localcluster.py up --real-node --dir $(CLUSTER_DIR) --bin-dir $(BIN_DIR)
 
 down: ## Stop everything `make up` started
 	$(PY) tests/cluster/localcluster.py down --dir $(CLUSTER_DIR)

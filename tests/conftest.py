@@ -43,11 +43,36 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A second cluster with one real node (containerd, kubelet, kube-proxy, kube-router, CoreDNS) on
+    which pods really run, and Kubernetes' agnhost test image imported into it."""
+    from cluster.oci import Layer, write_archive
+
+    bin_dir = _bin_dir()
+    c = LocalCluster(tmp_path_factory.mktemp("real-cluster"), bin_dir, real_node=True)
+    c.start()
+    try:
+        from cluster.realnode import RealNode
+
+        agnhost = write_archive(
+            c.dir / "agnhost.oci.tar",
+            "kvfence.local/agnhost:test",
+            [Layer().add("agnhost", (bin_dir / "agnhost").read_bytes(), 0o755)],
+            entrypoint=["/agnhost"],
+        )
+        RealNode(c).import_image(agnhost)
+        yield c
+    finally:
+        c.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if report.failed and "cluster" in getattr(item, "fixturenames", ()):
-        c = item.funcargs.get("cluster")  # type: ignore[attr-defined]
-        if isinstance(c, LocalCluster) and c.pids:
-            report.sections.append(("local cluster: logs and events", c.dump()))
+    if report.failed:
+        for name in ("cluster", "real_cluster"):
+            c = getattr(item, "funcargs", {}).get(name)
+            if isinstance(c, LocalCluster) and c.pids:
+                report.sections.append((f"{name}: logs and events", c.dump()))

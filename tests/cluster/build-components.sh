@@ -3,8 +3,9 @@
 # versions pinned in components.env. Binaries are cached under $KVFENCE_CACHE (default
 # ~/.cache/kvfence/bin/<component>-<version>/), so a warm machine skips every step.
 #
-#   tests/cluster/build-components.sh            # build what is missing, print the bin dir
-#   tests/cluster/build-components.sh --print    # print the bin dir only
+#   tests/cluster/build-components.sh              # build what is missing, print the bin dir
+#   tests/cluster/build-components.sh --real-node  # also kube-router and CoreDNS (realnode.py)
+#   tests/cluster/build-components.sh --print      # print the bin dir only
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=components.env
@@ -17,8 +18,16 @@ export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 log() { printf '[build-components] %s\n' "$*" >&2; }
 scratch() { local d; d=$(mktemp -d "${TMPDIR:-/tmp}/kvfence-build.XXXXXX"); echo "$d"; }
 
+k8s_pkg() { # binary name -> package in k8s.io/kubernetes
+  case $1 in
+    agnhost) echo k8s.io/kubernetes/test/images/agnhost ;;
+    *) echo "k8s.io/kubernetes/cmd/$1" ;;
+  esac
+}
+
 build_k8s() {
-  local want=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
+  # agnhost is Kubernetes' own e2e test image (HTTP server, `connect` probe): the real node's tests use it.
+  local want=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy agnhost)
   local missing=()
   for b in "${want[@]}"; do [[ -x "$bindir/$b" ]] || missing+=("$b"); done
   [[ ${#missing[@]} -eq 0 ]] && return 0
@@ -36,7 +45,7 @@ build_k8s() {
       sed -nE 's#^\s*(k8s\.io/[a-z0-9-]+) => \./staging/.*#replace \1 => \1 '"$staging"'#p' "$modfile"
     } >> go.mod
     printf 'package tools\n\nimport (\n' > tools.go
-    for b in "${missing[@]}"; do printf '\t_ "k8s.io/kubernetes/cmd/%s"\n' "$b" >> tools.go; done
+    for b in "${missing[@]}"; do printf '\t_ "%s"\n' "$(k8s_pkg "$b")" >> tools.go; done
     printf ')\n' >> tools.go
     sed -i '1s/.*/\/\/go:build tools\n\npackage tools/' tools.go
     go mod tidy -e >/dev/null 2>&1 || true
@@ -48,7 +57,7 @@ build_k8s() {
       ld+=" -X $p.gitTreeState=clean -X $p.buildDate=$now -X $p.gitCommit=v$K8S_VERSION"
     done
     for b in "${missing[@]}"; do
-      go build -trimpath -tags tools -ldflags "$ld" -o "$bindir/$b.tmp" "k8s.io/kubernetes/cmd/$b"
+      go build -trimpath -tags tools -ldflags "$ld" -o "$bindir/$b.tmp" "$(k8s_pkg "$b")"
       mv "$bindir/$b.tmp" "$bindir/$b"
       log "built $b"
     done
@@ -82,11 +91,12 @@ GO
   rm -rf "$d"
 }
 
-build_tool() { # name module-path version
+build_tool() { # name module-path version; a stamp file records the version that was built
   local name=$1 pkg=$2 ver=$3
-  [[ -x "$bindir/$name" ]] && return 0
+  [[ -x "$bindir/$name" && "$(cat "$bindir/$name.version" 2>/dev/null)" == "$ver" ]] && return 0
   log "$name v$ver"
   GOBIN="$bindir" go install -trimpath -ldflags "-s -w" "$pkg@v$ver"
+  echo "$ver" > "$bindir/$name.version"
 }
 
 start=$(date +%s)
@@ -94,6 +104,10 @@ build_etcd
 build_tool kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"
 build_tool helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION"
 build_k8s
+if [[ "${1:-}" == "--real-node" ]]; then
+  build_tool kube-router github.com/cloudnativelabs/kube-router/v2/cmd/kube-router "$KUBE_ROUTER_VERSION"
+  build_tool coredns github.com/coredns/coredns "$COREDNS_VERSION"
+fi
 end=$(date +%s)
 log "components ready in $((end - start)) s: $bindir"
 echo "$bindir"

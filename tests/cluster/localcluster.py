@@ -39,7 +39,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 HERE = Path(__file__).resolve().parent
-SERVICE_CIDR = "10.96.0.0/16"
+# Services and (on the real node) pods use 198.18.0.0/15, reserved by RFC 2544 for network tests:
+# nothing addressed there leaves this machine. See realnode.py.
+SERVICE_CIDR = "198.19.0.0/16"
 # Names the apiserver's serving certificate answers to.
 API_SANS = [
     "localhost",
@@ -48,10 +50,11 @@ API_SANS = [
     "kubernetes.default.svc",
     "kubernetes.default.svc.cluster.local",
 ]
-API_IPS = ["127.0.0.1", "10.96.0.1"]
+API_IPS = ["127.0.0.1", "198.19.0.1", "198.18.255.1"]
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+FAKE_TAINT = {"key": KWOK_ANNOTATION, "value": "fake", "effect": "NoSchedule"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class FakeNode:
     memory: str = "256Gi"
     pods: str = "110"
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self, extra_taints: Sequence[dict[str, str]] = ()) -> dict[str, Any]:
         capacity = {"cpu": self.cpu, "memory": self.memory, "pods": self.pods, **self.extended}
         return {
             "apiVersion": "v1",
@@ -83,7 +86,7 @@ class FakeNode:
                     **self.labels,
                 },
             },
-            "spec": {"taints": [GPU_TAINT] if self.tainted else []},
+            "spec": {"taints": ([GPU_TAINT] if self.tainted else []) + list(extra_taints)},
             "status": {"capacity": capacity, "allocatable": capacity},
         }
 
@@ -115,6 +118,21 @@ DEFAULT_NODES: tuple[FakeNode, ...] = (
 )
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+#: Users with a client certificate (CN, organisations).
+CLIENT_CERTS = {
+    "admin": ("kvfence-admin", ["system:masters"]),
+    "controller-manager": ("system:kube-controller-manager", []),
+    "scheduler": ("system:kube-scheduler", []),
+    # kwok plays the kubelet of every fake node with one identity, so it cannot be a
+    # system:node:<name> user restricted by the Node authorizer; it gets a cluster-admin binding.
+    "kwok": ("kwok-controller", []),
+    # The real node (realnode.py) and its helpers.
+    "node": ("system:node:kvf-node-0", ["system:nodes"]),
+    "kube-proxy": ("system:kube-proxy", []),
+    "kube-router": ("kube-router", []),
+    "coredns": ("coredns", []),
+    "apiserver-kubelet-client": ("kube-apiserver-kubelet-client", ["system:masters"]),
+}
 
 
 def free_port() -> int:
@@ -195,27 +213,11 @@ def make_pki(pki: Path) -> None:
     ca = _cert("kvfence-test-ca", [], ca_key, None, ca=True)
     write("ca", ca, ca_key)
     issuer = (ca.subject, ca_key)
-    clients = {
-        "apiserver": ("kube-apiserver", [], True),
-        "admin": ("kvfence-admin", ["system:masters"], False),
-        "controller-manager": ("system:kube-controller-manager", [], False),
-        "scheduler": ("system:kube-scheduler", [], False),
-        # kwok plays the kubelet of every fake node with one identity, so it cannot be a
-        # system:node:<name> user restricted by the Node authorizer; it gets a cluster-admin binding.
-        "kwok": ("kwok-controller", [], False),
-    }
-    for name, (cn, orgs, server) in clients.items():
+    for name, (cn, orgs) in {"apiserver": ("kube-apiserver", []), **CLIENT_CERTS}.items():
+        server = name in ("apiserver", "node")  # the kubelet serves too
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _cert(
-            cn,
-            orgs,
-            key,
-            issuer,
-            server=server,
-            dns=API_SANS if server else (),
-            ips=API_IPS if server else (),
-        )
-        write(name, cert, key)
+        sans = {"dns": API_SANS, "ips": API_IPS} if server else {}
+        write(name, _cert(cn, orgs, key, issuer, server=server, **sans), key)
     sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     (pki / "sa.key").write_bytes(_pem_key(sa))
     (pki / "sa.pub").write_bytes(
@@ -257,8 +259,20 @@ class ClusterError(RuntimeError):
 
 
 class LocalCluster:
-    def __init__(self, workdir: Path | str, bin_dir: Path | str, nodes: Sequence[FakeNode] = DEFAULT_NODES):
+    def __init__(
+        self,
+        workdir: Path | str,
+        bin_dir: Path | str,
+        nodes: Sequence[FakeNode] = DEFAULT_NODES,
+        *,
+        real_node: bool = False,
+    ):
+        """``real_node``: also run one real node (realnode.py) on which pods really run; the fake
+        nodes then carry the taint ``kwok.x-k8s.io/node=fake:NoSchedule`` so that only pods that
+        ask for a fake node land there."""
         self.dir = Path(workdir).resolve()
+        self.real_node = real_node
+        self.host = "198.18.255.1" if real_node else "127.0.0.1"
         self.bin_dir = Path(bin_dir).resolve()
         self.nodes = tuple(nodes)
         self.pki = self.dir / "pki"
@@ -273,14 +287,21 @@ class LocalCluster:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports['apiserver']}"
+        return f"https://{self.host}:{self.ports['apiserver']}"
 
     @property
     def gpu_nodes(self) -> list[str]:
         return [n.name for n in self.nodes if any(k.startswith("nvidia.com/") for k in n.extended)]
 
     def start(self, timeout: float = 120.0) -> None:
-        missing = [b for b in (*COMPONENTS, "kubectl") if not (self.bin_dir / b).is_file()]
+        needed = [*COMPONENTS, "kubectl"]
+        if self.real_node:
+            needed += ["kubelet", "kube-proxy", "kube-router", "coredns"]
+        missing = [b for b in needed if not (self.bin_dir / b).is_file()]
+        if self.real_node:
+            from cluster.realnode import missing_host_tools
+
+            missing += missing_host_tools()
         if missing:
             raise ClusterError(
                 f"missing binaries in {self.bin_dir}: {', '.join(missing)}; run `make components`"
@@ -290,9 +311,16 @@ class LocalCluster:
         make_pki(self.pki)
         for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok"):
             self.ports[name] = free_port()
+        node = None
+        if self.real_node:
+            from cluster.realnode import RealNode
+
+            node = RealNode(self)
+            node.prepare()
         write_kubeconfig(self.kubeconfig, self.server, self.pki, "admin")
-        for user in ("controller-manager", "scheduler", "kwok"):
-            write_kubeconfig(self.dir / f"{user}.kubeconfig", self.server, self.pki, user)
+        for user in CLIENT_CERTS:
+            if user != "admin":
+                write_kubeconfig(self.dir / f"{user}.kubeconfig", self.server, self.pki, user)
         deadline = time.monotonic() + timeout
         try:
             self._spawn("etcd")
@@ -319,8 +347,11 @@ class LocalCluster:
             self._spawn("kwok")
             self._wait_https_health("controller-manager", deadline)
             self._wait_https_health("scheduler", deadline)
-            self.apply({"apiVersion": "v1", "kind": "List", "items": [n.manifest() for n in self.nodes]})
+            fake_taints = [FAKE_TAINT] if self.real_node else []
+            self.apply([n.manifest(fake_taints) for n in self.nodes])
             self._wait_nodes_ready(deadline)
+            if node is not None:
+                node.start(self._spawn, deadline)
             self._wait_for(
                 lambda: (
                     self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode
@@ -336,23 +367,27 @@ class LocalCluster:
         self._save_state()
 
     def stop(self) -> None:
-        """Stop every process this cluster started (in reverse order)."""
+        """Stop every process this cluster started, in reverse start order, then clean the host."""
         pids = dict(self.pids)
+        real_node = self.real_node
         if not pids and self.state_file.exists():
-            pids = json.loads(self.state_file.read_text()).get("pids", {})
-        for name in reversed(COMPONENTS):
-            pid = pids.get(name)
-            if pid:
-                _terminate(pid, self._procs.get(name))
+            state = json.loads(self.state_file.read_text())
+            pids, real_node = state.get("pids", {}), state.get("realNode", False)
+        for name in reversed(list(pids)):
+            _terminate(pids[name], self._procs.get(name))
+        if real_node:
+            from cluster.realnode import RealNode
+
+            RealNode(self).cleanup()
         self.pids.clear()
         self._procs.clear()
         if self.state_file.exists():
             self.state_file.unlink()
 
     def restart_apiserver(self, timeout: float = 90.0) -> None:
-        pid = self.pids.get("kube-apiserver")
+        pid = self.pids.pop("kube-apiserver", None)
         if pid:
-            _terminate(pid, self._procs.get("kube-apiserver"))
+            _terminate(pid, self._procs.pop("kube-apiserver", None))
         self._spawn("kube-apiserver")
         self._wait_apiserver(time.monotonic() + timeout)
         self._save_state()
@@ -382,7 +417,7 @@ class LocalCluster:
     def dump(self, lines: int = 60) -> str:
         """The tail of every component log, plus recent events: for test failure reports."""
         parts = []
-        for name in COMPONENTS:
+        for name in self.pids or COMPONENTS:
             log = self.logs / f"{name}.log"
             if log.exists():
                 tail = log.read_text(errors="replace").splitlines()[-lines:]
@@ -414,8 +449,8 @@ class LocalCluster:
         if name == "kube-apiserver":
             return [
                 f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.host}",
+                f"--advertise-address={self.host}",
                 f"--secure-port={p['apiserver']}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -428,7 +463,11 @@ class LocalCluster:
                 "--enable-admission-plugins=NodeRestriction",  # on top of the default set
                 "--allow-privileged=true",
                 "--profiling=false",
-                "--endpoint-reconciler-type=none",
+                # Pods reach the apiserver through the `kubernetes` Service only on the real node.
+                f"--endpoint-reconciler-type={'lease' if self.real_node else 'none'}",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                "--kubelet-preferred-address-types=InternalIP",
                 "--v=1",
             ]
         if name == "kube-controller-manager":
@@ -472,10 +511,10 @@ class LocalCluster:
             ]
         raise ValueError(name)
 
-    def _spawn(self, name: str) -> None:
+    def _spawn(self, name: str, argv: Sequence[str] | None = None) -> None:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(
-            [str(self.bin_dir / name), *self._args(name)],
+            list(argv) if argv else [str(self.bin_dir / name), *self._args(name)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -488,7 +527,15 @@ class LocalCluster:
 
     def _save_state(self) -> None:
         self.state_file.write_text(
-            json.dumps({"pids": self.pids, "ports": self.ports, "kubeconfig": str(self.kubeconfig)}, indent=2)
+            json.dumps(
+                {
+                    "pids": self.pids,
+                    "ports": self.ports,
+                    "kubeconfig": str(self.kubeconfig),
+                    "realNode": self.real_node,
+                },
+                indent=2,
+            )
         )
 
     # -- waiting ------------------------------------------------------------------------------------
@@ -589,6 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("up", help="start the cluster and leave it running")
     up.add_argument("--dir", default=".cluster")
     up.add_argument("--bin-dir", required=True)
+    up.add_argument("--real-node", action="store_true", help="add a real node on which pods run")
     down = sub.add_parser("down", help="stop a cluster started with `up`")
     down.add_argument("--dir", default=".cluster")
     args = ap.parse_args(argv)
@@ -599,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         LocalCluster(d, "/nonexistent").stop()  # clean up a half-dead previous run
         t0 = time.monotonic()
-        c = LocalCluster(d, args.bin_dir)
+        c = LocalCluster(d, args.bin_dir, real_node=args.real_node)
         c.start()
         print(
             f"cluster up in {time.monotonic() - t0:.1f} s "
