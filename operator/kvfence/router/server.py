@@ -281,6 +281,11 @@ async def errors_middleware(
         return error_response(
             e.status, e.reason, code, headers={k: v for k, v in e.headers.items() if k.lower() == "allow"}
         )
+    except Exception:
+        # A bug, never an expected outcome (the fuzz tests hold the router to that); still answer in
+        # the API's error shape and keep the details in the log.
+        log.exception("unexpected error handling %s %s", request.method, request.path)
+        return error_response(500, "Internal router error.", "internal_error", "server_error")
 
 
 # --- app ----------------------------------------------------------------------------------------------
