@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
@@ -62,6 +63,10 @@ CLASSES = {
         extraArgs=["--max-num-seqs", "64"],
     ),
     "no-prefix-cache": trust_class(prefixCache={"enabled": False}, blockSize=16),
+    # The GPU example of examples/ (what users copy).
+    "example": TrustClass.model_validate(
+        yaml.safe_load((ROOT / "examples" / "trustclass-vllm-gpu.yaml").read_text())
+    ),
 }
 
 
@@ -136,6 +141,15 @@ def test_big_class_parses_with_tp_block_size_lora_and_extra_args(parsed: dict[st
     ]
     assert p["max_num_seqs"] == 64
     assert p["prefix_caching_hash_algo"] == "sha256"
+
+
+def test_the_gpu_example_parses(parsed: dict[str, dict[str, Any]]) -> None:
+    p = parsed["example"]
+    assert p["ok"], p
+    assert p["served_model_name"] == ["qwen-7b"] and p["tensor_parallel_size"] == 2
+    assert p["enable_prefix_caching"] is True and p["prefix_caching_hash_algo"] == "sha256"
+    assert p["lora_modules"] == [{"name": "support-bot", "path": "/adapters/support-bot"}]
+    assert p["middleware"] == ["kvfence.vllm.middleware.KvfenceMiddleware"]
 
 
 def test_prefix_caching_off_parses(parsed: dict[str, dict[str, Any]]) -> None:
