@@ -55,6 +55,11 @@ image_exists() {
   if [ "$TOOL" = podman ]; then tool image exists "$1"; else tool image inspect "$1" >/dev/null 2>&1; fi
 }
 
+for image in "${IMAGES[@]}"; do
+  if [ "$image" = vllm ] && ! image_exists "$VLLM_IMAGE"; then
+    die "the vLLM base $VLLM_IMAGE is not a local image: pull it where a registry is reachable (pin it by digest), or set VLLM_IMAGE"
+  fi
+done
 command -v "$TOOL" >/dev/null || die "$TOOL is not installed (apt-get install podman, or CONTAINER_TOOL=docker)"
 mkdir -p "$OUT"
 
