@@ -1,0 +1,95 @@
+"""The e2e suite: helm-install kvfence, apply examples/, and test isolation, spoofing and quotas through
+the router's Service. Run it with `make e2e` (not part of `make test`).
+
+Targets, in this order (e2esupport.choose_target):
+
+* ``KVFENCE_E2E_KUBECONFIG=<file>``: any cluster. Its nodes must be able to run the images the chart
+  and examples name (kvfence/control-plane:0.1.0, kvfence/engine-reference:0.1.0; build them with
+  engine-image/build-images.sh and load or push them; extra Helm values: ``KVFENCE_E2E_HELM_VALUES``,
+  comma-separated files).
+* ``KVFENCE_E2E_LOCAL=1``: no Kubernetes; the router and reference engines as processes, configured
+  from examples/ by the operator's pure functions (checks the data path only).
+* kind and docker on PATH: a kind cluster (``KVFENCE_E2E_KIND_CLUSTER``, default kvfence-e2e) is
+  created, the images are built with docker and loaded.
+
+With none of them every test errors with the reason: a run without a target is never a pass.
+``KVFENCE_E2E_KEEP=1`` leaves what was installed (and the kind cluster) in place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2esupport import (
+    Kube,
+    Router,
+    Tenant,
+    choose_target,
+    deploy,
+    example_tenants,
+    kind_cluster,
+    local_stack,
+    port_forward,
+    undeploy,
+)
+
+_KUBE: Kube | None = None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    mode, detail = choose_target()
+    return f"kvfence e2e target: {mode} ({detail})"
+
+
+@pytest.fixture(scope="session")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    global _KUBE
+    mode, detail = choose_target()
+    if mode == "none":
+        pytest.fail(detail, pytrace=False)
+    logs = tmp_path_factory.mktemp("e2e")
+    keep = os.environ.get("KVFENCE_E2E_KEEP") == "1"
+    if mode == "local":
+        with local_stack(logs) as r:
+            yield r
+        return
+    kubeconfig = detail if mode == "cluster" else kind_cluster(detail, logs)
+    kube = Kube(kubeconfig, logs, env=dict(os.environ))
+    _KUBE = kube
+    extra = [v for v in os.environ.get("KVFENCE_E2E_HELM_VALUES", "").split(",") if v]
+    try:
+        deploy(kube, extra)
+        with port_forward(kube) as r:
+            yield r
+    finally:
+        if not keep:
+            undeploy(kube)
+            if mode == "kind":
+                import subprocess
+
+                subprocess.run(["kind", "delete", "cluster", "--name", detail], check=False)
+
+
+@pytest.fixture(scope="session")
+def tenants() -> dict[str, Tenant]:
+    t = example_tenants()
+    assert set(t) == {"acme", "globex", "initech"}, t
+    return t
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _KUBE is not None:
+        try:
+            report.sections.append(("kvfence e2e: cluster state, events and logs", _KUBE.dump()))
+        except Exception as e:  # the cluster may be what failed
+            report.sections.append(("kvfence e2e: dump failed", repr(e)))

@@ -1,0 +1,418 @@
+"""What the e2e suite needs besides the tests: the tenants of examples/, an HTTP client for the router,
+and the three ways to get a router to talk to:
+
+* ``cluster``: any kubeconfig (``KVFENCE_E2E_KUBECONFIG``), or a kind cluster this suite creates when
+  ``kind`` and ``docker`` work. The chart is helm-installed, examples/ applied, TrustClasses waited
+  for, and the router's Service reached through ``kubectl port-forward``.
+* ``local`` (``KVFENCE_E2E_LOCAL=1``, opt-in): no Kubernetes at all. The operator's own pure functions
+  turn examples/ into engine configs and a routing table, and real ``kvfence-engine`` and
+  ``kvfence-router`` processes serve them. It checks the data path (router, engines, examples); it
+  proves nothing about the chart, the operator's reconciliation or Services.
+
+Nothing here ever turns "no cluster" into a pass: without a target the suite errors (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CHART = ROOT / "charts" / "kvfence"
+T = TypeVar("T")
+
+
+# --- the tenants of examples/ ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    trust_class: str
+    api_key: str
+    model: str
+    namespace: str
+    binding: str
+    requests_per_minute: int | None
+
+
+def load_docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+
+
+def example_tenants() -> dict[str, Tenant]:
+    classes = {d["metadata"]["name"]: d for d in load_docs("10-trustclasses.yaml")}
+    docs = load_docs("20-tenants.yaml")
+    secrets = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Secret"}
+    out = {}
+    for b in (d for d in docs if d["kind"] == "TenantBinding"):
+        ns, spec = b["metadata"]["namespace"], b["spec"]
+        ref = spec["apiKeySecretRef"]
+        data = secrets[(ns, ref["name"])]["stringData"]
+        raw = data[ref["key"]] if ref.get("key") else next(iter(data.values()))
+        tc = classes[spec["trustClassName"]]
+        model = tc["spec"]["engine"]["model"]
+        rpm = spec.get("quotas", {}).get("requestsPerMinute") or tc["spec"]["quotas"]["defaults"].get(
+            "requestsPerMinute"
+        )
+        out[spec["tenantId"]] = Tenant(
+            id=spec["tenantId"],
+            trust_class=spec["trustClassName"],
+            api_key=raw.strip().splitlines()[0].strip(),
+            model=model.get("servedName") or model["name"],
+            namespace=ns,
+            binding=b["metadata"]["name"],
+            requests_per_minute=rpm,
+        )
+    return out
+
+
+# --- HTTP --------------------------------------------------------------------------------------------
+@dataclass
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class Router:
+    url: str
+    quota_divisor: int = 1  # router replicas sharing each quota (each enforces limit // replicas)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        key: str | None = None,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> Response:
+        u = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
+        h = dict(headers or {})
+        data = None
+        if body is not None:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            h.setdefault("Content-Type", "application/json")
+        if key is not None:
+            h["Authorization"] = f"Bearer {key}"
+        try:
+            conn.request(method, path, body=data, headers=h)
+            r = conn.getresponse()
+            return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            conn.close()
+
+    def complete(self, tenant: Tenant, prompt: str, max_tokens: int = 4, **extra: Any) -> Response:
+        body = {"model": tenant.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+        return self.request("POST", "/v1/completions", key=tenant.api_key, body=body)
+
+
+def cached_tokens(resp: Response) -> int:
+    usage = resp.json().get("usage") or {}
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def wait_until(fn: Callable[[], T], what: str, timeout: float = 300.0, interval: float = 1.0) -> T:
+    end = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            last = fn()
+        except (OSError, http.client.HTTPException) as e:
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- targets -----------------------------------------------------------------------------------------
+def tool(name: str) -> str:
+    """kubectl/helm: the pinned builds of `make components` if there, else PATH."""
+    bin_dir = os.environ.get("KVFENCE_BIN_DIR")
+    if bin_dir and (Path(bin_dir) / name).exists():
+        return str(Path(bin_dir) / name)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} not found (PATH, or KVFENCE_BIN_DIR from `make components`)")
+    return found
+
+
+def kind_available() -> str | None:
+    """None if kind and a working docker are there, else why not."""
+    if not shutil.which("kind"):
+        return "kind is not installed"
+    if not shutil.which("docker"):
+        return "docker is not installed"
+    res = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if res.returncode != 0:
+        return f"docker does not answer: {res.stderr.strip()[:200]}"
+    return None
+
+
+def choose_target() -> tuple[str, str]:
+    """(mode, detail) or ("none", why): the caller must fail the run on "none"."""
+    if os.environ.get("KVFENCE_E2E_KUBECONFIG"):
+        return "cluster", os.environ["KVFENCE_E2E_KUBECONFIG"]
+    if os.environ.get("KVFENCE_E2E_LOCAL") == "1":
+        return "local", "processes"
+    why = kind_available()
+    if why is None:
+        return "kind", os.environ.get("KVFENCE_E2E_KIND_CLUSTER", "kvfence-e2e")
+    return "none", (
+        "NOT RUN: no target for the e2e suite. Set KVFENCE_E2E_KUBECONFIG to a cluster's kubeconfig, "
+        f"or install kind and docker ({why}), or set KVFENCE_E2E_LOCAL=1 for the process-level stack "
+        "(router and reference engines, no Kubernetes)."
+    )
+
+
+@dataclass
+class Kube:
+    kubeconfig: str
+    logs: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, *args: str, check: bool = True, input: str | None = None, timeout: float = 600) -> str:
+        cmd = [tool("kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, env=self.env)
+        if check and res.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed: {res.stderr.strip()}")
+        return res.stdout + (res.stderr if not check else "")
+
+    def helm(self, *args: str, timeout: float = 900) -> str:
+        cmd = [tool("helm"), f"--kubeconfig={self.kubeconfig}", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
+        if res.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed: {res.stderr.strip()}")
+        return res.stdout
+
+    def dump(self) -> str:
+        """Everything worth reading when an e2e test fails (kubebuilder's e2e habit)."""
+        parts = []
+        for args in (
+            ["get", "trustclasses,tenantbindings", "-A", "-o", "wide"],
+            ["get", "pods,deploy,svc", "-A", "-o", "wide"],
+            ["get", "events", "-A", "--sort-by=.lastTimestamp"],
+            ["logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=operator", "--tail=200", "--prefix"],
+            ["logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=router", "--tail=200", "--prefix"],
+            ["logs", "-A", "-l", "app.kubernetes.io/name=kvfence-engine", "--tail=100", "--prefix"],
+            ["get", "trustclasses,tenantbindings", "-A", "-o", "yaml"],
+        ):
+            out = self.run(*args, check=False, timeout=60)
+            parts.append(f"===== kubectl {' '.join(args)} =====\n{out[-20000:]}")
+        return "\n".join(parts)
+
+
+NAMESPACE = os.environ.get("KVFENCE_E2E_NAMESPACE", "kvfence-system")
+RELEASE = "kvfence"
+
+
+def deploy(kube: Kube, extra_values: list[str]) -> None:
+    """helm install the chart and apply examples/, then wait until every class is Ready and every
+    binding Bound."""
+    kube.run("apply", "-f", str(EXAMPLES / "00-namespaces.yaml"))
+    # CRDs first and server-side, as docs/helm.md says for upgrades (Helm never upgrades them).
+    kube.run("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+    args = ["upgrade", "--install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace"]
+    args += ["-f", str(EXAMPLES / "helm-values.yaml")]
+    for v in extra_values:
+        args += ["-f", v]
+    kube.helm(*args, "--wait", "--timeout", "5m")
+    kube.run("apply", "-f", str(EXAMPLES / "10-trustclasses.yaml"), "-f", str(EXAMPLES / "20-tenants.yaml"))
+    for tc in ("gold", "silver"):
+        kube.run("wait", "--for=condition=Ready", f"trustclass/{tc}", "--timeout=600s", timeout=660)
+    for t in example_tenants().values():
+        kube.run(
+            "wait", "--for=condition=Bound", f"tenantbinding/{t.binding}", "-n", t.namespace, "--timeout=300s"
+        )
+
+
+def undeploy(kube: Kube) -> None:
+    for f in ("20-tenants.yaml", "10-trustclasses.yaml"):
+        kube.run("delete", "--ignore-not-found", "--wait=true", "-f", str(EXAMPLES / f), check=False)
+    with contextlib.suppress(RuntimeError):
+        kube.helm("uninstall", RELEASE, "-n", NAMESPACE, "--wait")
+    kube.run(
+        "delete",
+        "--ignore-not-found",
+        "--wait=false",
+        "-f",
+        str(EXAMPLES / "00-namespaces.yaml"),
+        check=False,
+    )
+
+
+@contextlib.contextmanager
+def port_forward(kube: Kube) -> Iterator[Router]:
+    port = free_port()
+    log = open(kube.logs / "port-forward.log", "wb")  # noqa: SIM115 - lives as long as the process
+    cmd = [tool("kubectl"), f"--kubeconfig={kube.kubeconfig}", "-n", NAMESPACE, "port-forward"]
+    cmd += [f"svc/{RELEASE}-router", f"{port}:8080", "--address", "127.0.0.1"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=kube.env)
+    try:
+        router = Router(f"http://127.0.0.1:{port}", quota_divisor=router_replicas(kube))
+        wait_until(lambda: router.request("GET", "/readyz").status == 200, "the router's /readyz", 120)
+        yield router
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def router_replicas(kube: Kube) -> int:
+    d = json.loads(kube.run("get", "deploy", f"{RELEASE}-router", "-n", NAMESPACE, "-o", "json"))
+    args = d["spec"]["template"]["spec"]["containers"][0].get("args", [])
+    return next((int(a.split("=", 1)[1]) for a in args if a.startswith("--replicas=")), 1)
+
+
+def kind_cluster(name: str, logs: Path) -> str:
+    """Create (or reuse) a kind cluster, build the images with docker and load them; the kubeconfig."""
+    kubeconfig = str(logs / "kind.kubeconfig")
+    clusters = subprocess.run(
+        ["kind", "get", "clusters"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if name not in clusters:
+        subprocess.run(["kind", "create", "cluster", "--name", name, "--wait", "180s"], check=True)
+    subprocess.run(["kind", "export", "kubeconfig", "--name", name, "--kubeconfig", kubeconfig], check=True)
+    env = {**os.environ, "CONTAINER_TOOL": "docker"}
+    if not env.get("BASE_IMAGE"):
+        # With docker a registry is usually reachable: the official Python base instead of debootstrap.
+        subprocess.run(["docker", "pull", "python:3.11-slim-bookworm"], check=True)
+        env["BASE_IMAGE"] = "python:3.11-slim-bookworm"
+    subprocess.run(
+        [str(ROOT / "engine-image" / "build-images.sh"), "control-plane", "reference"], check=True, env=env
+    )
+    out = Path(env.get("OUT", ROOT / "build" / "images"))
+    for archive in sorted(out.glob("kvfence-*.oci.tar")):
+        if "vllm" in archive.name:
+            continue
+        subprocess.run(["kind", "load", "image-archive", str(archive), "--name", name], check=True)
+    return kubeconfig
+
+
+# --- local: the data path as processes ---------------------------------------------------------------
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def _script(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else tool(name)
+
+
+@contextlib.contextmanager
+def local_stack(workdir: Path) -> Iterator[Router]:
+    """Reference engines and the router as processes, configured from examples/ by the operator's own
+    pure functions (engine config builder, binding decisions, routing table)."""
+    from kvfence.api.tenantbinding import TenantBinding
+    from kvfence.api.trustclass import TrustClass
+    from kvfence.contract import new_signing_key
+    from kvfence.operator import builders, routes
+    from kvfence.operator.builders import OperatorOptions
+
+    classes = {
+        tc.name: tc for tc in (TrustClass.model_validate(d) for d in load_docs("10-trustclasses.yaml"))
+    }
+    docs = load_docs("20-tenants.yaml")
+    bindings = [TenantBinding.model_validate(d) for d in docs if d["kind"] == "TenantBinding"]
+    secrets = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Secret"}
+    labels = {d["metadata"]["name"]: d["metadata"].get("labels", {}) for d in load_docs("00-namespaces.yaml")}
+    lookups = {}
+    for b in bindings:
+        s = secrets[(b.namespace, b.spec.api_key_secret_ref.name)]
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in s.get("stringData", {}).items()}
+        keys = routes.api_keys_from_secret({"data": data}, b.spec.api_key_secret_ref.key)
+        lookups[b.key] = routes.KeyLookup(hashes=tuple(routes.hash_api_key(k) for k in keys))
+    signing = {name: new_signing_key() for name in classes}
+    opts = OperatorOptions()
+    states = {n: routes.ClassState(tc, signing_keys=(signing[n],)) for n, tc in classes.items()}
+    outcome = routes.decide(states, bindings, labels, lookups, opts)
+    denied = {k: d.message for k, d in outcome.decisions.items() if not d.bound}
+    if denied:
+        raise RuntimeError(f"examples/ bindings not bound: {denied}")
+
+    procs: list[Proc] = []
+
+    def spawn(name: str, args: list[str]) -> Proc:
+        log = workdir / f"{name}.log"
+        out = open(log, "wb")  # noqa: SIM115 - lives as long as the process
+        p = Proc(name, subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log)
+        procs.append(p)
+        return p
+
+    try:
+        endpoints = {}
+        for name, tc in classes.items():
+            d = workdir / name
+            (d / "keys").mkdir(parents=True, exist_ok=True)
+            (d / "keys" / "current").write_bytes(signing[name])
+            cfg = builders.engine_config(tc, outcome.tenant_quotas.get(name))
+            cfg["signingKeyDir"] = str(d / "keys")
+            port = free_port()
+            cfg["listen"] = {"host": "127.0.0.1", "port": port}
+            (d / "engine.json").write_text(builders.config_json(cfg))
+            spawn(f"engine-{name}", [_script("kvfence-engine"), "--config", str(d / "engine.json")])
+            endpoints[name] = f"http://127.0.0.1:{port}"
+        for name, url in endpoints.items():
+            wait_until(
+                lambda url=url: Router(url).request("GET", "/health").status == 200, f"engine {name}", 60, 0.2
+            )
+        table = outcome.table.model_copy(
+            update={
+                "trust_classes": {
+                    n: r.model_copy(update={"endpoint": endpoints[n]})
+                    for n, r in outcome.table.trust_classes.items()
+                }
+            }
+        )
+        (workdir / "routing.json").write_text(routes.table_json(table))
+        port = free_port()
+        table_path = str(workdir / "routing.json")
+        router_cmd = [_script("kvfence-router"), "--routing-table", table_path, "--host", "127.0.0.1"]
+        spawn("router", [*router_cmd, "--port", str(port)])
+        router = Router(f"http://127.0.0.1:{port}", quota_divisor=1)
+        wait_until(lambda: router.request("GET", "/readyz").status == 200, "the router's /readyz", 60, 0.2)
+        yield router
+    finally:
+        for p in procs:
+            p.stop()
