@@ -199,10 +199,6 @@ def main(argv: list[str] | None = None) -> int:
             cluster_domain=args.cluster_domain,
             router_pod_labels=router_labels,
         )
-    # Stops kopf, the lease renewal and a wait for the lease. kopf waits for a threading.Event in an
-    # executor thread, so it is also set when kopf stops on its own (SIGTERM): see Controller.stop.
-    stop = threading.Event()
-    exit_code = 0
     elector: LeaderElector | None = None
     if args.leader_elect:
         elector = LeaderElector(
@@ -213,33 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             lease_seconds=args.lease_seconds,
             renew_seconds=max(1.0, args.lease_seconds / 3),
         )
-
-        def _stop(*_: Any) -> None:
-            stop.set()
-
-        prev = signal.signal(signal.SIGTERM, _stop)
-        if not elector.acquire(stop):
-            return 0
-        signal.signal(signal.SIGTERM, prev)
-
-        def lost() -> None:
-            nonlocal exit_code
-            exit_code = 1
-            stop.set()
-
-        elector.keep_renewing(stop, lost)
-    health.leading.set()
-    metrics.LEADER.set(1)
-
-    reconciler = Reconciler(kube, opts, emit=EventRecorder(kube, args.identity))
-    controller = _handlers.Controller(
-        reconciler, workers=args.workers, resync_seconds=args.resync_seconds, on_stop=stop.set
-    )
+    current: dict[str, Reconciler] = {}
 
     async def heartbeat() -> None:
         while True:
             health.heartbeat = time.monotonic()
-            if reconciler.state.routing_ready.is_set():
+            r = current.get("reconciler")
+            if r is not None and r.state.routing_ready.is_set():
                 health.ready.set()
             await asyncio.sleep(2)
 
@@ -253,21 +229,55 @@ def main(argv: list[str] | None = None) -> int:
     async def _stop_heartbeat(**_: Any) -> None:
         for t in beats:
             t.cancel()
+        beats.clear()
 
+    terminated = threading.Event()
     log.info("kvfence-operator %s starting (router namespace %s)", opts.version, opts.router_namespace)
-    try:
-        kopf.run(
-            clusterwide=True,
-            standalone=True,
-            stop_flag=stop,
-            memo=kopf.Memo(controller=controller),
-        )
-    finally:
-        stop.set()
-        metrics.LEADER.set(0)
+    # One term of leadership per iteration. Losing the lease (another replica took it, or the API
+    # server could not be reached to renew it in time) stops reconciling at once and goes back to
+    # waiting for the lease; only SIGTERM ends the process.
+    while not terminated.is_set():
+        # Stops kopf, the lease renewal and a wait for the lease. kopf waits for a threading.Event
+        # in an executor thread, so it is also set when kopf stops on its own: see Controller.stop.
+        stop = threading.Event()
+        lost = threading.Event()
+
+        def _terminate(*_: Any, stop: threading.Event = stop) -> None:
+            terminated.set()
+            stop.set()
+
+        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGINT, _terminate)
         if elector is not None:
-            elector.release()
-    return exit_code
+            if not elector.acquire(stop):
+                break
+
+            def _lost(stop: threading.Event = stop, lost: threading.Event = lost) -> None:
+                lost.set()
+                stop.set()
+
+            elector.keep_renewing(stop, _lost)
+        health.leading.set()
+        metrics.LEADER.set(1)
+        reconciler = Reconciler(kube, opts, emit=EventRecorder(kube, args.identity))
+        current["reconciler"] = reconciler
+        controller = _handlers.Controller(
+            reconciler, workers=args.workers, resync_seconds=args.resync_seconds, on_stop=stop.set
+        )
+        try:
+            kopf.run(clusterwide=True, standalone=True, stop_flag=stop, memo=kopf.Memo(controller=controller))
+        finally:
+            stop.set()
+            metrics.LEADER.set(0)
+            health.ready.clear()
+            health.leading.clear()
+            current.pop("reconciler", None)
+            if elector is not None and not lost.is_set():
+                elector.release()
+        if not lost.is_set():
+            break  # kopf stopped on SIGTERM/SIGINT (or on its own): the process ends
+        log.warning("stopped reconciling after losing the lease; waiting to lead again")
+    return 0
 
 
 if __name__ == "__main__":
