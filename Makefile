@@ -38,6 +38,9 @@ lint: venv ## ruff
 typecheck: venv ## mypy (strict)
 	$(VENV)/bin/mypy
 
+crds: venv ## Regenerate crds/ from the API models (tests/operator fails when they drift)
+	$(VENV)/bin/kvfence-crdgen
+
 test: venv components lint typecheck ## Install, build, lint, type-check and run every test
 	KVFENCE_BIN_DIR=$(BIN_DIR) $(VENV)/bin/pytest
 
