@@ -246,6 +246,7 @@ def deploy(kube: Kube, extra_values: list[str]) -> None:
     for v in extra_values:
         args += ["-f", v]
     kube.helm(*args, "--wait", "--timeout", "5m")
+    kube.helm("test", RELEASE, "-n", NAMESPACE, "--timeout", "3m")  # the chart's own check (router /healthz)
     kube.run("apply", "-f", str(EXAMPLES / "10-trustclasses.yaml"), "-f", str(EXAMPLES / "20-tenants.yaml"))
     for tc in ("gold", "silver"):
         kube.run("wait", "--for=condition=Ready", f"trustclass/{tc}", "--timeout=600s", timeout=660)

@@ -130,11 +130,22 @@ def test_default_objects(rendered: dict[str, list[Obj]]) -> None:
             ("PodDisruptionBudget", "kvfence-operator"),
             ("PodDisruptionBudget", "kvfence-router"),
             ("ConfigMap", "kvfence-dashboard"),
+            ("Pod", "kvfence-router-test"),
         ]
     )
     for o in objs:
         if o["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
             assert o["metadata"]["namespace"] == NAMESPACE, o["metadata"]["name"]
+
+
+def test_helm_test_hook_checks_the_router_service(rendered: dict[str, list[Obj]]) -> None:
+    pod = one(rendered["default"], "Pod", "kvfence-router-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == container(one(rendered["default"], "Deployment", "kvfence-router"))["image"]
+    assert f"http://kvfence-router.{NAMESPACE}.svc:8080/healthz" in c["command"][-1]
+    compile(c["command"][-1], "helm-test", "exec")  # the probe script is valid Python
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_names_are_release_namespaced() -> None:
