@@ -1,6 +1,7 @@
 """Router benchmark (not a test): what kvfence-router adds in front of a fast upstream, next to peers.
 
-    .venv/bin/python bench/bench_router.py [--rate 1000] [--seconds 10] [--vllm-router PATH]
+    .venv/bin/python bench/bench_router.py [--rate 1000] [--seconds 10] [--rounds 3] [--pin]
+                                           [--vllm-router PATH]
 
 Same run, same fixed-response upstream, same request (POST /v1/completions, a small JSON body, an
 Authorization header), four paths:
@@ -9,7 +10,9 @@ Authorization header), four paths:
 * ``kvfence-router`` auth, quotas, body strip + salt, HMAC signing, relay;
 * ``nginx``          Debian's nginx as a plain reverse proxy with an upstream keep-alive pool;
 * ``vllm-router``    the Rust router from PyPI (``pip download --no-deps vllm-router``; install it into
-                     a venv under /tmp and pass ``--vllm-router /tmp/.../bin/vllm-router``).
+                     a venv under /tmp and pass ``--vllm-router /tmp/.../bin/vllm-router``);
+* ``aiohttp floor``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what the framework
+                     itself costs, so that the router's own overhead can be read off.
 
 Measurements:
 
@@ -58,6 +61,10 @@ RESPONSE = json.dumps(
     separators=(",", ":"),
 ).encode()
 PATH = "/v1/completions"
+#: ``taskset`` prefixes (``--pin``): the system under test on the last core, everything else on the
+#: others. Empty: the kernel places everything.
+PIN_SUT: list[str] = []
+PIN_LOAD: list[str] = []
 
 
 def free_port() -> int:
@@ -229,7 +236,9 @@ def run_loadgen(mode: str, port: int, rate: float, seconds: float, conns: int) -
         "--connections",
         str(conns),
     ]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=seconds * 4 + 120)
+    out = subprocess.run(
+        [*PIN_LOAD, *args], capture_output=True, text=True, check=True, timeout=seconds * 4 + 120
+    )
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -249,6 +258,7 @@ def run_wrk(port: int, seconds: float, conns: int, workdir: Path) -> dict[str, f
     )
     out = subprocess.run(
         [
+            *PIN_LOAD,
             "wrk",
             "-t1",
             f"-c{conns}",
@@ -295,10 +305,14 @@ def start_upstream(workdir: Path) -> Target:
             }}""",
             )
         )
-        p = subprocess.Popen([nginx, "-c", str(conf), "-p", str(workdir / "up")], stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [*PIN_LOAD, nginx, "-c", str(conf), "-p", str(workdir / "up")], stderr=subprocess.DEVNULL
+        )
         wait_http(f"http://127.0.0.1:{port}/health", proc=p)
         return Target("upstream (nginx return 200)", port, [p])
-    p = subprocess.Popen([sys.executable, __file__, "--role", "upstream", "--target-port", str(port)])
+    p = subprocess.Popen(
+        [*PIN_LOAD, sys.executable, __file__, "--role", "upstream", "--target-port", str(port)]
+    )
     wait_http(f"http://127.0.0.1:{port}/health", proc=p)
     return Target("upstream (python fixed response)", port, [p])
 
@@ -345,7 +359,7 @@ def start_kvfence(workdir: Path, upstream_port: int) -> Target:
     path = workdir / "routing.json"
     path.write_text(json.dumps(table))
     port = free_port()
-    exe = [sys.executable, "-m", "kvfence.router.server"]
+    exe = [*PIN_SUT, sys.executable, "-m", "kvfence.router.server"]
     p = subprocess.Popen(
         [
             *exe,
@@ -363,6 +377,55 @@ def start_kvfence(workdir: Path, upstream_port: int) -> Target:
     )
     wait_http(f"http://127.0.0.1:{port}/readyz", proc=p)
     return Target("kvfence-router", port, [p])
+
+
+def _serve_aiohttp_floor(port: int, upstream_port: int) -> None:
+    """A bare aiohttp pass-through proxy (no auth, no quotas, no signing): the framework's floor."""
+    import aiohttp
+    from aiohttp import web
+
+    async def make() -> web.Application:
+        app = web.Application()
+        url = f"http://127.0.0.1:{upstream_port}{PATH}"
+        session: list[aiohttp.ClientSession] = []
+
+        async def ctx(app: web.Application):  # type: ignore[no-untyped-def]
+            session.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=256)))
+            yield
+            await session[0].close()
+
+        async def proxy(request: web.Request) -> web.Response:
+            body = await request.read()
+            async with session[0].post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                data = await r.read()
+            return web.Response(body=data, status=r.status, content_type="application/json")
+
+        app.cleanup_ctx.append(ctx)
+        app.router.add_post(PATH, proxy)
+        return app
+
+    web.run_app(make(), host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_aiohttp_floor(upstream_port: int) -> Target:
+    port = free_port()
+    p = subprocess.Popen(
+        [*PIN_SUT, sys.executable, __file__, "--role", "aiohttp-floor", "--target-port", str(port),
+         "--upstream-port", str(upstream_port)]
+    )  # fmt: skip
+    wait_for_port(port, p)
+    return Target("aiohttp floor", port, [p])
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"port {port} not listening after {timeout}s")
 
 
 def start_nginx_proxy(workdir: Path, upstream_port: int) -> Target:
@@ -388,7 +451,9 @@ def start_nginx_proxy(workdir: Path, upstream_port: int) -> Target:
         }}""",
         )
     )
-    p = subprocess.Popen([nginx, "-c", str(conf), "-p", str(workdir / "px")], stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [*PIN_SUT, nginx, "-c", str(conf), "-p", str(workdir / "px")], stderr=subprocess.DEVNULL
+    )
     wait_http(f"http://127.0.0.1:{port}/health", proc=p)
     return Target("nginx (1 worker)", port, [p])
 
@@ -401,6 +466,7 @@ def start_vllm_router(exe: str | None, upstream_port: int, workdir: Path) -> Tar
     log = open(workdir / "vllm-router.log", "wb")  # noqa: SIM115
     p = subprocess.Popen(
         [
+            *PIN_SUT,
             exe,
             "--host",
             "127.0.0.1",
@@ -458,13 +524,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="bench")
     ap.add_argument("--target-port", type=int, default=0)
+    ap.add_argument("--upstream-port", type=int, default=0)
     ap.add_argument("--rate", type=float, default=1000.0)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64, help="connections for the throughput runs")
     ap.add_argument("--latency-connections", type=int, default=32)
     ap.add_argument("--vllm-router", default=None)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="taskset: the proxy under test on the last core, load generator and upstream on the others",
+    )
     a = ap.parse_args()
+    if a.role == "aiohttp-floor":
+        _serve_aiohttp_floor(a.target_port, a.upstream_port)
+        return
     if a.role == "upstream":
         asyncio.run(_serve_fixed(a.target_port))
         return
@@ -475,7 +550,12 @@ def main() -> None:
         print(json.dumps(asyncio.run(_closed_loop(a.target_port, a.seconds, a.connections))))
         return
 
+    cores = os.cpu_count() or 1
+    if a.pin and cores >= 2 and shutil.which("taskset"):
+        PIN_SUT[:] = ["taskset", "-c", str(cores - 1)]
+        PIN_LOAD[:] = ["taskset", "-c", f"0-{cores - 2}"]
     workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-"))
+    load_before = os.getloadavg()[0]
     upstream = start_upstream(workdir)
     assert upstream.port is not None
     targets = [
@@ -483,6 +563,7 @@ def main() -> None:
         start_kvfence(workdir, upstream.port),
         start_nginx_proxy(workdir, upstream.port),
         start_vllm_router(a.vllm_router, upstream.port, workdir),
+        start_aiohttp_floor(upstream.port),
     ]
     have_wrk = shutil.which("wrk") is not None
     # Rounds interleave the targets, so that a burst of load from elsewhere on the machine hits all of
@@ -517,6 +598,7 @@ def main() -> None:
         row["thr_errors"] = sum(x["thr_errors"] for x in got)
         rows.append(row)
 
+    pinning = f"proxy on core {PIN_SUT[-1]}, load+upstream on {PIN_LOAD[-1]}" if PIN_SUT else "none"
     base = rows[0]
     vllm = next((r for r in rows if r["name"] == "vllm-router" and "rps" in r), None)
     print()
@@ -524,7 +606,9 @@ def main() -> None:
         f"medians of {a.rounds} interleaved rounds; upstream: {upstream.name}; "
         f"latency: open loop at {a.rate:.0f} req/s for {a.seconds:.0f}s "
         f"over {a.latency_connections} connections; throughput: "
-        f"{'wrk -t1 -c' + str(a.connections) if have_wrk else 'python closed loop'}; cores: {os.cpu_count()}"
+        f"{'wrk -t1 -c' + str(a.connections) if have_wrk else 'python closed loop'}; cores: {cores}; "
+        f"pinning: {pinning}; "
+        f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     hdr = (
         f"{'path':<18} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'achieved':>9} "
