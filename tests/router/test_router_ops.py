@@ -94,6 +94,29 @@ def test_hot_reload_keeps_inflight_requests_and_revokes_keys(
                 assert (first + rest).rstrip().endswith(b"[DONE]")
 
         asyncio.run(asyncio.wait_for(run(), 60))
+        # quota state survives a reload: dave (3 requests/minute) uses them up, the table changes,
+        # and the fourth is still refused
+        for _ in range(3):
+            assert (
+                request(
+                    "POST",
+                    router.url + "/v1/completions",
+                    {"model": "tiny", "prompt": "q"},
+                    headers=auth(KEYS["dave"]),
+                )[0]
+                == 200
+            )
+        newer = json.loads(table_path.read_text())
+        newer["tenants"]["bob"]["quotas"] = {"requestsPerMinute": 999}
+        write_table(table_path, newer)
+        wait_for(lambda: metric(router, "kvfence_router_routing_table_generation") == 3, "second reload")
+        status, headers, _ = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "q"},
+            headers=auth(KEYS["dave"]),
+        )
+        assert status == 429 and int(headers["retry-after"]) >= 1
         # an invalid table is refused; the last good one stays in force
         table_path.write_text("{ not json")
         wait_for(

@@ -215,6 +215,7 @@ def test_parse_body_and_reservation() -> None:
     raw = b'{"model":"m","prompt":"abc","max_tokens":10,"n":2}'
     assert reserve_tokens(len(raw), parse_body(raw), 99) == len(raw) + 20
     assert reserve_tokens(5, {"max_completion_tokens": 7}, 99) == 12
+    assert reserve_tokens(5, {"max_completion_tokens": 7, "max_tokens": 3}, 99) == 12
     assert reserve_tokens(5, {}, 99) == 104
     for bad_body in ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": "3"}, {"n": 0}, {"n": 1000}):
         with pytest.raises(RouterError):

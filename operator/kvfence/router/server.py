@@ -128,11 +128,16 @@ def reserve_tokens(raw_len: int, body: dict[str, Any], default_max_tokens: int) 
     """Tokens to reserve: an upper bound of the prompt (the body's length in bytes: every tokenizer
     in use yields at most one token per byte, and the JSON keys cover the chat template) plus the
     completion allowance, times the number of choices."""
-    max_tokens = _int_field(body, "max_tokens", 0, MAX_TOKENS_LIMIT)
-    if max_tokens is None:
-        max_tokens = _int_field(body, "max_completion_tokens", 0, MAX_TOKENS_LIMIT)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
+    given = [
+        v
+        for v in (
+            _int_field(body, "max_tokens", 0, MAX_TOKENS_LIMIT),
+            _int_field(body, "max_completion_tokens", 0, MAX_TOKENS_LIMIT),
+        )
+        if v is not None
+    ]
+    # Engines differ in which of the two wins when both are given: reserve the larger.
+    max_tokens = max(given) if given else default_max_tokens
     n = _int_field(body, "n", 1, MAX_N) or 1
     return raw_len + max_tokens * n
 
