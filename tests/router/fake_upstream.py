@@ -5,7 +5,8 @@ the body's ``cache_salt`` must equal the salt derived from the signed identity),
 ``/v1/completions`` and ``/v1/chat/completions`` deterministically (streamed or not), and records what
 it received so that tests can check what the router sent. Test controls under ``/control/``.
 
-A prompt that starts with ``GATED`` streams its first chunk, then waits until ``POST /control/release``
+A prompt that starts with ``SILENT`` is never answered (a hung engine). A prompt that starts with
+``GATED`` streams its first chunk, then waits until ``POST /control/release``
 before sending the rest: a test can prove chunk-by-chunk relaying without timing anything.
 """
 
@@ -97,6 +98,8 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
             "total_tokens": len(prompt.encode()) + len(pieces),
         }
         echo = {"tenant": verified.identity.tenant, "namespace": verified.identity.namespace}
+        if prompt.startswith("SILENT"):  # a hung engine: accepts the request, never answers
+            await asyncio.sleep(3600)
         if not body.get("stream"):
             return web.json_response(
                 {
@@ -153,7 +156,14 @@ def main() -> None:
     p.add_argument("--key-b64", action="append", required=True)
     a = p.parse_args()
     keys = [base64.b64decode(k) for k in a.key_b64]
-    web.run_app(make_app(a.trust_class, keys), host="127.0.0.1", port=a.port, print=None, access_log=None)
+    web.run_app(
+        make_app(a.trust_class, keys),
+        host="127.0.0.1",
+        port=a.port,
+        print=None,
+        access_log=None,
+        shutdown_timeout=0.5,
+    )
 
 
 if __name__ == "__main__":

@@ -324,6 +324,35 @@ def test_tokens_quota_is_corrected_with_the_engines_usage(engine_stack: EngineSt
     assert status == 429 and int(headers["retry-after"]) >= 1
 
 
+def test_streamed_usage_corrects_the_reservation(engine_stack: EngineStack) -> None:
+    """With ``stream_options.include_usage`` the engine ends the stream with a usage event; the router
+    finds it in the relayed bytes and charges exactly that."""
+
+    def charged() -> float:
+        _, _, metrics = request("GET", engine_stack.router.url + "/metrics")
+        for x in metrics.decode().splitlines():
+            if x.startswith('kvfence_router_tokens_total{tenant="frank"}'):
+                return float(x.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = charged()
+    body = {
+        "model": "tiny",
+        "prompt": "usage in a stream",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    status, _, data = request(
+        "POST", engine_stack.router.url + "/v1/completions", body, headers=auth(KEYS["frank"])
+    )
+    assert status == 200
+    events = [json.loads(e[6:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+    usage = [e["usage"] for e in events if e.get("usage")]
+    assert len(usage) == 1
+    assert charged() - before == usage[0]["total_tokens"]
+
+
 @settings(
     max_examples=120,
     deadline=None,

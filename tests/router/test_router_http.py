@@ -293,3 +293,23 @@ def test_client_disconnect_mid_stream_releases_quota(stack: Stack) -> None:
         b'kvfence_router_requests_total{tenant="erin",trust_class="gold",'
         b'endpoint="/v1/completions",code="499"} 1' in metrics
     )
+
+
+def test_chunked_body_over_the_limit_is_413(stack: Stack) -> None:
+    """No Content-Length: the limit is enforced while reading."""
+
+    async def run() -> None:
+        async def body():  # type: ignore[no-untyped-def]
+            yield b'{"model":"tiny","prompt":"'
+            for _ in range(6):
+                yield b"a" * (1 << 20)
+            yield b'"}'
+
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(stack.router.url + "/v1/completions", data=body(), headers=auth(KEYS["bob"])) as r,
+        ):
+            assert r.status == 413
+            assert (await r.json())["error"]["code"] == "request_too_large"
+
+    asyncio.run(asyncio.wait_for(run(), 60))

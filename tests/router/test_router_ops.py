@@ -300,3 +300,30 @@ def test_starts_unready_without_a_table_and_becomes_ready(tmp_path: Path, logs: 
         assert status == 200
     finally:
         router.stop()
+
+
+def test_engine_silent_past_read_timeout_is_504(tmp_path: Path, logs: Path, own_gold: Proc) -> None:
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, standard_table(own_gold.url, own_gold.url))
+    router = start_router(logs, table_path, "--read-timeout", "1")
+    try:
+        status, headers, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "SILENT please"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 504 and "x-kvfence-upstream-status" not in headers
+        assert json.loads(data)["error"]["code"] == "engine_timeout"
+        # a slow answer is not an unhealthy engine: the next request goes through
+        assert (
+            request(
+                "POST",
+                router.url + "/v1/completions",
+                {"model": "tiny", "prompt": "fine"},
+                headers=auth(KEYS["bob"]),
+            )[0]
+            == 200
+        )
+    finally:
+        router.stop()
