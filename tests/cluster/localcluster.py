@@ -662,4 +662,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))  # so that `cluster.realnode` imports as it does under pytest
     sys.exit(main())
