@@ -36,6 +36,8 @@ REASON_QUOTA_EXCEEDS_LIMIT: Final = "QuotaExceedsClassLimit"
 REASON_SECRET_NOT_FOUND: Final = "ApiKeySecretNotFound"
 REASON_SECRET_FORBIDDEN: Final = "ApiKeySecretForbidden"
 REASON_NO_API_KEYS: Final = "NoApiKeys"
+REASON_DUPLICATE_API_KEY: Final = "DuplicateApiKey"
+REASON_KV_OVERCOMMITTED: Final = "KVBlocksOvercommitted"
 
 #: Reasons that make a binding ``Denied`` (as opposed to merely not yet ``Bound``).
 DENIAL_REASONS: Final = frozenset(
@@ -48,5 +50,7 @@ DENIAL_REASONS: Final = frozenset(
         REASON_SECRET_NOT_FOUND,
         REASON_SECRET_FORBIDDEN,
         REASON_NO_API_KEYS,
+        REASON_DUPLICATE_API_KEY,
+        REASON_KV_OVERCOMMITTED,
     }
 )

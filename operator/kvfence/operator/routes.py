@@ -28,8 +28,8 @@ from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
 from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorOptions, endpoint
 
-REASON_DUPLICATE_API_KEY = "DuplicateApiKey"
-REASON_KV_OVERCOMMITTED = "KVBlocksOvercommitted"
+REASON_DUPLICATE_API_KEY = C.REASON_DUPLICATE_API_KEY
+REASON_KV_OVERCOMMITTED = C.REASON_KV_OVERCOMMITTED
 
 
 def hash_api_key(key: str) -> str:

@@ -1,0 +1,281 @@
+"""Operator benchmark: time for N TrustClasses and M TenantBindings to all become Ready/Bound on the
+local control plane, the operator's peak RSS and its API request rate at steady state, against a
+baseline that server-side-applies the same rendered objects directly with one client.
+
+    .venv/bin/python bench/bench_operator.py                 # small: 20 classes, 200 bindings
+    .venv/bin/python bench/bench_operator.py --scale issue   # 200/2,000
+    .venv/bin/python bench/bench_operator.py --scale large   # 1,000/10,000
+    .venv/bin/python bench/bench_operator.py --classes 50 --bindings 500
+
+The cluster is the project's own (tests/cluster/localcluster.py, kwok nodes, extra CPU nodes added so
+every engine pod fits). The operator runs as a process with admin credentials here (RBAC is the
+tests' concern, not the benchmark's). The result goes to bench/results/operator-<time>.json.
+
+What is compared: the operator's wall time from "all objects created" to "every TrustClass Ready and
+every TenantBinding Bound" (so it includes routing decisions, status writes and Events), against the
+baseline's wall time to apply the same namespaces and children (the routing Secret included) and see
+every engine Deployment available. ``ratio`` is operator / baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "operator"), str(ROOT / "engine-image")]
+
+from cluster.localcluster import DEFAULT_NODES, FakeNode, LocalCluster  # noqa: E402
+
+from kvfence.api.trustclass import TrustClass  # noqa: E402
+from kvfence.contract import new_signing_key  # noqa: E402
+from kvfence.operator import builders as B  # noqa: E402
+from kvfence.operator import routes as R  # noqa: E402
+from kvfence.operator.apply import Kube, load_api_client  # noqa: E402
+
+SCALES = {"small": (20, 200), "issue": (200, 2000), "large": (1000, 10000)}
+TENANT_NAMESPACES = 10
+
+
+def bin_dir() -> Path:
+    env = os.environ.get("KVFENCE_BIN_DIR")
+    if env:
+        return Path(env)
+    out = subprocess.run(
+        [str(ROOT / "tests/cluster/build-components.sh"), "--print"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def tc_body(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfence.dev/v1alpha1",
+        "kind": "TrustClass",
+        "metadata": {"name": name},
+        "spec": {
+            "engine": {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}},
+            "resources": {"gpu": {"count": 0}},
+            "namespaceSelector": {},
+        },
+    }
+
+
+def kubectl_apply(cluster: LocalCluster, items: list[dict[str, Any]], chunk: int = 500) -> None:
+    for i in range(0, len(items), chunk):
+        doc = {"apiVersion": "v1", "kind": "List", "items": items[i : i + chunk]}
+        cluster.kubectl(
+            "apply", "--server-side", "--validate=false", "-f", "-", input=json.dumps(doc), timeout=600
+        )
+
+
+def list_json(cluster: LocalCluster, *args: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl("get", *args, "-o", "json", timeout=300).stdout
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return items
+
+
+def cond(obj: dict[str, Any], ctype: str) -> str | None:
+    for c in (obj.get("status") or {}).get("conditions", []):
+        if c["type"] == ctype:
+            return str(c["status"])
+    return None
+
+
+def wait_until(pred: Any, what: str, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if pred():
+            return time.monotonic() - start
+        time.sleep(1.0)
+    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, _, v = line.rpartition(" ")
+            out[k] = float(v)
+    return out
+
+
+def api_requests(port: int) -> float:
+    return sum(v for k, v in metrics(port).items() if k.startswith("kvfence_operator_api_requests_total"))
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_baseline(cluster: LocalCluster, n: int, opts: B.OperatorOptions) -> float:
+    """One client, server-side apply of the rendered objects, until every Deployment is available."""
+    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    start = time.monotonic()
+    classes: dict[str, R.ClassState] = {}
+    for i in range(n):
+        body = tc_body(f"base-{i}")
+        body["metadata"]["uid"] = "00000000-0000-0000-0000-000000000000"
+        tc = TrustClass.model_validate(body)
+        key = new_signing_key()
+        kube.apply(B.namespace(tc, opts))
+        for obj in B.children(tc, signing=(key, None, None), tenant_quotas=None, opts=opts, owner=None):
+            kube.apply(obj)
+        classes[tc.name] = R.ClassState(tc, (key,))
+    out = R.decide(classes, [], {}, {}, opts)
+    kube.apply(R.routing_secret(out.table, opts))
+
+    def available() -> bool:
+        deps = list_json(cluster, "deployments", "-A", "-l", "app.kubernetes.io/managed-by=kvfence-operator")
+        base = [d for d in deps if d["metadata"]["namespace"].startswith("kvf-base-")]
+        return len(base) == n and all((d.get("status") or {}).get("availableReplicas") == 1 for d in base)
+
+    wait_until(available, "baseline deployments available", 3600)
+    return time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", choices=sorted(SCALES), default="small")
+    ap.add_argument("--classes", type=int, help="override N")
+    ap.add_argument("--bindings", type=int, help="override M")
+    ap.add_argument("--steady-seconds", type=float, default=30.0, help="window for the steady-state rate")
+    args = ap.parse_args(argv)
+    n, m = SCALES[args.scale]
+    n = args.classes or n
+    m = args.bindings or m
+    extra = [FakeNode(f"bench-cpu-{i}", pods="1000") for i in range(max(1, (2 * n) // 900 + 1))]
+    work = Path(tempfile.mkdtemp(prefix="kvf-bench-op-"))
+    cluster = LocalCluster(work / "cluster", bin_dir(), nodes=(*DEFAULT_NODES, *extra))
+    cluster.start()
+    op: subprocess.Popen[bytes] | None = None
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+        for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
+            cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        cluster.kubectl("create", "namespace", "kvfence-system")
+        opts = B.OperatorOptions()
+
+        baseline_s = run_baseline(cluster, n, opts)
+        print(f"baseline: {n} classes applied and available in {baseline_s:.1f}s", flush=True)
+
+        port = 18000 + os.getpid() % 1000
+        log = (work / "operator.log").open("wb")
+        op = subprocess.Popen(
+            [sys.executable, "-m", "kvfence.operator", "--kubeconfig", str(cluster.kubeconfig),
+             "--health-host", "127.0.0.1", "--health-port", str(port), "--no-leader-elect",
+             "--resync-seconds", "100000", "--log-format", "json"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+        wait_until(lambda: _ok(port), "operator ready", 120)
+
+        tenant_ns = [f"bench-t{i}" for i in range(TENANT_NAMESPACES)]
+        setup: list[dict[str, Any]] = [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in tenant_ns
+        ]
+        for j in range(m):
+            ns = tenant_ns[j % TENANT_NAMESPACES]
+            setup.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": f"t{j}-keys", "namespace": ns},
+                    "data": {"key": base64.b64encode(f"sk-bench-{j}".encode()).decode()},
+                }
+            )
+        kubectl_apply(cluster, setup)
+        start = time.monotonic()
+        classes = [tc_body(f"op-{i}") for i in range(n)]
+        bindings = [
+            {
+                "apiVersion": "kvfence.dev/v1alpha1",
+                "kind": "TenantBinding",
+                "metadata": {"name": f"t{j}", "namespace": tenant_ns[j % TENANT_NAMESPACES]},
+                "spec": {
+                    "tenantId": f"t{j}",
+                    "trustClassName": f"op-{j % n}",
+                    "apiKeySecretRef": {"name": f"t{j}-keys"},
+                },
+            }
+            for j in range(m)
+        ]
+        kubectl_apply(cluster, classes + bindings)
+        created_s = time.monotonic() - start
+
+        def converged() -> bool:
+            tcs = [t for t in list_json(cluster, "trustclasses") if t["metadata"]["name"].startswith("op-")]
+            tbs = list_json(cluster, "tenantbindings", "-A")
+            return (
+                len(tcs) == n
+                and all(cond(t, "Ready") == "True" for t in tcs)
+                and len(tbs) == m
+                and all(cond(b, "Bound") == "True" for b in tbs)
+            )
+
+        wait_until(converged, "all Ready and Bound", 7200)
+        operator_s = time.monotonic() - start
+        print(f"operator: {n} classes Ready and {m} bindings Bound in {operator_s:.1f}s", flush=True)
+
+        wait_until(lambda: metrics(port).get("kvfence_operator_queue_depth", 1) == 0, "queue drained", 600)
+        time.sleep(5)
+        r0, t0 = api_requests(port), time.monotonic()
+        time.sleep(args.steady_seconds)
+        steady_rate = (api_requests(port) - r0) / (time.monotonic() - t0)
+        rss = peak_rss_mib(op.pid)
+        total_requests = api_requests(port)
+        result = {
+            "classes": n,
+            "bindings": m,
+            "create_seconds": round(created_s, 2),
+            "operator_seconds": round(operator_s, 2),
+            "baseline_seconds": round(baseline_s, 2),
+            "ratio_operator_over_baseline": round(operator_s / baseline_s, 3),
+            "operator_peak_rss_mib": round(rss, 1),
+            "operator_api_requests_total": total_requests,
+            "steady_state_requests_per_second": round(steady_rate, 4),
+            "steady_window_seconds": args.steady_seconds,
+        }
+        out_dir = ROOT / "bench" / "results"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"operator-{time.strftime('%Y%m%dT%H%M%S')}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        print(f"written to {path}")
+        return 0
+    finally:
+        if op is not None and op.poll() is None:
+            op.send_signal(signal.SIGTERM)
+            try:
+                op.wait(30)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        cluster.stop()
+
+
+def _ok(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
