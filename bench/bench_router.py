@@ -458,12 +458,16 @@ def start_nginx_proxy(workdir: Path, upstream_port: int) -> Target:
     return Target("nginx (1 worker)", port, [p])
 
 
-def start_vllm_router(exe: str | None, upstream_port: int, workdir: Path) -> Target:
+def start_vllm_router(
+    exe: str | None, upstream_port: int, workdir: Path, policy: str = "round_robin", name: str = "vllm-router"
+) -> Target:
+    """vllm-router in its leanest configuration (round robin, no retries, no circuit breaker) unless
+    ``policy`` says otherwise."""
     exe = exe or shutil.which("vllm-router")
     if not exe or not os.path.exists(exe):
-        return Target("vllm-router", None, [], "not run: vllm-router not found (pass --vllm-router PATH)")
+        return Target(name, None, [], "not run: vllm-router not found (pass --vllm-router PATH)")
     port = free_port()
-    log = open(workdir / "vllm-router.log", "wb")  # noqa: SIM115
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115
     p = subprocess.Popen(
         [
             *PIN_SUT,
@@ -475,7 +479,9 @@ def start_vllm_router(exe: str | None, upstream_port: int, workdir: Path) -> Tar
             "--worker-urls",
             f"http://127.0.0.1:{upstream_port}",
             "--policy",
-            "round_robin",
+            policy,
+            "--prometheus-port",
+            str(free_port()),
             "--log-level",
             "warning",
             "--disable-retries",
@@ -490,9 +496,7 @@ def start_vllm_router(exe: str | None, upstream_port: int, workdir: Path) -> Tar
         deadline = time.monotonic() + 60
         while True:
             if p.poll() is not None:
-                raise RuntimeError(
-                    f"exited {p.returncode}: {(workdir / 'vllm-router.log').read_text()[-300:]}"
-                )
+                raise RuntimeError(f"exited {p.returncode}: {(workdir / f'{name}.log').read_text()[-300:]}")
             with contextlib.suppress(OSError):
                 req = urllib.request.Request(
                     f"http://127.0.0.1:{port}{PATH}",
@@ -507,8 +511,9 @@ def start_vllm_router(exe: str | None, upstream_port: int, workdir: Path) -> Tar
             time.sleep(0.2)
     except RuntimeError as e:
         p.terminate()
-        return Target("vllm-router", None, [], f"not run: {e}")
-    return Target("vllm-router", port, [p])
+        reason = " ".join(str(e).split())[-160:]
+        return Target(name, None, [], f"not run: {reason}")
+    return Target(name, port, [p])
 
 
 def stop(t: Target) -> None:
@@ -563,6 +568,7 @@ def main() -> None:
         start_kvfence(workdir, upstream.port),
         start_nginx_proxy(workdir, upstream.port),
         start_vllm_router(a.vllm_router, upstream.port, workdir),
+        start_vllm_router(a.vllm_router, upstream.port, workdir, "cache_aware", "vllm-router cache_aware"),
         start_aiohttp_floor(upstream.port),
     ]
     have_wrk = shutil.which("wrk") is not None
@@ -611,20 +617,20 @@ def main() -> None:
         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     hdr = (
-        f"{'path':<18} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'achieved':>9} "
+        f"{'path':<24} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'achieved':>9} "
         f"{'errors':>6} {'max req/s':>10} {'vs vllm-router':>15}"
     )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         if "reason" in r:
-            print(f"{r['name']:<18} {r['reason']}")
+            print(f"{r['name']:<24} {r['reason']}")
             continue
         ratio = f"{float(r['rps']) / float(vllm['rps']):.2f}x" if vllm else "n/a"  # type: ignore[arg-type]
         added50 = float(r["p50"]) - float(base["p50"])  # type: ignore[arg-type]
         added99 = float(r["p99"]) - float(base["p99"])  # type: ignore[arg-type]
         print(
-            f"{r['name']:<18} {r['p50']:>8.3f} {r['p99']:>8.3f} {added50:>10.3f} {added99:>10.3f} "
+            f"{r['name']:<24} {r['p50']:>8.3f} {r['p99']:>8.3f} {added50:>10.3f} {added99:>10.3f} "
             f"{r['achieved_rps']:>9.0f} {int(r['errors']) + int(r['thr_errors']):>6} {r['rps']:>10.0f} "  # type: ignore[call-overload]
             f"{ratio:>15}"
         )
