@@ -227,35 +227,37 @@ class TableWatcher:
         self._on_change = on_change
         self._on_result = on_result
 
-    def check(self) -> bool:
-        """Reload if the file changed. Returns True if a new table is now in force."""
+    def _read_new(self) -> CompiledTable | None:
+        """Stat, read and compile the file if it changed; None if it did not (or is missing).
+        Raises :class:`TableError` for an invalid file. Swaps nothing: safe to run in a thread."""
         self._polls += 1
         st = _stat_key(self.path)
         if st is None:
             if self.last_error != "missing":
                 log.error("routing table %s is missing; keeping the current one", self.path)
             self.last_error = "missing"
-            return False
+            return None
         if st == self._stat and self.loaded and self._polls % self.rehash_every:
-            return False
+            return None
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
         except OSError as e:
             self.last_error = str(e)
-            return False
+            return None
         self._stat = st
         if self.loaded and hashlib.sha256(raw).hexdigest() == self.table.checksum:
-            return False
-        try:
-            table = parse_table(raw)
-        except TableError as e:
-            if self.last_error != str(e):
-                log.error("%s; keeping the current one", e)
-            self.last_error = str(e)
-            if self._on_result:
-                self._on_result("invalid")
-            return False
+            return None
+        return parse_table(raw)
+
+    def _refuse(self, e: TableError) -> None:
+        if self.last_error != str(e):
+            log.error("%s; keeping the current one", e)
+        self.last_error = str(e)
+        if self._on_result:
+            self._on_result("invalid")
+
+    def _install(self, table: CompiledTable) -> None:
         for w in table.warnings:
             log.warning("routing table: %s", w)
         self.table = table
@@ -271,12 +273,31 @@ class TableWatcher:
             self._on_result("loaded")
         if self._on_change:
             self._on_change(table)
+
+    def check(self) -> bool:
+        """Reload if the file changed. Returns True if a new table is now in force."""
+        try:
+            table = self._read_new()
+        except TableError as e:
+            self._refuse(e)
+            return False
+        if table is None:
+            return False
+        self._install(table)
         return True
 
     async def run(self) -> None:
+        """Poll forever. Reading and compiling (pydantic, one HMAC per tenant) run in a thread so a
+        large table does not stall requests; the swap itself happens on the event loop."""
         while True:
             await asyncio.sleep(self.interval)
             try:
-                self.check()
+                try:
+                    table = await asyncio.to_thread(self._read_new)
+                except TableError as e:
+                    self._refuse(e)
+                    continue
+                if table is not None:
+                    self._install(table)
             except Exception:  # never let the watcher die
                 log.exception("routing table check failed")
