@@ -6,7 +6,9 @@ Targets, in this order (e2esupport.choose_target):
 * ``KVFENCE_E2E_KUBECONFIG=<file>``: any cluster. Its nodes must be able to run the images the chart
   and examples name (kvfence/control-plane:0.1.0, kvfence/engine-reference:0.1.0; build them with
   engine-image/build-images.sh and load or push them; extra Helm values: ``KVFENCE_E2E_HELM_VALUES``,
-  comma-separated files).
+  comma-separated files). With ``KVFENCE_E2E_CONTAINERD=<socket>`` (a node's containerd on this
+  machine, e.g. the project's own cluster from `make up`: .cluster/node/containerd.sock) the suite
+  builds the images if needed and imports them there first.
 * ``KVFENCE_E2E_LOCAL=1``: no Kubernetes; the router and reference engines as processes, configured
   from examples/ by the operator's pure functions (checks the data path only).
 * kind and docker on PATH: a kind cluster (``KVFENCE_E2E_KIND_CLUSTER``, default kvfence-e2e) is
@@ -34,6 +36,7 @@ from e2esupport import (
     choose_target,
     deploy,
     example_tenants,
+    import_images_into_containerd,
     kind_cluster,
     local_stack,
     port_forward,
@@ -61,6 +64,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
             yield r
         return
     kubeconfig = detail if mode == "cluster" else kind_cluster(detail, logs)
+    if os.environ.get("KVFENCE_E2E_CONTAINERD"):
+        import_images_into_containerd(os.environ["KVFENCE_E2E_CONTAINERD"])
     kube = Kube(kubeconfig, logs, env=dict(os.environ))
     _KUBE = kube
     extra = [v for v in os.environ.get("KVFENCE_E2E_HELM_VALUES", "").split(",") if v]

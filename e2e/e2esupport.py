@@ -223,11 +223,18 @@ class Kube:
             ["get", "events", "-A", "--sort-by=.lastTimestamp"],
             ["logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=operator", "--tail=200", "--prefix"],
             ["logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=router", "--tail=200", "--prefix"],
-            ["logs", "-A", "-l", "app.kubernetes.io/name=kvfence-engine", "--tail=100", "--prefix"],
             ["get", "trustclasses,tenantbindings", "-A", "-o", "yaml"],
         ):
             out = self.run(*args, check=False, timeout=60)
             parts.append(f"===== kubectl {' '.join(args)} =====\n{out[-20000:]}")
+        # Engine logs, from every trust class namespace (kubectl logs has no --all-namespaces).
+        sel = "app.kubernetes.io/name=kvfence-engine"
+        pods = self.run("get", "pods", "-A", "-l", sel, "-o", "json", check=False, timeout=60)
+        with contextlib.suppress(ValueError):
+            for p in json.loads(pods[: pods.rfind("}") + 1] or "{}").get("items", []):
+                ns, name = p["metadata"]["namespace"], p["metadata"]["name"]
+                out = self.run("logs", "-n", ns, name, "--tail=100", check=False, timeout=60)
+                parts.append(f"===== kubectl logs -n {ns} {name} =====\n{out[-10000:]}")
         return "\n".join(parts)
 
 
@@ -281,6 +288,15 @@ def port_forward(kube: Kube) -> Iterator[Router]:
     try:
         router = Router(f"http://127.0.0.1:{port}", quota_divisor=router_replicas(kube))
         wait_until(lambda: router.request("GET", "/readyz").status == 200, "the router's /readyz", 120)
+        # The routing table reaches the router through a mounted Secret: the kubelet refreshes it on
+        # its own schedule (about a minute), so new bindings route only after that.
+        for t in example_tenants().values():
+            wait_until(
+                lambda t=t: router.request("GET", "/v1/models", key=t.api_key).status == 200,
+                f"the router to know tenant {t.id} (mounted Secret refresh)",
+                300,
+                2,
+            )
         yield router
     finally:
         proc.terminate()
@@ -292,6 +308,36 @@ def router_replicas(kube: Kube) -> int:
     d = json.loads(kube.run("get", "deploy", f"{RELEASE}-router", "-n", NAMESPACE, "-o", "json"))
     args = d["spec"]["template"]["spec"]["containers"][0].get("args", [])
     return next((int(a.split("=", 1)[1]) for a in args if a.startswith("--replicas=")), 1)
+
+
+def import_images_into_containerd(socket_path: str) -> None:
+    """For clusters whose node runs containerd on this machine (the project's own cluster with a real
+    node, `make up`): build the images if needed and import them (no registry involved)."""
+    out = Path(os.environ.get("OUT", ROOT / "build" / "images"))
+    version = next(
+        line.split('"')[1]
+        for line in (ROOT / "pyproject.toml").read_text().splitlines()
+        if line.startswith("version = ")
+    )
+    archives = [out / f"kvfence-{n}-{version}.oci.tar" for n in ("control-plane", "engine-reference")]
+    if not all(a.exists() for a in archives) or os.environ.get("KVFENCE_E2E_REBUILD") == "1":
+        subprocess.run(
+            [str(ROOT / "engine-image" / "build-images.sh"), "control-plane", "reference"], check=True
+        )
+    for a in archives:
+        subprocess.run(
+            [
+                "ctr",
+                f"--address={socket_path}",
+                "--namespace=k8s.io",
+                "images",
+                "import",
+                "--no-unpack=false",
+                str(a),
+            ],
+            check=True,
+            capture_output=True,
+        )
 
 
 def kind_cluster(name: str, logs: Path) -> str:

@@ -126,6 +126,10 @@ smoke() {  # the image's entry point runs as 65532 on a read-only root filesyste
   local uid
   uid="$(tool image inspect --format '{{.Config.User}}' "localhost/kvfence/$name:$VERSION")"
   [ "$uid" = "65532:65532" ] || die "kvfence/$name runs as '$uid', not 65532:65532"
+  # The UID has a name (kopf and torch ask for it with getpass.getuser()).
+  tool run --rm --network none --read-only --entrypoint python3 "localhost/kvfence/$name:$VERSION" \
+    -c 'import getpass; assert getpass.getuser() == "kvfence"' \
+    || die "kvfence/$name: UID 65532 has no passwd entry"
 }
 
 free_port() { "$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
