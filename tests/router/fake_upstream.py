@@ -100,6 +100,18 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
         echo = {"tenant": verified.identity.tenant, "namespace": verified.identity.namespace}
         if prompt.startswith("SILENT"):  # a hung engine: accepts the request, never answers
             await asyncio.sleep(3600)
+        if prompt.startswith("COOKIE"):  # an engine (or something in front of it) setting a cookie
+            resp = web.json_response(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "model": model,
+                    "usage": usage,
+                    "choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
+                }
+            )
+            resp.set_cookie("session", f"secret-of-{verified.identity.tenant}")
+            return resp
         if not body.get("stream"):
             return web.json_response(
                 {

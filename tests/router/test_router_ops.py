@@ -327,3 +327,33 @@ def test_engine_silent_past_read_timeout_is_504(tmp_path: Path, logs: Path, own_
         )
     finally:
         router.stop()
+
+
+def test_engine_cookies_never_cross_tenants(tmp_path: Path, logs: Path, own_gold: Proc) -> None:
+    """The router's upstream session is shared by all tenants: a cookie an engine sets must neither
+    reach the client nor ride along on another tenant's request. (The engine is addressed by a host
+    name, as Services are: aiohttp's default jar ignores cookies from bare IP addresses.)"""
+    table_path = tmp_path / "routing.json"
+    by_name = own_gold.url.replace("127.0.0.1", "localhost")
+    write_table(table_path, standard_table(by_name, by_name))
+    router = start_router(logs, table_path)
+    try:
+        status, headers, _ = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "COOKIE"},
+            headers=auth(KEYS["alice"]),
+        )
+        assert status == 200 and "set-cookie" not in headers
+        status, _, _ = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "after-cookie"},
+            headers=auth(KEYS["bob"]),
+        )
+        assert status == 200
+        _, _, data = request("GET", own_gold.url + "/control/requests")
+        seen = [r for r in json.loads(data) if r["body"].get("prompt") == "after-cookie"]
+        assert seen and all("cookie" not in {k.lower() for k in r["headers"]} for r in seen)
+    finally:
+        router.stop()

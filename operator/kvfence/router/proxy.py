@@ -154,8 +154,11 @@ class Proxy:
         )
         # auto_decompress off: bytes are relayed as the engine sent them (it is never asked to
         # compress, since Accept-Encoding is not forwarded).
+        # DummyCookieJar: the session is shared by every tenant, so it must never keep a cookie an
+        # engine sets and send it along with someone else's request (and it is faster).
         self._session = aiohttp.ClientSession(
             connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,
             timeout=self._timeout,
             skip_auto_headers=("User-Agent",),
