@@ -357,3 +357,35 @@ def test_engine_cookies_never_cross_tenants(tmp_path: Path, logs: Path, own_gold
         assert seen and all("cookie" not in {k.lower() for k in r["headers"]} for r in seen)
     finally:
         router.stop()
+
+
+def test_metrics_port_keeps_metrics_off_the_tenant_port(tmp_path: Path, logs: Path, own_gold: Proc) -> None:
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, standard_table(own_gold.url, own_gold.url))
+    ops_port = free_port()
+    router = start_router(logs, table_path, "--metrics-port", str(ops_port))
+    try:
+        assert (
+            request(
+                "POST",
+                router.url + "/v1/completions",
+                {"model": "tiny", "prompt": "m"},
+                headers=auth(KEYS["bob"]),
+            )[0]
+            == 200
+        )
+        assert request("GET", router.url + "/metrics")[0] == 404
+        status, _, data = request("GET", f"http://127.0.0.1:{ops_port}/metrics")
+        assert status == 200 and b'kvfence_router_requests_total{tenant="bob"' in data
+        assert request("GET", f"http://127.0.0.1:{ops_port}/readyz")[0] == 200
+        assert (
+            request(
+                "POST",
+                f"http://127.0.0.1:{ops_port}/v1/completions",
+                {"model": "tiny"},
+                headers=auth(KEYS["bob"]),
+            )[0]
+            == 404
+        )
+    finally:
+        router.stop()

@@ -49,6 +49,7 @@ class RouterConfig:
     replicas: int = 1
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024  # reserved when a request does not say max_tokens
+    metrics_port: int = 0  # serve /metrics (and the probes) on this port only; 0: on the API port
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
 
@@ -294,6 +295,16 @@ async def errors_middleware(
 
 
 # --- app ----------------------------------------------------------------------------------------------
+def build_ops_app(state: RouterState) -> web.Application:
+    """The separate listener of ``--metrics-port``: metrics and probes, no tenant API."""
+    app = web.Application(middlewares=[errors_middleware])
+    app[STATE] = state
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
 def build_app(config: RouterConfig) -> web.Application:
     state = RouterState(config)
     app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
@@ -301,7 +312,8 @@ def build_app(config: RouterConfig) -> web.Application:
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(CHAT_COMPLETIONS, chat_completions)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
+    if not config.metrics_port:
+        app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
 
@@ -331,6 +343,12 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
     await site.start()
+    ops_runner: web.AppRunner | None = None
+    if config.metrics_port:
+        ops_runner = web.AppRunner(build_ops_app(app[STATE]), access_log=None, shutdown_timeout=1.0)
+        await ops_runner.setup()
+        await web.TCPSite(ops_runner, host, config.metrics_port, reuse_address=True).start()
+        log.info("metrics and probes on %s:%d", host, config.metrics_port)
     # Everything alive now (modules, the app, the table) lives as long as the process: keep it out of
     # the cyclic GC's generations, so that full collections stay short (they show up in p99 latency).
     gc.collect()
@@ -352,6 +370,8 @@ async def serve(
     if drain_delay > 0:
         await asyncio.sleep(drain_delay)
     await runner.cleanup()
+    if ops_runner is not None:
+        await ops_runner.cleanup()
 
 
 def _env(name: str, default: str) -> str:
@@ -367,6 +387,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--host", default=_env("KVFENCE_ROUTER_HOST", "0.0.0.0"))  # noqa: S104
     p.add_argument("--port", type=int, default=int(_env("KVFENCE_ROUTER_PORT", "8080")))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("KVFENCE_ROUTER_METRICS_PORT", "0")),
+        help="serve /metrics (and /healthz, /readyz) on this port only, not on the API port, so that "
+        "tenants cannot read other tenants' names and traffic; 0: on the API port "
+        "[KVFENCE_ROUTER_METRICS_PORT]",
+    )
     p.add_argument(
         "--replicas",
         type=int,
@@ -410,6 +438,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         replicas=args.replicas,
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
+        metrics_port=args.metrics_port,
         proxy=ProxyConfig(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,
