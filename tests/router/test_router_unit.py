@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, write_table
 
 from kvfence.api.routing import Quotas
@@ -272,3 +274,65 @@ def test_reads_the_table_as_the_operator_renders_it() -> None:
     compiled = parse_table(table_json(model).encode())
     assert set(compiled.tenants) == set(model.tenants)
     assert authenticate(compiled, f"Bearer {KEYS['carol']}").identity.namespace == "class/silver"
+
+
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["acquire", "release", "tick", "reload"]),
+            st.integers(0, 700),  # tokens / used tokens / seconds*10 / new limit seed
+        ),
+        max_size=80,
+    ),
+    concurrent=st.integers(1, 4),
+    rpm=st.integers(1, 10),
+    tpm=st.integers(50, 800),
+    replicas=st.integers(1, 3),
+)
+@settings(max_examples=300, deadline=None)
+def test_quota_invariants(
+    ops: list[tuple[str, int]], concurrent: int, rpm: int, tpm: int, replicas: int
+) -> None:
+    """Whatever the sequence: in-flight never exceeds the (per-replica) limit nor goes negative, a
+    refusal changes nothing, buckets never exceed their capacity, and the number of admissions in any
+    run without time passing is bounded by the request bucket."""
+    clock = Clock()
+    q = QuotaManager(replicas=replicas, clock=clock)
+    quotas = Quotas(maxConcurrentRequests=concurrent, requestsPerMinute=rpm, tokensPerMinute=tpm)
+    q.sync([("t", quotas)])
+    held: list[Reservation] = []
+    admitted_since_tick = 0
+    for op, n in ops:
+        st_ = q.state("t")
+        assert st_ is not None
+        if op == "acquire":
+            before = (st_.inflight, st_.rpm.level if st_.rpm else None, st_.tpm.level if st_.tpm else None)
+            got = q.acquire("t", quotas, n)
+            if isinstance(got, Rejection):
+                assert got.retry_after >= 1
+                # nothing was taken (levels may only have risen: the refill for elapsed time)
+                assert st_.inflight == before[0]
+                assert st_.rpm is not None and before[1] is not None and st_.rpm.level >= before[1]
+                assert st_.tpm is not None and before[2] is not None and st_.tpm.level >= before[2]
+            else:
+                held.append(got)
+                admitted_since_tick += 1
+        elif op == "release" and held:
+            q.release(held.pop(n % len(held)), n if n % 3 else None)
+        elif op == "tick":
+            clock.t += n / 10
+            admitted_since_tick = 0
+        elif op == "reload":
+            quotas = Quotas(
+                maxConcurrentRequests=1 + n % 4, requestsPerMinute=1 + n % 10, tokensPerMinute=50 + n
+            )
+            q.sync([("t", quotas)])
+        lim = st_.limits
+        assert 0 <= st_.inflight == len(held)
+        assert lim.concurrent is not None and lim.rpm is not None
+        # in-flight may exceed a limit only if a reload lowered it below what was already running
+        if op == "acquire":
+            assert st_.inflight <= max(lim.concurrent, 1) or isinstance(got, Rejection)
+        for bucket in (st_.rpm, st_.tpm):
+            assert bucket is not None and bucket.level <= bucket.capacity + 1e-9
+        assert admitted_since_tick <= max(lim.rpm, 1) + rpm  # a burst is bounded by the bucket(s)
