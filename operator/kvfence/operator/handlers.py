@@ -133,12 +133,12 @@ class Controller:
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
-            # API keys are re-read (a rotated key in a tenant's Secret is picked up here) and every
-            # class is compared with the cluster again (drift of objects the operator cannot watch).
+            # API keys are re-read (a rotated key in a tenant's Secret is picked up here), and each
+            # class's signing-key Secret, the one child the operator cannot watch, is checked.
             self.reconciler.state.keys.clear()
             self.enqueue(ROUTING)
             for name in sorted(self.known_classes):
-                self.enqueue(class_key(name))
+                self.enqueue(("secrets", name))
 
 
 def _controller(memo: Any) -> Controller:

@@ -122,6 +122,7 @@ class State:
     keys: dict[str, tuple[tuple[str, str | None, str], R.KeyLookup]] = field(default_factory=dict)
     tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
     bound_count: dict[str, int] = field(default_factory=dict)
+    class_namespace: dict[str, str] = field(default_factory=dict)
     routing_ready: threading.Event = field(default_factory=threading.Event)
 
 
@@ -148,6 +149,8 @@ class Reconciler:
             return self.reconcile_routing()
         if key[0] == "class":
             return self.reconcile_class(key[1])
+        if key[0] == "secrets":
+            return self.check_class_secret(key[1])
         if key[0] == "binding":
             self.state.keys.pop(f"{key[1]}/{key[2]}", None)
             return {ROUTING}
@@ -170,6 +173,7 @@ class Reconciler:
             self._class_status(body, None, degraded=("InvalidSpec", str(e)))
             return set()
         ns_name = tc.target_namespace
+        self.state.class_namespace[name] = ns_name
         owner = B.owner_reference(body)
         live_ns = self.kube.get("v1", "Namespace", ns_name)
         if live_ns is not None and (live_ns["metadata"].get("labels") or {}).get(B.LABEL_TRUST_CLASS) != name:
@@ -223,6 +227,17 @@ class Reconciler:
         self._class_status(body, tc, deployment=deployment_live, key=current)
         return follow
 
+    def check_class_secret(self, name: str) -> set[Key]:
+        """The resync's cheap check of what the operator cannot watch (its signing-key Secret): one GET
+        per class; a full reconcile only when the Secret is gone or not what was applied. Every other
+        child is watched, so its drift has already been repaired."""
+        ns, keys = self.state.class_namespace.get(name), self.state.signing.get(name)
+        if ns is None or keys is None:
+            return {class_key(name)}
+        cur, prev, _ = B.read_signing_secret(self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns))
+        live = () if cur is None else (cur,) if prev is None else (cur, prev)
+        return set() if live == keys else {class_key(name)}
+
     def _ensure(self, desired: Obj, live: Obj | None, changed: list[str]) -> Obj | None:
         desired = with_spec_hash(desired)
         if not needs_apply(desired, live):
@@ -266,6 +281,7 @@ class Reconciler:
         self.state.signing.pop(name, None)
         self.state.tenant_quotas.pop(name, None)
         self.state.bound_count.pop(name, None)
+        self.state.class_namespace.pop(name, None)
 
     def _class_status(
         self,
