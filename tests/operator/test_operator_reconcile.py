@@ -248,7 +248,7 @@ def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, clean
             "rt-a",
             "t-ok",
             "route-gold",
-            {"allowedAdapters": ["support"], "quotas": {"requestsPerMinute": 120}},
+            {"allowedAdapters": ["support"], "quotas": {"requestsPerMinute": 120, "maxKVBlocks": 256}},
         ),
         ("silver", "rt-rogue", "t-silver", "route-silver", {}),
         ("rogue", "rt-rogue", "t-rogue", "route-gold", {}),
@@ -306,6 +306,18 @@ def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, clean
     assert ok["trustClass"] == "route-gold" and ok["binding"] == "rt-a/ok"
     assert ok["apiKeyHashes"] == [sha("sk-ok")]
     assert ok["allowedAdapters"] == ["support"] and ok["quotas"]["requestsPerMinute"] == 120
+
+    # the tenant's KV quota reaches the engine config, without restarting the engine
+    def engine_tenants() -> Any:
+        cm = kv.json("get", "configmap", "kvfence-engine-config", "-n", "kvf-route-gold")
+        return json.loads(cm["data"]["engine.json"])["quotas"]["tenants"]
+
+    wait(
+        lambda: engine_tenants() == {"t-ok": {"maxBlocks": 256, "guaranteedBlocks": 0}}, "tenant KV quota", 60
+    )
+    assert (
+        kv.json("get", "deployment", "kvfence-engine", "-n", "kvf-route-gold")["metadata"]["generation"] == 1
+    )
     gold = table["trustClasses"]["route-gold"]
     assert gold["endpoint"] == "http://kvfence-engine.kvf-route-gold.svc.cluster.local:8000"
     assert gold["servedModels"] == ["tiny"] and gold["adapters"] == ["support"]
