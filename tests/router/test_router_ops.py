@@ -315,6 +315,15 @@ def test_engine_silent_past_read_timeout_is_504(tmp_path: Path, logs: Path, own_
         )
         assert status == 504 and "x-kvfence-upstream-status" not in headers
         assert json.loads(data)["error"]["code"] == "engine_timeout"
+        # a tokens-per-minute tenant is not charged for a request the engine never answered
+        status, _, _ = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "tiny", "prompt": "SILENT", "max_tokens": 500},
+            headers=auth(KEYS["frank"]),
+        )
+        assert status == 504
+        assert metric(router, 'kvfence_router_tokens_total{tenant="frank"}') is None
         # a slow answer is not an unhealthy engine: the next request goes through
         assert (
             request(

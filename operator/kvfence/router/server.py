@@ -212,9 +212,13 @@ async def _inference(request: web.Request, path: str) -> web.StreamResponse:
         inflight.inc((cls.name,))
         used: int | None = None
         try:
-            relay = await state.proxy.forward(
-                request, plan, path, payload, headers, want_usage=grant.quota.tpm is not None
-            )
+            try:
+                relay = await state.proxy.forward(
+                    request, plan, path, payload, headers, want_usage=grant.quota.tpm is not None
+                )
+            except RouterError:
+                used = 0  # the engine could not be reached or failed before answering: refund
+                raise
             used = relay.total_tokens
             if used is None and relay.stream_events:
                 # A stream without a usage event: the prompt estimate plus one token per event.
