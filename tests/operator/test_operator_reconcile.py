@@ -128,7 +128,7 @@ def test_operator_rbac_is_least_privilege(installed: Any, kv: Any) -> None:
 def test_gpu_engines_land_on_gpu_nodes_with_the_right_resource_names(
     cluster: Any, operator: Any, kv: Any, wait: Any, cleanup: list[str]
 ) -> None:
-    cleanup += ["gpu-h100", "gpu-mig"]
+    cleanup += ["gpu-h100", "gpu-mig", "gpu-vllm"]
     res = kv.apply(
         tc(
             "gpu-h100",
@@ -141,10 +141,27 @@ def test_gpu_engines_land_on_gpu_nodes_with_the_right_resource_names(
             resources={"gpu": {"count": 1, "resourceName": "nvidia.com/mig-1g.5gb"}},
             placement={"tolerations": [GPU_TOLERATION]},
         ),
+        tc(
+            "gpu-vllm",
+            engine={
+                "runtime": "vllm",
+                "image": "vllm/vllm-openai:latest",
+                "model": {"name": "org/model", "servedName": "m"},
+                "tensorParallelSize": 2,
+            },
+            resources={"gpu": {"count": 2}},
+            placement={"tolerations": [GPU_TOLERATION]},
+        ),
     )
     assert res.returncode == 0, res.stderr
-    for name in ("gpu-h100", "gpu-mig"):
+    for name in ("gpu-h100", "gpu-mig", "gpu-vllm"):
         wait(lambda n=name: ready(kv, n), f"{name} Ready", 180, dump=operator.tail)
+    (vllm,) = pods(kv, "kvf-gpu-vllm")
+    assert vllm["spec"]["nodeName"] in cluster.gpu_nodes
+    args = " ".join(vllm["spec"]["containers"][0]["args"])
+    assert "--tensor-parallel-size 2" in args and "--prefix-caching-hash-algo sha256" in args
+    assert "--middleware kvfence.vllm.middleware.KvfenceMiddleware" in args
+    assert vllm["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     h100 = pods(kv, "kvf-gpu-h100")
     assert len(h100) == 2
     for p in h100:
@@ -354,6 +371,19 @@ def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, clean
     )
     for ns in ("rt-a", "rt-b", "rt-rogue", "rt-closed"):
         kv("delete", "namespace", ns, "--wait=false")
+
+
+def test_health_metrics_and_json_logs(operator: Any) -> None:
+    assert operator._get("/healthz")[0] == 200 and operator.ready()
+    m = operator.metrics()
+    assert any(k.startswith("kvfence_operator_reconciles_total") for k in m)
+    assert any(k.startswith("kvfence_operator_reconcile_duration_seconds") for k in m)
+    assert m["kvfence_operator_leader"] == 1
+    lines = [line for line in operator.log.read_text().splitlines() if line.strip()]
+    assert lines
+    for line in lines:
+        rec = json.loads(line)
+        assert {"time", "level", "logger", "message"} <= set(rec)
 
 
 def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:

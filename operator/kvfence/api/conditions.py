@@ -23,6 +23,8 @@ REASON_NAMESPACE_CONFLICT: Final = "NamespaceConflict"
 REASON_RECONCILE_FAILED: Final = "ReconcileFailed"
 REASON_AS_EXPECTED: Final = "AsExpected"
 REASON_DELETING: Final = "Deleting"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
 
 # --- reasons: TenantBinding -------------------------------------------------------------------
 REASON_BOUND: Final = "Bound"

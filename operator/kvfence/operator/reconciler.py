@@ -170,7 +170,7 @@ class Reconciler:
         try:
             tc = TrustClass.model_validate(body)
         except ValidationError as e:
-            self._class_status(body, None, degraded=("InvalidSpec", str(e)))
+            self._class_status(body, None, degraded=(C.REASON_INVALID_SPEC, str(e)))
             return set()
         ns_name = tc.target_namespace
         self.state.class_namespace[name] = ns_name
@@ -206,7 +206,7 @@ class Reconciler:
                 owner=owner,
             )
         except ValueError as e:
-            self._class_status(body, tc, degraded=("InvalidEngineConfig", str(e)))
+            self._class_status(body, tc, degraded=(C.REASON_INVALID_ENGINE_CONFIG, str(e)))
             return set()
         deployment_live: Obj | None = None
         for obj in objs:
