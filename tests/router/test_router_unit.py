@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, write_table
+from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, free_port, standard_table, write_table
 
 from kvfence.api.routing import Quotas
 from kvfence.contract import (
@@ -21,7 +23,7 @@ from kvfence.contract import (
 )
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import _UsageScanner, build_body, build_headers
+from kvfence.router.proxy import Proxy, ProxyConfig, _UsageScanner, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, parse_body, reserve_tokens
 from kvfence.router.table import TableError, TableWatcher, compile_table, hash_api_key, parse_table
@@ -336,3 +338,21 @@ def test_quota_invariants(
         for bucket in (st_.rpm, st_.tpm):
             assert bucket is not None and bucket.level <= bucket.capacity + 1e-9
         assert admitted_since_tick <= max(lim.rpm, 1) + rpm  # a burst is bounded by the bucket(s)
+
+
+def test_probe_needs_two_failures_in_a_row() -> None:
+    async def run() -> None:
+        cls = parse_table(_table()).classes["gold"]
+        cls = dataclasses.replace(cls, endpoint=f"http://127.0.0.1:{free_port()}")
+        proxy = Proxy(RouterMetrics(), ProxyConfig(health_timeout=0.5))
+        await proxy.start()
+        try:
+            assert await proxy.probe(cls) is True  # one failure: still healthy
+            assert await proxy.probe(cls) is False
+            with pytest.raises(RouterError) as e:
+                proxy.check_available(cls)
+            assert e.value.status == 503
+        finally:
+            await proxy.close()
+
+    asyncio.run(run())

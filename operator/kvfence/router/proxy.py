@@ -68,12 +68,18 @@ class Relay:
     client_gone: bool = False  # the client disconnected before the end of the answer
 
 
+#: Failed health probes in a row that make an engine unhealthy (one slow probe under load is not
+#: enough); a refused connection on a real request counts at once.
+PROBE_FAILURE_THRESHOLD = 2
+
+
 class EngineState:
-    __slots__ = ("healthy", "last_error")
+    __slots__ = ("failures", "healthy", "last_error")
 
     def __init__(self) -> None:
         self.healthy = True  # optimistic until a probe or a connection says otherwise
         self.last_error = ""
+        self.failures = 0
 
 
 def build_body(plan: TenantPlan, body: dict[str, Any]) -> bytes:
@@ -194,14 +200,23 @@ class Proxy:
     async def probe(self, cls: ClassPlan) -> bool:
         url = cls.endpoint + self.config.health_path
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        st = self.engine(cls)
+        error = ""
         try:
             async with self.session.get(url, timeout=timeout) as resp:
                 await resp.read()
-                ok = resp.status == 200
-                self._mark(cls, ok, "" if ok else f"health check answered {resp.status}")
+                if resp.status != 200:
+                    error = f"health check answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            self._mark(cls, False, f"health check failed: {type(e).__name__}: {e}")
-        return self.engine(cls).healthy
+            error = f"health check failed: {type(e).__name__}: {e}"
+        if not error:
+            st.failures = 0
+            self._mark(cls, True)
+        else:
+            st.failures += 1
+            if st.failures >= PROBE_FAILURE_THRESHOLD:
+                self._mark(cls, False, error)
+        return st.healthy
 
     async def probe_all(self, classes: list[ClassPlan]) -> None:
         seen: dict[str, ClassPlan] = {}
