@@ -44,11 +44,17 @@ from e2esupport import (
 )
 
 _KUBE: Kube | None = None
+_MODE, _DETAIL = choose_target()
+
+# The NetworkPolicy test needs a cluster; in the process-level mode it does not exist (never a skip).
+collect_ignore = ["test_e2e_networkpolicy.py"] if _MODE == "local" else []
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    mode, detail = choose_target()
-    return f"kvfence e2e target: {mode} ({detail})"
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"kvfence e2e target: {_MODE} ({_DETAIL})"]
+    if collect_ignore:
+        lines.append("kvfence e2e: local mode, so test_e2e_networkpolicy.py is not collected (no Kubernetes)")
+    return lines
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +86,13 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
                 import subprocess
 
                 subprocess.run(["kind", "delete", "cluster", "--name", detail], check=False)
+
+
+@pytest.fixture(scope="session")
+def kube(router: Router) -> Kube:
+    """The cluster under test (cluster and kind modes only)."""
+    assert _KUBE is not None, "no cluster in this mode"
+    return _KUBE
 
 
 @pytest.fixture(scope="session")

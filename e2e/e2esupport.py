@@ -245,6 +245,9 @@ RELEASE = "kvfence"
 def deploy(kube: Kube, extra_values: list[str]) -> None:
     """helm install the chart and apply examples/, then wait until every class is Ready and every
     binding Bound."""
+    # A namespace still terminating from an earlier run would swallow what is applied into it.
+    for ns in (d["metadata"]["name"] for d in load_docs("00-namespaces.yaml")):
+        kube.run("wait", "--for=delete", f"namespace/{ns}", "--timeout=300s", check=False, timeout=330)
     kube.run("apply", "-f", str(EXAMPLES / "00-namespaces.yaml"))
     # CRDs first and server-side, as docs/helm.md says for upgrades (Helm never upgrades them).
     kube.run("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
