@@ -66,7 +66,7 @@ def test_concurrent_mixed_tenants_never_hit_each_others_prefixes(
     works under load). Finally every answer is compared with a repeat of the same request (the oracle:
     the same prompt gives the same answer, cached or cold)."""
     acme, globex, initech = tenants["acme"], tenants["globex"], tenants["initech"]
-    run, n = uuid.uuid4().hex, 20
+    run, n = uuid.uuid4().hex, 30  # 30 + 30 + 3 requests in flight at once
     for k in range(n):
         r = router.complete(acme, _prefix(run, k) + "warm-up")
         assert r.status == 200, r.body
