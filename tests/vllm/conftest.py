@@ -20,12 +20,10 @@ def vllm_python() -> str | None:
     env = os.environ.get("KVFENCE_VLLM_PYTHON")
     if env:
         return env
-    try:
-        # A sub-module, so that tests/vllm itself (a namespace package on pythonpath) does not count.
-        found = importlib.util.find_spec("vllm.engine.arg_utils") is not None
-    except ModuleNotFoundError:
-        found = False
-    return sys.executable if found else None
+    # Without importing anything: tests/vllm itself is a namespace package on pythonpath (origin None),
+    # the real vLLM is a regular package.
+    spec = importlib.util.find_spec("vllm")
+    return sys.executable if spec is not None and spec.origin is not None else None
 
 
 collect_ignore = [] if vllm_python() else ["test_vllm_args.py"]

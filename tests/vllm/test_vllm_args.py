@@ -78,7 +78,8 @@ def vllm_python() -> str:
     env = os.environ.get("KVFENCE_VLLM_PYTHON")
     if env:
         return env
-    assert importlib.util.find_spec("vllm.engine.arg_utils") is not None
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
     return sys.executable
 
 
