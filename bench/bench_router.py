@@ -20,7 +20,10 @@ Measurements:
   taken from its *scheduled* send time, so queueing inside the system under test is counted (no
   coordinated omission). Router-added latency = proxied percentile - direct percentile.
 * maximum throughput: ``wrk`` (closed loop, 1 thread, ``--connections``) when installed, else a
-  closed-loop Python generator in its own process.
+  closed-loop Python generator in its own process;
+* CPU per request: user+system CPU time of the proxy's processes (and threads) during the throughput
+  run, divided by the requests served. Much less sensitive to other load on the machine than
+  requests per second.
 
 The upstream is nginx answering a fixed body (``return 200``) when nginx is installed, else a tiny
 asyncio fixed-response server in its own process. The load generator always runs in its own process.
@@ -35,6 +38,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -243,6 +247,31 @@ def run_loadgen(mode: str, port: int, rate: float, seconds: float, conns: int) -
     return result
 
 
+def _tree_cpu_seconds(pids: list[int]) -> float:
+    """user+system CPU seconds of these processes and all their descendants (threads included)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, tuple[int, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid = int(entry), int(fields[1])
+        stats[pid] = (ppid, (int(fields[11]) + int(fields[12])) / tick)
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
 def run_wrk(port: int, seconds: float, conns: int, workdir: Path) -> dict[str, float]:
     script = workdir / "post.lua"
     script.write_text(
@@ -274,7 +303,11 @@ def run_wrk(port: int, seconds: float, conns: int, workdir: Path) -> dict[str, f
     )
     line = next(x for x in out.stdout.splitlines() if x.startswith("JSON "))
     doc = json.loads(line[5:])
-    return {"rps": doc["requests"] / doc["seconds"], "errors": doc["non2xx"] + doc["errors"]}
+    return {
+        "rps": doc["requests"] / doc["seconds"],
+        "requests": doc["requests"],
+        "errors": doc["non2xx"] + doc["errors"],
+    }
 
 
 # --- systems under test ------------------------------------------------------------------------------
@@ -516,6 +549,11 @@ def start_vllm_router(
     return Target(name, port, [p])
 
 
+def cpu_text(v: object) -> str:
+    x = float(v)  # type: ignore[arg-type]
+    return "-" if math.isnan(x) else f"{x:.1f}"
+
+
 def stop(t: Target) -> None:
     for p in t.procs:
         p.terminate()
@@ -581,12 +619,18 @@ def main() -> None:
                 if t.port is None:
                     continue
                 lat = run_loadgen("open", t.port, a.rate, a.seconds, a.latency_connections)
+                cpu0 = _tree_cpu_seconds([p.pid for p in t.procs])
                 thr = (
                     run_wrk(t.port, a.seconds, a.connections, workdir)
                     if have_wrk
                     else run_loadgen("closed", t.port, a.rate, a.seconds, a.connections)
                 )
-                samples[t.name].append({**lat, "rps": thr["rps"], "thr_errors": thr["errors"]})
+                cpu = _tree_cpu_seconds([p.pid for p in t.procs]) - cpu0
+                done = thr.get("requests", thr["rps"] * a.seconds)
+                cpu_us = cpu / done * 1e6 if t.procs and done else float("nan")
+                samples[t.name].append(
+                    {**lat, "rps": thr["rps"], "thr_errors": thr["errors"], "cpu_us": cpu_us}
+                )
                 print(f"  round {rnd + 1}/{a.rounds}: measured {t.name}", file=sys.stderr)
     finally:
         for t in [*targets, upstream]:
@@ -598,7 +642,7 @@ def main() -> None:
             continue
         got = samples[t.name]
         row: dict[str, object] = {"name": t.name}
-        for key in ("p50", "p99", "max", "achieved_rps", "rps"):
+        for key in ("p50", "p99", "max", "achieved_rps", "rps", "cpu_us"):
             row[key] = statistics.median(x[key] for x in got)
         row["errors"] = sum(x["errors"] for x in got)
         row["thr_errors"] = sum(x["thr_errors"] for x in got)
@@ -618,7 +662,7 @@ def main() -> None:
     )
     hdr = (
         f"{'path':<24} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'achieved':>9} "
-        f"{'errors':>6} {'max req/s':>10} {'vs vllm-router':>15}"
+        f"{'errors':>6} {'max req/s':>10} {'vs vllm-router':>15} {'CPU us/req':>11}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -632,7 +676,7 @@ def main() -> None:
         print(
             f"{r['name']:<24} {r['p50']:>8.3f} {r['p99']:>8.3f} {added50:>10.3f} {added99:>10.3f} "
             f"{r['achieved_rps']:>9.0f} {int(r['errors']) + int(r['thr_errors']):>6} {r['rps']:>10.0f} "  # type: ignore[call-overload]
-            f"{ratio:>15}"
+            f"{ratio:>15} {cpu_text(r['cpu_us']):>11}"
         )
     kv = next(r for r in rows if r["name"] == "kvfence-router")
     print()
@@ -641,6 +685,11 @@ def main() -> None:
         f"{float(kv['p99']) - float(base['p99']):.3f} ms"
     )  # type: ignore[arg-type]
     if vllm:
+        floor = next((r["cpu_us"] for r in rows if r["name"] == "aiohttp floor" and "cpu_us" in r), math.nan)
+        print(
+            f"CPU per request: kvfence-router {cpu_text(kv['cpu_us'])} us, "
+            f"vllm-router {cpu_text(vllm['cpu_us'])} us, aiohttp floor {cpu_text(floor)} us"
+        )
         print(
             f"target: kvfence-router throughput >= 0.5x vllm-router: "
             f"{float(kv['rps']) / float(vllm['rps']):.2f}x"
