@@ -178,7 +178,11 @@ serve_check() {  # NAME PATH=STATUS... -- ARGS: run the image serving on the hos
 save() {
   local name="$1" archive="$OUT/kvfence-$1-$VERSION.oci.tar"
   rm -f "$archive"
-  tool save --format oci-archive -o "$archive" "docker.io/kvfence/$name:$VERSION"
+  if [ "$TOOL" = podman ]; then
+    tool save --format oci-archive -o "$archive" "docker.io/kvfence/$name:$VERSION"
+  else  # docker writes its own archive format, which kind and `ctr images import` read as well
+    tool save -o "$archive" "docker.io/kvfence/$name:$VERSION"
+  fi
   log "saved $archive"
 }
 
