@@ -240,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
         steady_rate = (api_requests(port) - r0) / (time.monotonic() - t0)
         rss = peak_rss_mib(op.pid)
         total_requests = api_requests(port)
+        mets = metrics(port)
+        by_kind = {
+            k.split("{", 1)[1].rstrip("}"): v
+            for k, v in mets.items()
+            if k.startswith("kvfence_operator_api_requests_total{")
+        }
+        reconciles = {
+            k.split("{", 1)[1].rstrip("}"): v
+            for k, v in mets.items()
+            if k.startswith("kvfence_operator_reconciles_total{")
+        }
         result = {
             "classes": n,
             "bindings": m,
@@ -249,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_operator_over_baseline": round(operator_s / baseline_s, 3),
             "operator_peak_rss_mib": round(rss, 1),
             "operator_api_requests_total": total_requests,
+            "operator_api_requests": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "operator_reconciles": reconciles,
             "steady_state_requests_per_second": round(steady_rate, 4),
             "steady_window_seconds": args.steady_seconds,
         }

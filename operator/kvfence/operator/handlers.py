@@ -21,13 +21,17 @@ import kopf
 from kvfence.api.common import GROUP, VERSION
 from kvfence.operator import metrics
 from kvfence.operator.apply import load_api_client
+from kvfence.operator.builders import ANNOTATION_ROTATE, LABEL_MANAGED_BY, LABEL_TRUST_CLASS
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
-from kvfence.operator.builders import LABEL_MANAGED_BY, LABEL_TRUST_CLASS
 from kvfence.operator.reconciler import ROUTING, Key, Reconciler, Requeue, class_key
 
 log = logging.getLogger("kvfence.operator")
 
 MANAGED = {LABEL_MANAGED_BY: MANAGER}
+#: Events caused by the operator's own writes come in bursts (a child's creation, its status, the
+#: ReplicaSet's pods, every binding's status patch): a short delay lets a burst collapse into one
+#: reconcile of the key, since a key already waiting in the queue is not queued again.
+COALESCE_SECONDS = 0.5
 
 #: Set by ``main``: where kopf's own connection (its watches) gets its credentials from.
 LOGIN: dict[str, str | None] = {"kubeconfig": None}
@@ -51,6 +55,7 @@ class Controller:
         self.known_classes: set[str] = set()
         self.namespace_labels: dict[str, dict[str, str]] = {}
         self.binding_generations: dict[str, Any] = {}
+        self.class_signatures: dict[str, tuple[Any, ...]] = {}
         self._queue: asyncio.Queue[Key] | None = None
         self._queued: set[Key] = set()
         self._processing: set[Key] = set()
@@ -183,14 +188,25 @@ async def shutdown(memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, "trustclasses")
-async def trustclass_event(name: str, type: str | None, memo: Any, **_: Any) -> None:
+async def trustclass_event(name: str, type: str | None, meta: kopf.Meta, memo: Any, **_: Any) -> None:
     c = _controller(memo)
     if type == "DELETED":
         c.known_classes.discard(name)
+        c.class_signatures.pop(name, None)
     else:
         c.known_classes.add(name)
+        # The operator's own status patches change nothing it reconciles from: skip them.
+        signature = (
+            meta.get("generation"),
+            meta.get("deletionTimestamp"),
+            tuple(meta.get("finalizers") or ()),
+            (meta.get("annotations") or {}).get(ANNOTATION_ROTATE),
+        )
+        if c.class_signatures.get(name) == signature:
+            return
+        c.class_signatures[name] = signature
     c.enqueue(class_key(name))
-    c.enqueue(ROUTING)
+    c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
 @kopf.on.event(GROUP, VERSION, "tenantbindings")
@@ -207,7 +223,7 @@ async def tenantbinding_event(
         c.binding_generations.pop(key, None)
     else:
         c.binding_generations[key] = generation
-    c.enqueue(ROUTING)
+    c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
 @kopf.on.event("", "v1", "namespaces")
@@ -219,10 +235,10 @@ async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo
             c.namespace_labels.pop(name, None)
         else:
             c.namespace_labels[name] = new
-        c.enqueue(ROUTING)  # a namespace's labels decide which bindings its class admits
+        c.enqueue(ROUTING, COALESCE_SECONDS)  # a namespace's labels decide which bindings its class admits
     owner = (labels or {}).get(LABEL_TRUST_CLASS)
     if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER:
-        c.enqueue(class_key(owner))
+        c.enqueue(class_key(owner), COALESCE_SECONDS)
 
 
 def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
@@ -230,7 +246,7 @@ def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
     async def child_event(labels: kopf.Labels, memo: Any, **_: Any) -> None:
         owner = labels.get(LABEL_TRUST_CLASS)
         if owner:
-            _controller(memo).enqueue(class_key(owner))
+            _controller(memo).enqueue(class_key(owner), COALESCE_SECONDS)
 
     return child_event
 
