@@ -15,7 +15,8 @@
 #      kvfence/engine-vllm:<version>       vLLM + the kvfence middleware: needs the vllm/vllm-openai
 #                                          base pulled beforehand (VLLM_IMAGE), so never built offline
 # 4. Smoke test of each image (its entry point runs as non-root on a read-only root filesystem), and
-#    an OCI archive per image in $OUT (for `kind load image-archive` or `ctr images import`).
+#    an archive per image in $OUT, kvfence-<image>-<version>.oci.tar (an OCI archive with podman, a
+#    docker archive with docker; `kind load image-archive` and `ctr images import` read both).
 #
 # Environment: CONTAINER_TOOL (podman), OUT (build/images), BASE_IMAGE, DEBIAN_MIRROR
 # (http://deb.debian.org/debian), PYTHON (.venv/bin/python), KVFENCE_OFFLINE (0), VLLM_IMAGE.
