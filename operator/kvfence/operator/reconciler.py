@@ -123,6 +123,7 @@ class State:
     tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
     bound_count: dict[str, int] = field(default_factory=dict)
     class_namespace: dict[str, str] = field(default_factory=dict)
+    pending_follow: set[Key] = field(default_factory=set)
     routing_ready: threading.Event = field(default_factory=threading.Event)
 
 
@@ -261,7 +262,7 @@ class Reconciler:
             return {ROUTING}
         self._forget(name)
         # Take the class out of the routing table first: nothing may route to what is going away.
-        self.reconcile_routing()
+        follow = self.reconcile_routing()
         try:
             tc_ns = TrustClass.model_validate(body).target_namespace
         except ValidationError:
@@ -275,7 +276,7 @@ class Reconciler:
                 self.kube.delete("v1", "Namespace", tc_ns)
         self._emit(Event(body, "Deleted", "trust class removed from routing; its namespace is being deleted"))
         self._set_finalizer(body, present=False)
-        return set()
+        return follow
 
     def _forget(self, name: str) -> None:
         self.state.signing.pop(name, None)
@@ -417,19 +418,6 @@ class Reconciler:
                 del self.state.keys[k]
         out = R.decide(classes, bindings, namespaces, lookups, self.opts)
 
-        secret = with_spec_hash(R.routing_secret(out.table, self.opts))
-        live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
-        if needs_apply(secret, live):
-            self.kube.apply(secret)
-            log.info(
-                "routing table written: %d trust classes, %d tenants",
-                len(out.table.trust_classes),
-                len(out.table.tenants),
-            )
-
-        for b in bindings:
-            self._binding_status(raw[b.key], out.decisions[b.key])
-
         follow: set[Key] = set()
         bound: dict[str, int] = {}
         for d in out.decisions.values():
@@ -443,9 +431,24 @@ class Reconciler:
                 follow.add(class_key(name))
         self.state.tenant_quotas = out.tenant_quotas
         self.state.bound_count = bound
-        if not self.state.routing_ready.is_set():
-            self.state.routing_ready.set()
-        return {k for k in follow if k[1] in classes}
+        # The decisions are made: engines can be configured even if the write below fails (say, the
+        # router's namespace does not exist yet); the follow-ups survive a failed attempt.
+        self.state.routing_ready.set()
+        self.state.pending_follow |= {k for k in follow if k[1] in classes}
+
+        secret = with_spec_hash(R.routing_secret(out.table, self.opts))
+        live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
+        if needs_apply(secret, live):
+            self.kube.apply(secret)
+            log.info(
+                "routing table written: %d trust classes, %d tenants",
+                len(out.table.trust_classes),
+                len(out.table.tenants),
+            )
+        for b in bindings:
+            self._binding_status(raw[b.key], out.decisions[b.key])
+        done, self.state.pending_follow = self.state.pending_follow, set()
+        return done
 
     def _signing_keys(self, tc: TrustClass) -> tuple[bytes, ...]:
         cached = self.state.signing.get(tc.name)
