@@ -85,3 +85,12 @@ def test_lease_times_parse() -> None:
     assert t == dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.UTC)
     assert _parse("2026-01-02T03:04:05Z") is not None
     assert _parse(None) is None and _parse("garbage") is None
+
+
+def test_liveness_flag_sets_the_health_endpoint() -> None:
+    from kvfence.operator.main import parse_args
+
+    a = parse_args(["--liveness", "http://127.0.0.1:9999/healthz"])
+    assert (a.health_host, a.health_port) == ("127.0.0.1", 9999)
+    b = parse_args([])
+    assert b.health_port == 8080 and b.leader_elect and b.log_format == "json"

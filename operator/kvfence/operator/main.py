@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 import kopf
@@ -165,6 +166,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cluster-domain", default="cluster.local")
     p.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz, /metrics (0: off)")
     p.add_argument("--health-host", default="0.0.0.0")  # noqa: S104 - a pod listens on its own IP
+    p.add_argument(
+        "--liveness",
+        metavar="URL",
+        help="kopf-style spelling of the health endpoint, e.g. http://0.0.0.0:8080/healthz "
+        "(sets --health-host and --health-port; /readyz and /metrics are served there too)",
+    )
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "kvfence-system"))
     p.add_argument("--lease-name", default="kvfence-operator")
@@ -174,7 +181,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resync-seconds", type=float, default=300.0)
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--verbose", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.liveness:
+        url = urllib.parse.urlsplit(args.liveness)
+        if url.scheme != "http" or not url.port:
+            p.error("--liveness must look like http://HOST:PORT/healthz")
+        args.health_host, args.health_port = url.hostname or "0.0.0.0", url.port  # noqa: S104
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
