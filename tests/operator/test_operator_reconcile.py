@@ -519,3 +519,49 @@ def test_namespace_conflict_is_degraded_not_adopted(
     assert kv.json("get", "namespace", "someone-elses") is not None  # never deleted: not ours
     cleanup.clear()
     kv("delete", "namespace", "someone-elses", "--wait=false")
+
+
+def test_router_keeps_the_previous_key_until_the_engines_have_the_new_one(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup.append("rotate-stuck")
+    # No node matches: the engine pod stays Pending, so a rollout never completes.
+    nowhere = {"nodeSelector": {"kvfence.dev/test": "no-such-node"}}
+    assert kv.apply(tc("rotate-stuck", resources={"gpu": {"count": 0}}, placement=nowhere)).returncode == 0
+    wait(
+        lambda: "rotate-stuck" in kv.routing_table()["trustClasses"], "class routed", 120, dump=operator.tail
+    )
+    old = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate-stuck")["data"]["current"]
+    kv("annotate", "trustclass", "rotate-stuck", "kvfence.dev/rotate-signing-key=r1")
+    wait(
+        lambda: (
+            kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate-stuck")["data"].get("previous")
+            == old
+        ),
+        "key rotated",
+        60,
+    )
+    new = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate-stuck")["data"]["current"]
+    # the engines have not got the new key: the router signs with the old one, both verify
+    wait(
+        lambda: kv.routing_table()["trustClasses"]["rotate-stuck"]["signingKeys"] == [old, new],
+        "old key first while the rollout is pending",
+        60,
+        dump=operator.tail,
+    )
+    # let the rollout finish: now the new key signs
+    kv(
+        "patch",
+        "trustclass",
+        "rotate-stuck",
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/spec/placement/nodeSelector"}]',
+    )
+    wait(lambda: ready(kv, "rotate-stuck"), "rolled out", 180, dump=operator.tail)
+    wait(
+        lambda: kv.routing_table()["trustClasses"]["rotate-stuck"]["signingKeys"] == [new, old],
+        "new key first after the rollout",
+        60,
+        dump=operator.tail,
+    )

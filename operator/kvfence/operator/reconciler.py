@@ -220,12 +220,15 @@ class Reconciler:
                 deployment_live = applied
         if changed:
             self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
-        keys = (current,) if previous is None else (current, previous)
+        rolled_out = self._class_status(body, tc, deployment=deployment_live, key=current)
+        # After a rotation the router keeps signing with the previous key until every engine pod runs
+        # with the new one (the key id is in the pod template), so no request is signed with a key an
+        # engine does not hold yet; then the new key goes first. Both keys verify throughout.
+        keys = (current,) if previous is None else (current, previous) if rolled_out else (previous, current)
         follow: set[Key] = set()
         if self.state.signing.get(name) != keys:
             self.state.signing[name] = keys
             follow.add(ROUTING)
-        self._class_status(body, tc, deployment=deployment_live, key=current)
         return follow
 
     def check_class_secret(self, name: str) -> set[Key]:
@@ -236,8 +239,8 @@ class Reconciler:
         if ns is None or keys is None:
             return {class_key(name)}
         cur, prev, _ = B.read_signing_secret(self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns))
-        live = () if cur is None else (cur,) if prev is None else (cur, prev)
-        return set() if live == keys else {class_key(name)}
+        live = set() if cur is None else {cur} if prev is None else {cur, prev}
+        return set() if live == set(keys) else {class_key(name)}
 
     def _ensure(self, desired: Obj, live: Obj | None, changed: list[str]) -> Obj | None:
         desired = with_spec_hash(desired)
@@ -292,9 +295,11 @@ class Reconciler:
         deployment: Obj | None = None,
         key: bytes | None = None,
         degraded: tuple[str, str] | None = None,
-    ) -> None:
+    ) -> bool:
+        """Patch the TrustClass status if it changed; return whether the engine rollout is complete."""
         meta = body["metadata"]
         gen = meta.get("generation")
+        rolled = False
         live_status: Obj = body.get("status") or {}
         existing = live_status.get("conditions", [])
         status: Obj = {"observedGeneration": gen}
@@ -328,6 +333,7 @@ class Reconciler:
             stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
             failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
             rolled = dgen_ok and updated >= want and total == want and available >= want
+            rolled = rolled or want == 0
             if want == 0:
                 ready_c = set_condition(
                     existing, C.READY, False, C.REASON_SCALED_TO_ZERO, "replicas is 0", gen
@@ -380,6 +386,7 @@ class Reconciler:
         status["conditions"] = conds
         if status_differs(status, live_status):
             self.kube.patch_status(API_VERSION, "TrustClass", meta["name"], None, status)
+        return rolled
 
     # --- routing ---------------------------------------------------------------------------------
     def reconcile_routing(self) -> set[Key]:
