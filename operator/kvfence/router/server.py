@@ -32,7 +32,7 @@ from kvfence.router.errors import RouterError, error_response
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection
-from kvfence.router.table import CompiledTable, TableWatcher
+from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
 
 log = logging.getLogger("kvfence.router")
 
@@ -153,7 +153,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         raise RouterError(413, f"Request body larger than {limit} bytes.", "request_too_large") from None
 
 
-def _authenticate(state: RouterState, request: web.Request) -> Any:
+def _authenticate(state: RouterState, request: web.Request) -> TenantPlan:
     if not state.watcher.loaded:
         raise RouterError(503, "The router has no routing table yet.", "not_ready", "service_unavailable")
     try:
