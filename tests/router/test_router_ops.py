@@ -27,6 +27,8 @@ from router.support import (
     write_table,
 )
 
+from kvfence.contract import derive_cache_salt
+
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -398,3 +400,52 @@ def test_metrics_port_keeps_metrics_off_the_tenant_port(tmp_path: Path, logs: Pa
         )
     finally:
         router.stop()
+
+
+def test_same_request_works_against_vllm_with_the_kvfence_middleware(
+    tmp_path: Path, logs: Path, own_gold: Proc
+) -> None:
+    """``runtime: vllm``: the router's request passes the vLLM middleware, and what vLLM sees is the
+    tenant's derived salt in the body (no identity headers, no client-chosen salt)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "current").write_bytes(SILVER_KEY)
+    port = free_port()
+    vllm = Proc(
+        [sys.executable, str(Path(__file__).parent / "fake_vllm.py"), "--port", str(port)],
+        port,
+        "/health",
+        env={"KVFENCE_TRUST_CLASS": "silver", "KVFENCE_SIGNING_KEY_DIR": str(keys)},
+    ).start(logs)
+    table = standard_table(own_gold.url, vllm.url)
+    table["trustClasses"]["silver"]["runtime"] = "vllm"
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, table)
+    router = start_router(logs, table_path)
+    try:
+        alice_salt = derive_cache_salt(GOLD_KEY, "gold", "tenant/gold/alice")
+        status, headers, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "small", "prompt": "hi", "cache_salt": alice_salt, "extra_key": "x"},
+            headers={**auth(KEYS["carol"]), "X-Tenant-ID": "alice"},
+        )
+        assert status == 200, data
+        saw = json.loads(data)["vllm_saw"]
+        assert saw["cache_salt"] == derive_cache_salt(SILVER_KEY, "silver", "class/silver")
+        assert "extra_key" not in saw["fields"]
+        assert not [h for h in saw["headers"] if h.startswith("x-kvfence-") or h == "x-tenant-id"]
+        # streamed, through the middleware, relayed event by event
+        status, headers, data = request(
+            "POST",
+            router.url + "/v1/completions",
+            {"model": "small", "prompt": "hi", "stream": True},
+            headers=auth(KEYS["grace"]),
+        )
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert data.rstrip().endswith(b"data: [DONE]") and data.count(b"data: {") == len("salted:") + 8
+        # straight to the middleware without the router: refused
+        assert request("POST", vllm.url + "/v1/completions", {"model": "small", "prompt": "hi"})[0] == 401
+    finally:
+        router.stop()
+        vllm.stop()
