@@ -106,6 +106,18 @@ def status_differs(desired: Obj, live: Obj | None) -> bool:
     return _strip_times(desired) != _strip_times(live or {})
 
 
+def _rolled_out_with(dep: Obj, kid: str) -> bool:
+    """Whether every pod of the engine Deployment runs the template that carries key id ``kid``."""
+    spec, st = dep.get("spec") or {}, dep.get("status") or {}
+    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    want = int(spec.get("replicas", 1))
+    return bool(
+        annotations.get(B.ANNOTATION_KEY_ID) == kid
+        and st.get("observedGeneration", 0) >= (dep.get("metadata") or {}).get("generation", 1)
+        and (want == 0 or (st.get("updatedReplicas", 0) >= want and st.get("availableReplicas", 0) >= want))
+    )
+
+
 @dataclass
 class Event:
     obj: Obj
@@ -465,7 +477,12 @@ class Reconciler:
         cur, prev, _ = B.read_signing_secret(secret)
         if cur is None:
             return ()
-        keys = (cur,) if prev is None else (cur, prev)
+        if prev is None:
+            keys: tuple[bytes, ...] = (cur,)
+        else:
+            # (after a restart) the same order reconcile_class uses: previous first until rolled out
+            dep = self.kube.get("apps/v1", "Deployment", B.ENGINE_NAME, tc.target_namespace) or {}
+            keys = (cur, prev) if _rolled_out_with(dep, key_id(cur)) else (prev, cur)
         self.state.signing[tc.name] = keys
         return keys
 
