@@ -255,7 +255,14 @@ def kv(cluster: Any) -> Kubectl:
 @pytest.fixture(scope="session")
 def installed(cluster: Any, kv: Kubectl, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CRDs, the operator's namespace, ServiceAccount and least-privilege RBAC; returns the SA kubeconfig."""
-    kv("apply", "--server-side", "-f", str(ROOT / "crds"))
+    kv(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=kvfence-tests",
+        "-f",
+        str(ROOT / "crds"),
+    )
     for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
         kv("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}}
