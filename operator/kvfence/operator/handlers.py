@@ -63,7 +63,6 @@ class Controller:
         self._failures: dict[Key, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.idle = asyncio.Event()
 
     # --- queue ---------------------------------------------------------------------------------
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -79,7 +78,6 @@ class Controller:
             return
         self._queued.add(key)
         self._queue.put_nowait(key)
-        self.idle.clear()
         metrics.QUEUE_DEPTH.set(len(self._queued))
 
     async def start(self) -> None:
@@ -132,8 +130,6 @@ class Controller:
                     self.enqueue(key)
             for f in follow:
                 self.enqueue(f)
-            if not self._queued and not self._processing:
-                self.idle.set()
 
     async def _resync(self) -> None:
         while True:
