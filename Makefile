@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CLUSTER_DIR ?= .cluster
 BIN_DIR = $(shell tests/cluster/build-components.sh --print)
 
-.PHONY: help venv components node-deps up down test lint typecheck unit crds bench clean
+.PHONY: help venv components host-deps up down test lint typecheck unit crds bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -19,14 +19,15 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed ## Create .venv with kvfence and its dev tools
 
-components: node-deps ## Build (or reuse the cached) kube-apiserver, etcd, kwok, helm, kubelet, ...
+components: host-deps ## Build (or reuse the cached) kube-apiserver, etcd, kwok, helm, kubelet, ...
 	tests/cluster/build-components.sh --real-node >/dev/null
 
-node-deps: ## Install the Debian packages the real node needs (containerd, runc, CNI plugins, ipset)
-	tests/cluster/install-node-deps.sh
+host-deps: ## Install the Debian packages the real node and the image build need (containerd, podman, ...)
+	tests/cluster/install-host-deps.sh
 
-up: venv components ## Start the local control plane (kubeconfig in .cluster/kubeconfig)
+up: venv components ## The whole system on a local cluster with a real node; prints how to send a request
 	$(PY) tests/cluster/localcluster.py up --real-node --dir $(CLUSTER_DIR) --bin-dir $(BIN_DIR)
+	PATH=$(BIN_DIR):$$PATH $(PY) e2e/bringup.py --dir $(CLUSTER_DIR)
 
 down: ## Stop everything `make up` started
 	$(PY) tests/cluster/localcluster.py down --dir $(CLUSTER_DIR)
@@ -41,11 +42,12 @@ typecheck: venv ## mypy (strict)
 crds: venv ## Regenerate crds/ from the API models (tests/operator fails when they drift)
 	$(VENV)/bin/kvfence-crdgen
 
-test: venv components lint typecheck ## Install, build, lint, type-check and run every test
+test: venv components lint typecheck ## Install, build, lint, type-check, run every test, then e2e on a real node
 	KVFENCE_BIN_DIR=$(BIN_DIR) $(VENV)/bin/pytest
+	e2e/run-on-local-cluster.sh
 
 clean: down
-	rm -rf $(CLUSTER_DIR)
+	rm -rf $(CLUSTER_DIR) .cluster-e2e
 
 .PHONY: chart e2e
 
