@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvfence.api.routing import decode_table_bytes
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
 from kvfence.operator import rbac
@@ -150,7 +151,7 @@ class Kubectl:
     def routing_table(self) -> dict[str, Any]:
         s = self.json("get", "secret", "kvfence-routing", "-n", OPERATOR_NS)
         assert s is not None, "no routing table"
-        data: dict[str, Any] = json.loads(base64.b64decode(s["data"]["routing.json"]))
+        data: dict[str, Any] = json.loads(decode_table_bytes(base64.b64decode(s["data"]["routing.json"])))
         return data
 
 

@@ -157,3 +157,41 @@ def test_routing_secret_round_trips(make_tc: Any, make_tb: Any) -> None:
     assert s["metadata"]["name"] == ROUTING_SECRET_NAME and s["metadata"]["namespace"] == "kvfence-system"
     parsed = RoutingTable.model_validate(json.loads(base64.b64decode(s["data"][ROUTING_SECRET_KEY])))
     assert parsed == out.table
+
+
+def _big_table(n: int) -> RoutingTable:
+    from kvfence.api.routing import TenantRoute
+
+    return RoutingTable(
+        tenants={
+            f"t{i}": TenantRoute(
+                trust_class=f"c{i % 1000}",
+                api_key_hashes=[R.hash_api_key(str(i))],
+                binding=f"ns{i % 10}/t{i}",
+            )
+            for i in range(n)
+        }
+    )
+
+
+def test_a_large_table_is_stored_compressed_under_the_same_key() -> None:
+    from kvfence.api.routing import GZIP_MAGIC, MAX_STORED_BYTES, encode_table, parse_table_bytes
+
+    small = _big_table(10)
+    assert encode_table(small)[:1] == b"{" and parse_table_bytes(encode_table(small)) == small
+    big = _big_table(10_000)  # the largest benchmark: 10,000 tenants
+    stored = encode_table(big)
+    assert stored[:2] == GZIP_MAGIC and len(stored) <= MAX_STORED_BYTES
+    assert encode_table(big) == stored  # deterministic: an unchanged table is never rewritten
+    assert parse_table_bytes(stored) == big
+    secret = R.routing_secret(big, OPTS)
+    assert parse_table_bytes(base64.b64decode(secret["data"][ROUTING_SECRET_KEY])) == big
+
+
+def test_a_table_too_large_for_a_secret_is_refused() -> None:
+    import pytest
+
+    from kvfence.api.routing import RoutingTableTooLarge, encode_table
+
+    with pytest.raises(RoutingTableTooLarge):
+        encode_table(_big_table(40_000))

@@ -3,9 +3,17 @@
 It is the only interface between the two. The operator writes it, as JSON, into the Secret
 ``<router namespace>/kvfence-routing`` under the key ``routing.json`` (a Secret because it carries the
 trust classes' signing keys); the router reads the mounted file and reloads it when it changes.
+
+Size: a Secret holds at most 1 MiB. A table whose JSON is larger than :data:`COMPRESS_ABOVE_BYTES`
+(many thousands of tenants) is written gzip-compressed under the same key; readers pass the file's
+bytes through :func:`decode_table_bytes` (gzip is recognised by its magic number), or use
+:func:`parse_table_bytes`.
 """
 
 from __future__ import annotations
+
+import gzip
+import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +22,11 @@ from kvfence.contract import CacheScope
 ROUTING_SECRET_NAME = "kvfence-routing"
 ROUTING_SECRET_KEY = "routing.json"
 ROUTING_TABLE_VERSION = 1
+GZIP_MAGIC = b"\x1f\x8b"
+#: JSON tables above this size are stored gzip-compressed (the Secret limit is 1 MiB).
+COMPRESS_ABOVE_BYTES = 512 * 1024
+#: What fits into the Secret (1 MiB, less room for the other fields).
+MAX_STORED_BYTES = 1024 * 1024 - 16 * 1024
 
 
 class _Model(BaseModel):
@@ -60,3 +73,30 @@ class RoutingTable(_Model):
     version: int = ROUTING_TABLE_VERSION
     trust_classes: dict[str, TrustClassRoute] = Field(default_factory=dict, alias="trustClasses")
     tenants: dict[str, TenantRoute] = Field(default_factory=dict)
+
+
+class RoutingTableTooLarge(ValueError):
+    """The table does not fit into one Secret even compressed."""
+
+
+def encode_table(table: RoutingTable) -> bytes:
+    """The bytes stored under ``routing.json``: compact JSON, gzip-compressed when large (deterministic:
+    the same table always gives the same bytes, so an unchanged table is never rewritten)."""
+    raw = json.dumps(
+        table.model_dump(by_alias=True, mode="json", exclude_none=True), separators=(",", ":"), sort_keys=True
+    ).encode()
+    out = raw if len(raw) <= COMPRESS_ABOVE_BYTES else gzip.compress(raw, compresslevel=9, mtime=0)
+    if len(out) > MAX_STORED_BYTES:
+        raise RoutingTableTooLarge(
+            f"routing table is {len(raw)} bytes ({len(out)} compressed), more than one Secret holds"
+        )
+    return out
+
+
+def decode_table_bytes(raw: bytes) -> bytes:
+    """The JSON of a stored table, whether or not it was compressed."""
+    return gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw
+
+
+def parse_table_bytes(raw: bytes) -> RoutingTable:
+    return RoutingTable.model_validate_json(decode_table_bytes(raw))

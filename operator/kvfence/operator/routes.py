@@ -23,6 +23,7 @@ from kvfence.api.routing import (
     RoutingTable,
     TenantRoute,
     TrustClassRoute,
+    encode_table,
 )
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
@@ -236,6 +237,7 @@ def decide(
 
 
 def table_json(table: RoutingTable) -> str:
+    """Human-readable JSON of the table (what the stored bytes decode to, modulo formatting)."""
     return json.dumps(table.model_dump(by_alias=True, mode="json"), indent=2, sort_keys=True) + "\n"
 
 
@@ -255,5 +257,5 @@ def routing_secret(table: RoutingTable, opts: OperatorOptions) -> dict[str, Any]
             },
         },
         "type": "Opaque",
-        "data": {ROUTING_SECRET_KEY: base64.b64encode(table_json(table).encode()).decode()},
+        "data": {ROUTING_SECRET_KEY: base64.b64encode(encode_table(table)).decode()},
     }
