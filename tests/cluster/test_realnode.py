@@ -120,7 +120,9 @@ def test_pods_really_run_on_the_real_node(server: tuple[LocalCluster, str, str])
 def test_services_and_dns_route_to_pods(server: tuple[LocalCluster, str, str]) -> None:
     c, ns, ip = server
     assert connect(c, ns, "client", f"{ip}:8080")
-    assert connect(c, ns, "client", f"web.{ns}.svc.cluster.local:80")
+    # kube-proxy and CoreDNS learn of a new Service asynchronously: wait until it routes ...
+    wait_until(lambda: connect(c, ns, "client", f"web.{ns}.svc.cluster.local:80"), "the Service by DNS name")
+    # ... then it does so for everyone, by short name too (resolv.conf search path).
     assert connect(c, ns, "stranger", f"web.{ns}:80")
     # A port nothing listens on is refused: the probe can fail.
     assert not connect(c, ns, "client", f"{ip}:9999")
