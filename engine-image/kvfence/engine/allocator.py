@@ -132,6 +132,11 @@ class FencedAllocator:
         self._num_fenced = 0
         self._all_ranks = (1 << tensor_parallel_size) - 1
 
+    def set_quotas(self, quotas: QuotasConfig) -> None:
+        """Replace the per-tenant limits; see :meth:`QuotaBook.set_quotas`."""
+        with self._lock:
+            self.book.set_quotas(quotas)
+
     # --- counters (read without the lock: ints, good enough for gauges) ---------------------------
     @property
     def num_blocks(self) -> int:

@@ -106,6 +106,23 @@ class QuotaBook:
         self.total_unused_reservation += acct.unused_reservation
         return acct
 
+    def set_quotas(self, quotas: QuotasConfig) -> None:
+        """Apply new limits (the operator rewrote the ConfigMap): every account keeps its usage and
+        blocks; only its maximum, guarantee and listing change. A maximum below current usage refuses
+        the tenant's next allocations until it is under again; nothing is taken away."""
+        self._quotas = quotas
+        for tenant in quotas.tenants:
+            if tenant not in self.accounts:
+                self._open(tenant, listed=True)
+        for acct in list(self.accounts.values()):
+            q = quotas.for_tenant(acct.tenant)
+            before = acct.unused_reservation
+            acct.max_blocks, acct.guaranteed = self._limits(q)
+            acct.limited = q.max_blocks is not None
+            acct.listed = acct.tenant in quotas.tenants
+            self.total_unused_reservation += acct.unused_reservation - before
+            self.forget_if_idle(acct)
+
     def account(self, tenant: str) -> TenantAccount:
         acct = self.accounts.get(tenant)
         return acct if acct is not None else self._open(tenant, listed=False)

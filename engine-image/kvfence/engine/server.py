@@ -150,17 +150,66 @@ class KeyRing:
         return self.verifier
 
 
+class QuotaReloader:
+    """Applies the per-tenant KV quotas of a rewritten config file without a restart.
+
+    The operator changes ``quotas`` in the engine's ConfigMap when a tenant is bound or its quota
+    changes, and deliberately does not roll the pods for that; every other field change does roll them,
+    so only ``quotas`` is taken from a new file (a change elsewhere is logged and otherwise ignored).
+    """
+
+    def __init__(self, path: str, server: EngineServer) -> None:
+        self._path = Path(path)
+        self._server = server
+        self._stamp = self._mtime()
+        self._file = load_config(path)  # as written, before any command-line override
+        self._checked = 0.0
+
+    def _mtime(self) -> float:
+        try:
+            return self._path.stat().st_mtime
+        except OSError:
+            return -1.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now - self._checked <= 1.0:
+            return
+        self._checked = now
+        stamp = self._mtime()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            new = load_config(str(self._path))
+        except ConfigError as e:
+            log.warning("config file changed but does not load; keeping the current quotas: %s", e)
+            return
+        old, self._file = self._file, new
+        if new.model_copy(update={"quotas": old.quotas}) != old:
+            log.warning("config changed beyond quotas: only the quotas are applied; restart for the rest")
+        if new.quotas != old.quotas:
+            self._server.engine.allocator.set_quotas(new.quotas)
+            self._server.config = self._server.config.model_copy(update={"quotas": new.quotas})
+            log.info("applied new tenant quotas (%d tenants listed)", len(new.quotas.tenants))
+
+
 class EngineServer:
-    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, engine: Engine | None = None, *, config_path: str | None = None
+    ) -> None:
         self.config = config
         self.engine = engine or Engine(config)
         self.metrics = self.engine.metrics
         self.keys = KeyRing(config)
+        self.quotas = QuotaReloader(config_path, self) if config_path else None
         self.tokenizer = ByteTokenizer()
         self.created = int(time.time())
 
     # --- the contract ---------------------------------------------------------------------------
     def authenticate(self, request: web.Request, body: bytes) -> Verified:
+        if self.quotas is not None:
+            self.quotas.check()
         verifier = self.keys.get()
         signed = any(k.lower() == HEADER_SIGNATURE.lower() for k in request.headers)
         if not signed and not self.config.require_signature:
@@ -611,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if config.require_signature:
             load_signing_keys(config.signing_key_dir)
-        server = EngineServer(config)  # builds the model: refuses a dtype/quantization it cannot run
+        # Building the server builds the model: it refuses a dtype/quantization it cannot run.
+        server = EngineServer(config, config_path=args.config)
     except (ConfigError, ValueError) as e:
         print(f"kvfence-engine: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,69 @@
+"""Per-tenant KV quotas follow the engine's config file without a restart.
+
+The operator rewrites `quotas` in the engine ConfigMap when a tenant is bound or its quota changes,
+and does not roll the engine pods for that; the engine must apply the new limits itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from engine.enginelib import Client, EngineProcess, Signer, config_dict
+
+from kvfence.engine.allocator import FencedAllocator
+from kvfence.engine.config import QuotasConfig
+from kvfence.engine.quotas import QuotaExceeded
+
+
+def quotas(**tenants: dict[str, int]) -> QuotasConfig:
+    return QuotasConfig.model_validate({"tenants": tenants})
+
+
+def test_new_limits_apply_to_live_accounts_and_keep_their_blocks() -> None:
+    a = FencedAllocator("gold", num_blocks=64, block_size=4, quotas=quotas(small={"maxBlocks": 2}))
+    a.allocate_sequence("s1", "small", 8)  # 2 blocks: at the maximum
+    try:
+        a.allocate_sequence("s2", "small", 4)
+        raise AssertionError("over quota must be refused")
+    except QuotaExceeded:
+        pass
+    a.set_quotas(quotas(small={"maxBlocks": 6, "guaranteedBlocks": 3}))
+    a.allocate_sequence("s2", "small", 12)  # 3 more blocks now fit
+    assert a.book.accounts["small"].guaranteed == 3
+    # Lowering the maximum below current usage takes nothing away but refuses the next allocation.
+    a.set_quotas(quotas(small={"maxBlocks": 1}))
+    try:
+        a.allocate_sequence("s3", "small", 4)
+        raise AssertionError("over the lowered quota must be refused")
+    except QuotaExceeded:
+        pass
+    assert a.book.accounts["small"].usage == 5
+    # A tenant dropped from the list falls back to the default (unlimited here) once idle.
+    a.set_quotas(quotas())
+    for seq in ("s1", "s2"):
+        a.free_sequence(seq)
+    a.check_consistency()
+
+
+def test_engine_applies_rewritten_quotas_without_restart(
+    start_engine: Callable[[dict[str, Any]], EngineProcess], key_dir: Path, tmp_path: Path
+) -> None:
+    cfg = config_dict(key_dir, quotas={"tenants": {"small": {"maxBlocks": 1}}})
+    proc = start_engine(cfg)
+    client = Client(proc.base, Signer((key_dir / "current").read_bytes()))
+    body = {"model": "tiny", "prompt": "z" * 40, "max_tokens": 8}
+    assert client.one("/v1/completions", body, tenant="small").status == 429
+
+    cfg["quotas"] = {"tenants": {"small": {"maxBlocks": 16}}}
+    path = tmp_path / "engine-0.yaml"  # the file the fixture started the engine with
+    path.write_text(yaml.safe_dump(cfg))
+    deadline = time.monotonic() + 60
+    status = 429
+    while status == 429 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        status = client.one("/v1/completions", body, tenant="small").status
+    assert status == 200
+    assert proc.stop() == 0
