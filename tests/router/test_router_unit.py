@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, free_port, standard_table, write_table
 
-from kvfence.api.routing import Quotas
+from kvfence.api.routing import Quotas, RoutingTable, encode_table
 from kvfence.contract import (
     HEADER_SIGNATURE,
     HEADER_TENANT,
@@ -356,3 +356,17 @@ def test_probe_needs_two_failures_in_a_row() -> None:
             await proxy.close()
 
     asyncio.run(run())
+
+
+def test_large_tables_arrive_gzipped_as_the_operator_writes_them() -> None:
+    """The operator gzips tables over COMPRESS_ABOVE_BYTES (a Secret holds 1 MiB); the router reads both."""
+    raw = standard_table("http://gold:8000", "http://silver:8000")
+    for i in range(6000):
+        raw["tenants"][f"t{i:05d}"] = {"trustClass": "gold", "apiKeyHashes": [hash_api_key(f"key-{i}")]}
+    stored = encode_table(RoutingTable.model_validate(raw))
+    assert stored[:2] == b"\x1f\x8b"  # really compressed at this size
+    t = parse_table(stored)
+    assert "t05999" in t.tenants and "alice" in t.tenants
+    assert authenticate(t, "Bearer key-17").name == "t00017"
+    with pytest.raises(TableError):
+        parse_table(stored[:-40])  # truncated gzip: refused, the old table stays in force

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from kvfence.api.routing import Quotas, RoutingTable
+from kvfence.api.routing import Quotas, RoutingTable, decode_table_bytes
 from kvfence.contract import CacheScope, Identity, cache_namespace, derive_cache_salt, key_id
 
 log = logging.getLogger("kvfence.router.table")
@@ -180,6 +180,11 @@ def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
 def parse_table(raw: bytes) -> CompiledTable:
     """Validate and compile the bytes of a routing table file."""
     checksum = hashlib.sha256(raw).hexdigest()
+    try:
+        # The operator gzips large tables (a Secret holds at most 1 MiB); small ones are plain JSON.
+        raw = decode_table_bytes(raw)
+    except (OSError, EOFError) as e:
+        raise TableError(f"invalid routing table: not JSON and not valid gzip: {e}") from None
     try:
         table = RoutingTable.model_validate_json(raw)
     except ValidationError as e:
