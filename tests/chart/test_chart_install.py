@@ -8,34 +8,22 @@ with the apiserver's own authorizer (``kubectl auth can-i --as`` the operator's 
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from chart.chartsupport import CHART, helm
 from cluster.localcluster import LocalCluster
+from cluster.waiting import wait_until
 
 from kvfence.api.routing import ROUTING_SECRET_NAME
 from kvfence.operator.builders import SIGNING_SECRET_NAME
 
 pytestmark = pytest.mark.cluster
-T = TypeVar("T")
 CRDS = ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev")
-
-
-def wait_until(fn: Callable[[], T], what: str, timeout: float = 120.0) -> T:
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
 @dataclass

@@ -5,29 +5,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from cluster.localcluster import LocalCluster
+from cluster.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
-T = TypeVar("T")
-
-
-def wait_until(fn: Callable[[], T], what: str, timeout: float = 90.0) -> T:
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
 def get_json(cluster: LocalCluster, *args: str) -> Any:

@@ -7,30 +7,18 @@ into the node's containerd (no registry)."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from cluster.localcluster import LocalCluster
 from cluster.realnode import NODE_NAME
+from cluster.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
-T = TypeVar("T")
 AGNHOST = "kvfence.local/agnhost:test"
-
-
-def wait_until(fn: Callable[[], T], what: str, timeout: float = 120.0) -> T:
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
 def pod(
