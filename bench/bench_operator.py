@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "operator"), str(ROOT / "engine-image")]
 
 from cluster.localcluster import DEFAULT_NODES, FakeNode, LocalCluster  # noqa: E402
+from cluster.localcluster import default_bin_dir as bin_dir  # noqa: E402
 
 from kvfence.api.trustclass import TrustClass  # noqa: E402
 from kvfence.contract import new_signing_key  # noqa: E402
@@ -45,19 +46,6 @@ from kvfence.operator.apply import Kube, load_api_client  # noqa: E402
 
 SCALES = {"small": (20, 200), "issue": (200, 2000), "large": (1000, 10000)}
 TENANT_NAMESPACES = 10
-
-
-def bin_dir() -> Path:
-    env = os.environ.get("KVFENCE_BIN_DIR")
-    if env:
-        return Path(env)
-    out = subprocess.run(
-        [str(ROOT / "tests/cluster/build-components.sh"), "--print"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip())
 
 
 def tc_body(name: str) -> dict[str, Any]:

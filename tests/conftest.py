@@ -7,33 +7,15 @@ attached to the failure report.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from cluster.localcluster import LocalCluster
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _bin_dir() -> Path:
-    env = os.environ.get("KVFENCE_BIN_DIR")
-    if env:
-        return Path(env)
-    out = subprocess.run(
-        [str(ROOT / "tests/cluster/build-components.sh"), "--print"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip())
+from cluster.localcluster import LocalCluster, default_bin_dir
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path_factory.mktemp("cluster"), _bin_dir())
+    c = LocalCluster(tmp_path_factory.mktemp("cluster"), default_bin_dir())
     # A missing binary or a component that will not start fails every test that needs the cluster:
     # it is never a skip.
     c.start()
@@ -49,7 +31,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
     which pods really run, and Kubernetes' agnhost test image imported into it."""
     from cluster.oci import Layer, write_archive
 
-    bin_dir = _bin_dir()
+    bin_dir = default_bin_dir()
     c = LocalCluster(tmp_path_factory.mktemp("real-cluster"), bin_dir, real_node=True)
     c.start()
     try:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
+from cluster.localcluster import default_bin_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfence"
@@ -20,16 +20,7 @@ Obj = dict[str, Any]
 
 
 def bin_dir() -> Path:
-    env = os.environ.get("KVFENCE_BIN_DIR")
-    if env:
-        return Path(env)
-    out = subprocess.run(
-        [str(ROOT / "tests/cluster/build-components.sh"), "--print"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip())
+    return default_bin_dir()
 
 
 def helm_bin() -> Path:

@@ -135,6 +135,17 @@ CLIENT_CERTS = {
 }
 
 
+def default_bin_dir() -> Path:
+    """Where the pinned components are: ``$KVFENCE_BIN_DIR``, else build-components.sh's cache dir."""
+    env = os.environ.get("KVFENCE_BIN_DIR")
+    if env:
+        return Path(env)
+    out = subprocess.run(
+        [str(HERE / "build-components.sh"), "--print"], capture_output=True, text=True, check=True
+    )
+    return Path(out.stdout.strip())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
