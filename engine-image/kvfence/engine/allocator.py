@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from kvfence.engine.blocks import BlockHandle, BlockPool, BlockState, KVBlock
 from kvfence.engine.config import QuotasConfig
-from kvfence.engine.eviction import plan_allocation, take_cold
+from kvfence.engine.eviction import EvictionPlan, plan_allocation, take_cold
 from kvfence.engine.metrics import EngineMetrics
 from kvfence.engine.prefix_cache import CacheContext, PrefixCache
 from kvfence.engine.quotas import (
@@ -232,26 +232,7 @@ class FencedAllocator:
                 b.state = BlockState.ACTIVE
                 self._num_active += 1
             b.ref_cnt += 1
-        new: list[KVBlock] = []
-        for _ in range(plan.own_evictions):
-            new.append(self._evict(take_cold(acct)))
-        for other, n in plan.cross_evictions:
-            for _ in range(n):
-                new.append(self._evict(take_cold(other)))
-            self.metrics.evictions.labels("cross").inc(n)
-            self.book.forget_if_idle(other)
-        if plan.own_evictions:
-            self.metrics.evictions.labels("own").inc(plan.own_evictions)
-        free = self.pool.free
-        for _ in range(plan.from_free):
-            new.append(free.popleft())
-        for b in new:
-            b.generation += 1
-            b.state = BlockState.ACTIVE
-            b.ref_cnt = 1
-            b.owner = acct.tenant
-        self._num_active += len(new)
-        self.book.add_usage(acct, len(new))
+        new = self._take(acct, plan)
         acct.open_sequences += 1
         blocks = hits + new
         handles = [BlockHandle(b.block_id, b.generation) for b in blocks]
@@ -267,6 +248,28 @@ class FencedAllocator:
             self.metrics.prefix_hits.inc(cached_tokens)
         return SequenceAllocation(cached_tokens, tuple(handles), table)
 
+    def _take(self, acct: TenantAccount, plan: EvictionPlan) -> list[KVBlock]:
+        """Commit ``plan``: evict what it says (own cold blocks, then others' beyond their guarantee),
+        pop the rest from the free list, and hand every block to ``acct`` under a new generation.
+        Called with the lock held, after planning succeeded: nothing here may fail."""
+        new = [self._evict(take_cold(acct)) for _ in range(plan.own_evictions)]
+        if plan.own_evictions:
+            self.metrics.evictions.labels("own").inc(plan.own_evictions)
+        for other, n in plan.cross_evictions:
+            new.extend(self._evict(take_cold(other)) for _ in range(n))
+            self.metrics.evictions.labels("cross").inc(n)
+            self.book.forget_if_idle(other)
+        free = self.pool.free
+        new.extend(free.popleft() for _ in range(plan.from_free))
+        for b in new:
+            b.generation += 1
+            b.state = BlockState.ACTIVE
+            b.ref_cnt = 1
+            b.owner = acct.tenant
+        self._num_active += len(new)
+        self.book.add_usage(acct, len(new))
+        return new
+
     def grow(self, seq_id: Hashable, num_tokens: int) -> tuple[BlockHandle, ...]:
         """Extend a sequence to room for ``num_tokens`` tokens (all or nothing); the new handles."""
         with self._lock:
@@ -280,19 +283,7 @@ class FencedAllocator:
             except QuotaExceeded:
                 self.metrics.quota_rejected.labels(acct.tenant).inc()
                 raise
-            new: list[KVBlock] = [self._evict(take_cold(acct)) for _ in range(plan.own_evictions)]
-            for other, n in plan.cross_evictions:
-                new.extend(self._evict(take_cold(other)) for _ in range(n))
-                self.metrics.evictions.labels("cross").inc(n)
-                self.book.forget_if_idle(other)
-            new.extend(self.pool.free.popleft() for _ in range(plan.from_free))
-            for b in new:
-                b.generation += 1
-                b.state = BlockState.ACTIVE
-                b.ref_cnt = 1
-                b.owner = acct.tenant
-            self._num_active += len(new)
-            self.book.add_usage(acct, len(new))
+            new = self._take(acct, plan)
             hs = [BlockHandle(b.block_id, b.generation) for b in new]
             seq.blocks.extend(new)
             seq.handles.extend(hs)
