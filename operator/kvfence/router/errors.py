@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import web
+from kvfence.router.http import Response
 
 
 class RouterError(Exception):
@@ -27,7 +27,7 @@ class RouterError(Exception):
         self.param = param
         self.headers = headers or {}
 
-    def response(self) -> web.Response:
+    def response(self) -> Response:
         return error_response(self.status, self.message, self.code, self.type, self.param, self.headers)
 
 
@@ -43,10 +43,5 @@ def error_response(
     type_: str = "invalid_request_error",
     param: str | None = None,
     headers: dict[str, str] | None = None,
-) -> web.Response:
-    return web.Response(
-        status=status,
-        body=error_body(message, code, type_, param),
-        content_type="application/json",
-        headers=headers,
-    )
+) -> Response:
+    return Response(status, error_body(message, code, type_, param), (headers or {}).items())

@@ -15,7 +15,8 @@ client as soon as the engine sends it.
 
 Failure behaviour: a background probe marks an engine unhealthy when its health endpoint fails, and a
 refused connection marks it at once; requests for an unhealthy engine get an immediate 503 with a
-clear body instead of waiting on a connect timeout. Timeouts: connect, per-read and total.
+clear body instead of waiting on a connect timeout. Timeouts: connect, per-read and total. The
+connections themselves are :mod:`kvfence.router.upstream` pools, one per engine endpoint.
 """
 
 from __future__ import annotations
@@ -24,24 +25,30 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import Any
-
-import aiohttp
-from aiohttp import web
-from yarl import URL
+from urllib.parse import urlsplit
 
 from kvfence.contract import BODY_CACHE_SALT, sign, strip_client_body, strip_client_headers
 from kvfence.router.errors import RouterError
+from kvfence.router.http import Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.table import ClassPlan, TenantPlan
+from kvfence.router.upstream import Pool, UpstreamError
+from kvfence.router.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("kvfence.router.proxy")
 
 #: Client headers that may travel to the engine (after the contract's strip as well).
 FORWARD_HEADERS = frozenset({"accept", "user-agent", "x-request-id", "traceparent", "tracestate"})
-#: Engine response headers relayed to the client.
-RELAY_HEADERS = ("Content-Type", "Content-Encoding", "X-Request-Id", "Cache-Control")
+#: Engine response headers relayed to the client (lower-case, as the upstream client keeps them).
+RELAY_HEADERS = (
+    ("content-type", "Content-Type"),
+    ("content-encoding", "Content-Encoding"),
+    ("x-request-id", "X-Request-Id"),
+    ("cache-control", "Cache-Control"),
+)
 #: Response header on every answer that comes from the engine (its status code), so that a client or a
 #: test can tell an engine's error from the router's own.
 HEADER_UPSTREAM_STATUS = "X-Kvfence-Upstream-Status"
@@ -62,7 +69,8 @@ class ProxyConfig:
 class Relay:
     """What :meth:`Proxy.forward` relayed."""
 
-    response: web.StreamResponse
+    response: Response | Stream
+    status: int
     total_tokens: int | None  # usage.total_tokens as the engine reported it, if it did
     stream_events: int = 0  # SSE events relayed (streams only)
     client_gone: bool = False  # the client disconnected before the end of the answer
@@ -140,46 +148,55 @@ def _total_tokens(doc: Any) -> int | None:
     return None
 
 
+def _unavailable(cls: ClassPlan, why: str) -> RouterError:
+    return RouterError(
+        503,
+        f"The engine for trust class '{cls.name}' is {why}. Retry later.",
+        "engine_unavailable",
+        "service_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+def _bad_gateway(cls: ClassPlan, what: str) -> RouterError:
+    return RouterError(
+        502, f"The engine for trust class '{cls.name}' {what}.", "bad_gateway", "upstream_error"
+    )
+
+
 class Proxy:
     def __init__(self, metrics: RouterMetrics, config: ProxyConfig | None = None) -> None:
         self.metrics = metrics
         self.config = config or ProxyConfig()
         self.engines: dict[str, EngineState] = {}
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(
-            total=self.config.total_timeout,
-            sock_connect=self.config.connect_timeout,
-            sock_read=self.config.read_timeout,
-        )
+        self._pools: dict[str, tuple[Pool, str]] = {}  # endpoint -> (pool, base path)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=self.config.pool_per_engine, keepalive_timeout=30, ttl_dns_cache=10
-        )
-        # auto_decompress off: bytes are relayed as the engine sent them (it is never asked to
-        # compress, since Accept-Encoding is not forwarded).
-        # DummyCookieJar: the session is shared by every tenant, so it must never keep a cookie an
-        # engine sets and send it along with someone else's request (and it is faster).
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            timeout=self._timeout,
-            skip_auto_headers=("User-Agent",),
-        )
+        pass  # pools open on first use, inside the running loop
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for pool, _ in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("proxy not started")
-        return self._session
+    def pool(self, endpoint: str) -> tuple[Pool, str]:
+        """The connection pool of an engine endpoint (``http(s)://host[:port][/base]``)."""
+        entry = self._pools.get(endpoint)
+        if entry is None:
+            u = urlsplit(endpoint)
+            https = u.scheme == "https"
+            pool = Pool(
+                u.hostname or "",
+                u.port or (443 if https else 80),
+                limit=self.config.pool_per_engine,
+                connect_timeout=self.config.connect_timeout,
+                read_timeout=self.config.read_timeout,
+                total_timeout=self.config.total_timeout,
+                tls=ssl.create_default_context() if https else None,
+            )
+            entry = self._pools[endpoint] = (pool, u.path.rstrip("/"))
+        return entry
 
     def engine(self, cls: ClassPlan) -> EngineState:
         st = self.engines.get(cls.endpoint)
@@ -197,17 +214,25 @@ class Proxy:
         st.healthy, st.last_error = healthy, error
         self.metrics.engine_healthy.set(1.0 if healthy else 0.0, (cls.name,))
 
+    async def _get_status(self, endpoint: str, path: str) -> int:
+        pool, base = self.pool(endpoint)
+        resp = await pool.request("GET", base + path, {})
+        try:
+            await resp.read()
+            return resp.status
+        finally:
+            resp.release()
+
     async def probe(self, cls: ClassPlan) -> bool:
-        url = cls.endpoint + self.config.health_path
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         st = self.engine(cls)
         error = ""
         try:
-            async with self.session.get(url, timeout=timeout) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    error = f"health check answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            status = await asyncio.wait_for(
+                self._get_status(cls.endpoint, self.config.health_path), self.config.health_timeout
+            )
+            if status != 200:
+                error = f"health check answered {status}"
+        except (UpstreamError, TimeoutError) as e:
             error = f"health check failed: {type(e).__name__}: {e}"
         if not error:
             st.failures = 0
@@ -225,23 +250,50 @@ class Proxy:
         await asyncio.gather(*(self.probe(c) for c in seen.values()))
         for endpoint in [e for e in self.engines if e not in seen]:
             del self.engines[endpoint]
+        for endpoint in [e for e in self._pools if e not in seen]:
+            self._pools.pop(endpoint)[0].close()
 
     # --- forwarding ----------------------------------------------------------------------------
     def check_available(self, cls: ClassPlan) -> None:
         st = self.engines.get(cls.endpoint)
         if st is not None and not st.healthy:
             self.metrics.upstream_errors.inc((cls.name, "unhealthy"))
-            raise RouterError(
-                503,
-                f"The engine for trust class '{cls.name}' is unavailable ({st.last_error}). Retry later.",
-                "engine_unavailable",
-                "service_unavailable",
-                headers={"Retry-After": "1"},
-            )
+            raise _unavailable(cls, f"unavailable ({st.last_error})")
+
+    async def _send(
+        self, plan: TenantPlan, path: str, payload: bytes, headers: dict[str, str]
+    ) -> UpstreamResponse:
+        cls = plan.trust_class
+        pool, base = self.pool(cls.endpoint)
+        try:
+            try:
+                return await pool.request("POST", base + path, headers, payload)
+            except UpstreamError as e:
+                if e.kind != "stale":
+                    raise
+                # A pooled keep-alive connection the engine had just closed: nothing was processed.
+                # Retry once on a fresh connection, with a fresh nonce (the engine refuses replays).
+                headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
+                return await pool.request("POST", base + path, headers, payload, fresh=True)
+        except UpstreamError as e:
+            if e.kind == "connect":
+                self._mark(cls, False, f"connection failed: {e}")
+                self.metrics.upstream_errors.inc((cls.name, "connect"))
+                raise _unavailable(cls, "unreachable") from None
+            if e.kind == "timeout":
+                self.metrics.upstream_errors.inc((cls.name, "timeout"))
+                raise RouterError(
+                    504,
+                    f"The engine for trust class '{cls.name}' did not answer in time.",
+                    "engine_timeout",
+                    "upstream_error",
+                ) from None
+            self.metrics.upstream_errors.inc((cls.name, "protocol"))
+            raise _bad_gateway(cls, f"gave a bad answer ({e})") from None
 
     async def forward(
         self,
-        request: web.Request,
+        request: Request,
         plan: TenantPlan,
         path: str,
         payload: bytes,
@@ -251,43 +303,7 @@ class Proxy:
         """Send ``payload`` to the engine and relay its answer."""
         cls = plan.trust_class
         self.check_available(cls)
-        url = self._urls.get((cls.endpoint, path))
-        if url is None:
-            url = self._urls[(cls.endpoint, path)] = URL(cls.endpoint + path)
-        try:
-            try:
-                resp = await self.session.post(url, data=payload, headers=headers)
-            except aiohttp.ServerDisconnectedError:
-                # A pooled keep-alive connection the engine had just closed: nothing was processed.
-                # Retry once on a fresh connection, with a fresh nonce (the engine refuses replays).
-                headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
-                resp = await self.session.post(url, data=payload, headers=headers)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            self._mark(cls, False, f"connection failed: {type(e).__name__}")
-            self.metrics.upstream_errors.inc((cls.name, "connect"))
-            raise RouterError(
-                503,
-                f"The engine for trust class '{cls.name}' is unreachable. Retry later.",
-                "engine_unavailable",
-                "service_unavailable",
-                headers={"Retry-After": "1"},
-            ) from None
-        except TimeoutError:
-            self.metrics.upstream_errors.inc((cls.name, "timeout"))
-            raise RouterError(
-                504,
-                f"The engine for trust class '{cls.name}' did not answer in time.",
-                "engine_timeout",
-                "upstream_error",
-            ) from None
-        except (aiohttp.ClientError, ConnectionError) as e:
-            self.metrics.upstream_errors.inc((cls.name, "protocol"))
-            raise RouterError(
-                502,
-                f"Bad answer from the engine for trust class '{cls.name}': {type(e).__name__}.",
-                "bad_gateway",
-                "upstream_error",
-            ) from None
+        resp = await self._send(plan, path, payload, headers)
         try:
             if resp.status == 401:
                 # The client was authenticated by the router; an engine refusing the router's
@@ -301,71 +317,66 @@ class Proxy:
                     "engine_refused_signature",
                     "upstream_error",
                 )
-            ctype = resp.headers.get("Content-Type", "")
-            if resp.status == 200 and ctype.startswith("text/event-stream"):
+            if resp.status == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
                 return await self._relay_stream(request, resp, cls, want_usage)
             body = await resp.read()
             used = None
             if want_usage and resp.status == 200:
                 with contextlib.suppress(ValueError, UnicodeDecodeError):
                     used = _total_tokens(json.loads(body))
-            out = web.Response(status=resp.status, body=body, headers=self._relay_headers(resp))
-            return Relay(out, used)
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-            self.metrics.upstream_errors.inc((cls.name, "read"))
-            raise RouterError(
-                502,
-                f"The engine for trust class '{cls.name}' failed mid-answer ({type(e).__name__}).",
-                "bad_gateway",
-                "upstream_error",
-            ) from None
-        except asyncio.CancelledError:
-            # The client went away (the server cancels the handler): abort the engine's answer
-            # rather than return a half-read connection to the pool.
-            resp.close()
-            raise
+            out = Response(resp.status, body, self._relay_headers(resp), content_type="")
+            return Relay(out, resp.status, used)
+        except UpstreamError as e:
+            kind = "timeout" if e.kind == "timeout" else "read"
+            self.metrics.upstream_errors.inc((cls.name, kind))
+            if e.kind == "timeout":
+                raise RouterError(
+                    504,
+                    f"The engine for trust class '{cls.name}' did not answer in time.",
+                    "engine_timeout",
+                    "upstream_error",
+                ) from None
+            raise _bad_gateway(cls, f"failed mid-answer ({e})") from None
         finally:
+            # Back to the pool when read to its end; closed otherwise (a client that went away
+            # cancels this handler: closing the engine connection stops the generation).
             resp.release()
 
     @staticmethod
-    def _relay_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
-        h = {name: v for name in RELAY_HEADERS if (v := resp.headers.get(name)) is not None}
-        h[HEADER_UPSTREAM_STATUS] = str(resp.status)
+    def _relay_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
+        h = [(name, v) for key, name in RELAY_HEADERS if (v := resp.headers.get(key)) is not None]
+        h.append((HEADER_UPSTREAM_STATUS, str(resp.status)))
         return h
 
     async def _relay_stream(
-        self, request: web.Request, resp: aiohttp.ClientResponse, cls: ClassPlan, want_usage: bool
+        self, request: Request, resp: UpstreamResponse, cls: ClassPlan, want_usage: bool
     ) -> Relay:
-        headers = self._relay_headers(resp)
-        headers["Cache-Control"] = "no-cache"
-        headers["X-Accel-Buffering"] = "no"
-        out = web.StreamResponse(status=resp.status, headers=headers)
-        await out.prepare(request)
+        headers = [(k, v) for k, v in self._relay_headers(resp) if k != "Cache-Control"]
+        headers += [("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")]
+        out = request.stream(resp.status, headers)
         scanner = _UsageScanner() if want_usage else None
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.chunks_iter():
                 if scanner is not None:
                     scanner.feed(chunk)
                 await out.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
+        except UpstreamError as e:
             # Headers are gone already; tell the client in-band, then end the stream.
             self.metrics.upstream_errors.inc((cls.name, "stream"))
             err = {
                 "error": {
-                    "message": f"engine stream failed: {type(e).__name__}",
+                    "message": f"engine stream failed: {e}",
                     "type": "upstream_error",
                     "param": None,
                     "code": "bad_gateway",
                 }
             }
-            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            with contextlib.suppress(ConnectionError):
                 await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
-            # The client went away: drop the engine connection so that the engine stops generating.
-            resp.close()
-            return Relay(out, None, scanner.events if scanner else 0, client_gone=True)
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-            await out.write_eof()
+        except ConnectionError:
+            # The client went away: the engine connection is closed on release, which stops it.
+            return Relay(out, resp.status, None, scanner.events if scanner else 0, client_gone=True)
+        out.end()
         if scanner is None:
-            return Relay(out, None)
-        return Relay(out, scanner.total, scanner.events)
+            return Relay(out, resp.status, None)
+        return Relay(out, resp.status, scanner.total, scanner.events)

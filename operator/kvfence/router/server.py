@@ -4,10 +4,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 tenant's models and adapters only), ``GET /metrics``, ``GET /healthz`` (the process runs),
 ``GET /readyz`` (a valid routing table is loaded and the router is not draining).
 
-The request path, in order: authenticate (401) -> read the body with a size limit (413) -> parse and
-check the few fields the router needs (400) -> model/adapter allowlist (403) -> quotas (429 +
-Retry-After) -> forward to the trust class's engine (503 fast when it is down) -> correct the token
-reservation with the engine's usage. See docs/router.md.
+The request path, in order: read the body with a size limit (413, in :mod:`.http`) -> authenticate
+(401) -> parse and check the few fields the router needs (400) -> model/adapter allowlist (403) ->
+quotas (429 + Retry-After) -> forward to the trust class's engine (503 fast when it is down) ->
+correct the token reservation with the engine's usage. See docs/router.md.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from aiohttp import web
 
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.errors import RouterError, error_response
+from kvfence.router.http import HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection
@@ -77,6 +76,19 @@ class RouterState:
         self.metrics.table_generation.inc()
         self.metrics.table_tenants.set(len(table.tenants))
 
+    async def start(self) -> None:
+        self.watcher.check()
+        await self.proxy.start()
+        self.tasks.append(asyncio.create_task(self.watcher.run()))
+        self.tasks.append(asyncio.create_task(self.health_loop()))
+
+    async def stop(self) -> None:
+        self.draining = True
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.proxy.close()
+
     async def health_loop(self) -> None:
         while True:
             classes = list(self.table.classes.values())
@@ -85,13 +97,6 @@ class RouterState:
             except Exception:
                 log.exception("health probe round failed")
             await asyncio.sleep(self.config.proxy.health_interval)
-
-
-STATE: web.AppKey[RouterState] = web.AppKey("kvfence_router_state", RouterState)
-
-
-def _state(request: web.Request) -> RouterState:
-    return request.app[STATE]
 
 
 # --- request parsing --------------------------------------------------------------------------------
@@ -144,33 +149,33 @@ def reserve_tokens(raw_len: int, body: dict[str, Any], default_max_tokens: int) 
 
 
 # --- handlers ---------------------------------------------------------------------------------------
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise RouterError(413, f"Request body larger than {limit} bytes.", "request_too_large")
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RouterError(413, f"Request body larger than {limit} bytes.", "request_too_large") from None
+Answer = Response | Stream
 
 
-def _authenticate(state: RouterState, request: web.Request) -> TenantPlan:
+def _json(doc: Any, status: int = 200) -> Response:
+    return Response(status, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _authenticate(state: RouterState, request: Request) -> TenantPlan:
     if not state.watcher.loaded:
         raise RouterError(503, "The router has no routing table yet.", "not_ready", "service_unavailable")
+    if request.header_count("authorization") > 1:
+        state.metrics.auth_failures.inc(("malformed",))
+        raise RouterError(401, "Send exactly one Authorization header.", "invalid_api_key")
     try:
-        return authenticate(state.table, request.headers.get("Authorization"))
+        return authenticate(state.table, request.header("authorization"))
     except AuthError as e:
         state.metrics.auth_failures.inc((e.reason,))
         raise RouterError(401, str(e), "invalid_api_key") from None
 
 
-async def _inference(request: web.Request, path: str) -> web.StreamResponse:
-    state = _state(request)
+async def _inference(state: RouterState, request: Request, path: str) -> Answer:
     started = time.perf_counter()
     plan = _authenticate(state, request)
     cls = plan.trust_class
     code = "500"
     try:
-        raw = await _read_body(request, state.config.max_body_bytes)
+        raw = request.body
         body = parse_body(raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -191,7 +196,7 @@ async def _inference(request: web.Request, path: str) -> web.StreamResponse:
         for f in CLIENT_FORBIDDEN_BODY_FIELDS:
             if f in body:
                 state.metrics.stripped.inc(("body",))
-        client_headers = strip_client_headers(request.headers.items())
+        client_headers = strip_client_headers(request.headers)
         if len(client_headers) != len(request.headers):
             state.metrics.stripped.inc(("header",), len(request.headers) - len(client_headers))
         state.proxy.check_available(cls)
@@ -223,8 +228,8 @@ async def _inference(request: web.Request, path: str) -> web.StreamResponse:
             if used is None and relay.stream_events:
                 # A stream without a usage event: the prompt estimate plus one token per event.
                 used = len(raw) + relay.stream_events
-            code = "499" if relay.client_gone else str(relay.response.status)
-            if relay.response.status >= 400 and used is None:
+            code = "499" if relay.client_gone else str(relay.status)
+            if relay.status >= 400 and used is None:
                 used = 0  # the engine refused the request: nothing was generated
             return relay.response
         finally:
@@ -243,115 +248,104 @@ async def _inference(request: web.Request, path: str) -> web.StreamResponse:
         state.metrics.duration.observe(time.perf_counter() - started, (cls.name, path))
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _inference(request, COMPLETIONS)
+async def completions(state: RouterState, request: Request) -> Answer:
+    return await _inference(state, request, COMPLETIONS)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _inference(request, CHAT_COMPLETIONS)
+async def chat_completions(state: RouterState, request: Request) -> Answer:
+    return await _inference(state, request, CHAT_COMPLETIONS)
 
 
-async def models(request: web.Request) -> web.StreamResponse:
-    plan = _authenticate(_state(request), request)
-    return web.Response(body=plan.models_body, content_type="application/json")
+async def models(state: RouterState, request: Request) -> Answer:
+    plan = _authenticate(state, request)
+    return Response(200, plan.models_body)
 
 
-async def metrics(request: web.Request) -> web.StreamResponse:
-    return web.Response(body=_state(request).metrics.render(), content_type="text/plain", charset="utf-8")
+async def metrics(state: RouterState, request: Request) -> Answer:
+    return Response(200, state.metrics.render(), content_type="text/plain; charset=utf-8")
 
 
-async def healthz(request: web.Request) -> web.StreamResponse:
-    return web.json_response({"status": "ok"})
+async def healthz(state: RouterState, request: Request) -> Answer:
+    return _json({"status": "ok"})
 
 
-async def readyz(request: web.Request) -> web.StreamResponse:
-    state = _state(request)
+async def readyz(state: RouterState, request: Request) -> Answer:
     if state.draining:
         return error_response(503, "The router is shutting down.", "draining", "service_unavailable")
     if not state.watcher.loaded:
         msg = f"No valid routing table loaded yet ({state.watcher.last_error or 'not read yet'})."
         return error_response(503, msg, "not_ready", "service_unavailable")
-    return web.json_response({"status": "ready", "tenants": len(state.table.tenants)})
+    return _json({"status": "ready", "tenants": len(state.table.tenants)})
 
 
-@web.middleware
-async def errors_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except RouterError as e:
-        return e.response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
-            e.status, "http_error"
-        )
-        return error_response(
-            e.status, e.reason, code, headers={k: v for k, v in e.headers.items() if k.lower() == "allow"}
-        )
-    except Exception:
-        # A bug, never an expected outcome (the fuzz tests hold the router to that); still answer in
-        # the API's error shape and keep the details in the log.
-        log.exception("unexpected error handling %s %s", request.method, request.path)
-        return error_response(500, "Internal router error.", "internal_error", "server_error")
+Route = Callable[[RouterState, Request], Awaitable[Answer]]
+#: path -> (method, handler). GET routes answer HEAD as well.
+API_ROUTES: dict[str, tuple[str, Route]] = {
+    COMPLETIONS: ("POST", completions),
+    CHAT_COMPLETIONS: ("POST", chat_completions),
+    "/v1/models": ("GET", models),
+    "/metrics": ("GET", metrics),
+    "/healthz": ("GET", healthz),
+    "/readyz": ("GET", readyz),
+}
+#: The separate listener of ``--metrics-port``: metrics and probes, no tenant API.
+OPS_ROUTES = {p: API_ROUTES[p] for p in ("/metrics", "/healthz", "/readyz")}
+
+#: The codes of the errors the HTTP layer answers itself (see :class:`kvfence.router.http.HttpServer`).
+PROTOCOL_ERROR_CODES = {
+    400: "invalid_request",
+    408: "request_timeout",
+    413: "request_too_large",
+    414: "uri_too_long",
+    417: "expectation_failed",
+    431: "headers_too_large",
+    500: "internal_error",
+}
 
 
-# --- app ----------------------------------------------------------------------------------------------
-def build_ops_app(state: RouterState) -> web.Application:
-    """The separate listener of ``--metrics-port``: metrics and probes, no tenant API."""
-    app = web.Application(middlewares=[errors_middleware])
-    app[STATE] = state
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    return app
+def protocol_error(status: int, message: str) -> Response:
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return error_response(status, message, PROTOCOL_ERROR_CODES.get(status, "http_error"), type_)
 
 
-def build_app(config: RouterConfig) -> web.Application:
-    state = RouterState(config)
-    app = web.Application(middlewares=[errors_middleware], client_max_size=config.max_body_bytes)
-    app[STATE] = state
-    app.router.add_post(COMPLETIONS, completions)
-    app.router.add_post(CHAT_COMPLETIONS, chat_completions)
-    app.router.add_get("/v1/models", models)
-    if not config.metrics_port:
-        app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-
-    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        state.watcher.check()
-        await state.proxy.start()
-        state.tasks.append(asyncio.create_task(state.watcher.run()))
-        state.tasks.append(asyncio.create_task(state.health_loop()))
-        yield
-        state.draining = True
-        for t in state.tasks:
-            t.cancel()
-        await asyncio.gather(*state.tasks, return_exceptions=True)
-        await state.proxy.close()
-
-    app.cleanup_ctx.append(lifecycle)
-    return app
+Dispatch = Callable[[Request], Awaitable[Answer]]
 
 
+def dispatcher(state: RouterState, routes: dict[str, tuple[str, Route]]) -> Dispatch:
+    """The HTTP server's handler: route by path and method, answer the router's errors in the API's
+    error shape."""
+
+    async def dispatch(request: Request) -> Answer:
+        route = routes.get(request.path)
+        if route is None:
+            return error_response(404, "Not Found", "not_found")
+        method, handler = route
+        if request.method != method and not (method == "GET" and request.method == "HEAD"):
+            allow = "GET, HEAD" if method == "GET" else method
+            return error_response(405, "Method Not Allowed", "method_not_allowed", headers={"Allow": allow})
+        try:
+            return await handler(state, request)
+        except RouterError as e:
+            return e.response()
+
+    return dispatch
+
+
+# --- serving ----------------------------------------------------------------------------------------
 async def serve(
     config: RouterConfig, host: str, port: int, shutdown_timeout: float, drain_delay: float
 ) -> None:
-    app = build_app(config)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts the engine
-    # request and releases the tenant's quota at once, even while the engine is silent.
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
-    await site.start()
-    ops_runner: web.AppRunner | None = None
+    state = RouterState(config)
+    await state.start()
+    routes = (
+        API_ROUTES if not config.metrics_port else {p: r for p, r in API_ROUTES.items() if p != "/metrics"}
+    )
+    api = HttpServer(dispatcher(state, routes), protocol_error, max_body=config.max_body_bytes)
+    await api.start(host, port)
+    ops: HttpServer | None = None
     if config.metrics_port:
-        ops_runner = web.AppRunner(build_ops_app(app[STATE]), access_log=None, shutdown_timeout=1.0)
-        await ops_runner.setup()
-        await web.TCPSite(ops_runner, host, config.metrics_port, reuse_address=True).start()
+        ops = HttpServer(dispatcher(state, OPS_ROUTES), protocol_error, max_body=64 * 1024)
+        await ops.start(host, config.metrics_port)
         log.info("metrics and probes on %s:%d", host, config.metrics_port)
     # Everything alive now (modules, the app, the table) lives as long as the process: keep it out of
     # the cyclic GC's generations, so that full collections stay short (they show up in p99 latency).
@@ -365,7 +359,7 @@ async def serve(
     await stop.wait()
     # Drain: fail readiness first so that load balancers stop sending, keep serving meanwhile, then
     # stop listening and give in-flight requests (streams included) up to shutdown_timeout to end.
-    app[STATE].draining = True
+    state.draining = True
     log.info(
         "shutting down: draining for %.1fs, then up to %.1fs for in-flight requests",
         drain_delay,
@@ -373,9 +367,10 @@ async def serve(
     )
     if drain_delay > 0:
         await asyncio.sleep(drain_delay)
-    await runner.cleanup()
-    if ops_runner is not None:
-        await ops_runner.cleanup()
+    await api.shutdown(shutdown_timeout)
+    if ops is not None:
+        await ops.shutdown(1.0)
+    await state.stop()
 
 
 def _env(name: str, default: str) -> str:
@@ -459,7 +454,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(config_from_args(args), args.host, args.port, args.shutdown_timeout, args.drain_delay))
+    run = serve(config_from_args(args), args.host, args.port, args.shutdown_timeout, args.drain_delay)
+    try:
+        import uvloop  # the faster event loop; the router runs (slower) without it
+    except ImportError:
+        log.warning("uvloop is not installed: running on the default asyncio event loop")
+        asyncio.run(run)
+    else:
+        uvloop.run(run)
 
 
 if __name__ == "__main__":

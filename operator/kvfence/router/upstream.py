@@ -1,0 +1,354 @@
+"""The router's HTTP/1.1 client to the engines: one keep-alive connection pool per engine endpoint.
+
+An asyncio protocol around httptools' response parser (see :mod:`kvfence.router.http` for why the
+router does not use a framework here). Per engine: at most ``limit`` connections in use at once
+(more requests wait for a free one), idle connections reused most-recent-first and closed after
+``idle_timeout`` (below uvicorn's 5 s keep-alive, the shortest among the engines, so that the router
+rarely picks a connection the engine is closing). Timeouts: connect, read (the longest silence while
+an answer is awaited or streamed) and total. A response body is read whole (:meth:`Response.read`)
+or streamed (:meth:`Response.chunks`) with backpressure: the engine connection stops being read while
+more than ``HIGH_WATER`` bytes wait for a slow client.
+
+Errors are :class:`UpstreamError` with a ``kind`` the proxy maps to the client's status:
+``connect`` (503), ``timeout`` (504), ``protocol`` and ``closed`` (502), ``stale`` (a reused
+keep-alive connection closed before any byte of the answer: nothing was processed, retry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import cast
+
+import httptools
+
+HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Response:
+    """An engine's answer: ``status`` and ``headers`` (lower-case names; the first of repeated
+    ones) once :meth:`Pool.request` returns, then the body. Always :meth:`release` it."""
+
+    __slots__ = (
+        "_conn",
+        "_waiter",
+        "buffered",
+        "chunks",
+        "complete",
+        "error",
+        "headers",
+        "keep_alive",
+        "progress",
+        "started",
+        "status",
+    )
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._waiter: asyncio.Future[None] | None = None
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.complete = False
+        self.keep_alive = False
+        self.error: UpstreamError | None = None
+        self.started = False  # any byte of the answer arrived
+        self.progress = time.monotonic()  # last time a byte arrived or the client took one
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = self._conn.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def _head(self) -> None:
+        while not self.status:
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    def _take(self) -> bytes:
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks = []
+        self.buffered = 0
+        self.progress = time.monotonic()
+        self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        parts: list[bytes] = []
+        async for chunk in self.chunks_iter():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def chunks_iter(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (whatever has arrived since the last step, joined)."""
+        while True:
+            if self.chunks:
+                yield self._take()
+                continue
+            if self.complete:
+                return
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    def release(self) -> None:
+        """Give the connection back to the pool if this answer was read to its end, else close it
+        (an engine streaming to a client that left stops when its connection closes)."""
+        if self._conn.resp is self:
+            self._conn.finish(self.complete and self.keep_alive and self.error is None)
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.resp: Response | None = None
+        self.uses = 0
+        self.idle_since = 0.0
+        self.paused = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._until_eof = False
+
+    # --- asyncio.Protocol -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        resp = self.resp
+        if resp is None or resp.complete or resp.error is not None:
+            return
+        if resp.status and self._until_eof:
+            resp.complete = True  # a body delimited by the end of the connection
+        elif not resp.started and self.uses > 1:
+            resp.error = UpstreamError("stale", "the engine closed a kept-alive connection")
+        else:
+            resp.error = UpstreamError("closed", "the engine closed the connection mid-answer")
+        resp._wake()
+
+    def data_received(self, data: bytes) -> None:
+        resp = self.resp
+        if resp is None or resp.complete:
+            # Bytes nobody asked for: the connection is out of step, never reuse it.
+            if self.transport is not None:
+                self.transport.close()
+            return
+        resp.started = True
+        resp.progress = time.monotonic()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamError("protocol", f"malformed answer from the engine: {e}"))
+
+    # --- httptools callbacks ----------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.resp is not None
+        self.resp.headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        resp = self.resp
+        assert resp is not None
+        resp.status = self.parser.get_status_code()
+        resp.keep_alive = self.parser.should_keep_alive()
+        h = resp.headers
+        self._until_eof = "content-length" not in h and "transfer-encoding" not in h
+        resp._wake()
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.resp
+        assert resp is not None
+        resp.chunks.append(body)
+        resp.buffered += len(body)
+        if resp.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        resp._wake()
+
+    def on_message_complete(self) -> None:
+        resp = self.resp
+        assert resp is not None
+        resp.complete = True
+        resp._wake()
+
+    # --- request life cycle -----------------------------------------------------------------------
+    def send(self, data: bytes) -> Response:
+        assert self.transport is not None
+        self.uses += 1
+        self.resp = resp = Response(self)
+        self._until_eof = False
+        now = time.monotonic()
+        self._deadline = now + self.pool.total_timeout
+        self._timer = self.loop.call_later(min(self.pool.read_timeout, self.pool.total_timeout), self._check)
+        self.transport.write(data)
+        return resp
+
+    def _check(self) -> None:
+        resp = self.resp
+        if resp is None or resp.complete:
+            return
+        now = time.monotonic()
+        read_left = resp.progress + self.pool.read_timeout - now
+        total_left = self._deadline - now
+        if read_left <= 0 or total_left <= 0:
+            what = "read" if read_left <= 0 else "total"
+            self._fail(UpstreamError("timeout", f"the engine did not answer in time ({what} timeout)"))
+        else:
+            self._timer = self.loop.call_later(min(read_left, total_left), self._check)
+
+    def _fail(self, error: UpstreamError) -> None:
+        resp = self.resp
+        if resp is not None and resp.error is None and not resp.complete:
+            resp.error = error
+            resp._wake()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def finish(self, reusable: bool) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.resp = None
+        if not reusable or self.transport is None or self.paused:
+            if self.transport is not None:
+                self.transport.close()
+            self.pool._done(None)
+        else:
+            self.pool._done(self)
+
+
+class Pool:
+    """Keep-alive connections to one engine (``host:port``)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        limit: int = 256,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 300.0,
+        total_timeout: float = 1800.0,
+        idle_timeout: float = 4.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.host = host
+        self.tls = tls
+        self.port = port
+        self.loop = asyncio.get_running_loop()
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.total_timeout = total_timeout
+        self.idle_timeout = idle_timeout
+        self._idle: deque[_Connection] = deque()
+        self._slots = asyncio.Semaphore(limit)
+        self._host_line = f"Host: {host}:{port}\r\n".encode("latin-1")
+        self.closed = False
+
+    async def _connect(self) -> _Connection:
+        try:
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.tls,
+                    server_hostname=self.host if self.tls else None,
+                ),
+                self.connect_timeout,
+            )
+        except TimeoutError:
+            raise UpstreamError("connect", f"connect to {self.host}:{self.port} timed out") from None
+        except (OSError, ssl.SSLError) as e:
+            raise UpstreamError("connect", f"connect to {self.host}:{self.port} failed: {e}") from None
+        return conn
+
+    def _reuse(self) -> _Connection | None:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    def _done(self, conn: _Connection | None) -> None:
+        self._slots.release()
+        now = time.monotonic()
+        idle = self._idle
+        while idle and (now - idle[0].idle_since > self.idle_timeout or idle[0].transport is None):
+            old = idle.popleft()
+            if old.transport is not None:
+                old.transport.close()
+        if conn is not None:
+            if self.closed:
+                if conn.transport is not None:
+                    conn.transport.close()
+                return
+            conn.idle_since = now
+            idle.append(conn)
+
+    async def request(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"", *, fresh: bool = False
+    ) -> Response:
+        """Send a request; returns once the answer's status and headers arrived. ``fresh``: on a new
+        connection (the retry after a ``stale`` error)."""
+        lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), self._host_line]
+        for k, v in headers.items():
+            if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
+                raise ValueError(f"header {k!r} contains a line break")
+            lines.append(f"{k}: {v}\r\n".encode("latin-1"))
+        if body or method == "POST":
+            lines.append(b"Content-Length: %d\r\n" % len(body))
+        lines.append(b"\r\n")
+        lines.append(body)
+        await self._slots.acquire()
+        conn: _Connection | None = None
+        try:
+            conn = None if fresh else self._reuse()
+            if conn is None:
+                conn = await self._connect()
+            resp = conn.send(b"".join(lines))
+        except BaseException:
+            self._slots.release()
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
+            raise
+        try:
+            await resp._head()
+        except BaseException:
+            resp.release()
+            raise
+        return resp
+
+    def close(self) -> None:
+        self.closed = True
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.transport is not None:
+                conn.transport.close()
