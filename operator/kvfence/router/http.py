@@ -16,7 +16,8 @@ router keep up with a Rust one. Everything a user of an HTTP server expects is h
   released at once);
 * graceful shutdown: stop accepting, close idle connections, let in-flight handlers finish.
 
-Not here, on purpose: TLS (terminated in front of the router), HTTP/2, protocol upgrades (400).
+Not here, on purpose: TLS (terminated in front of the router), HTTP/2, protocol upgrades (the
+request is answered as plain HTTP, as RFC 9110 allows, and the connection then closes).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ class _Connection(asyncio.Protocol):
                 log.error("HTTP parser callback failed", exc_info=cause)
                 self._fail(500, "Internal router error.")
         except httptools.HttpParserUpgrade:
+            # Raised after the request was parsed (and dispatched): answer it, then close.
             self._fail(400, "Protocol upgrades are not supported.")
         except httptools.HttpParserError as e:
             self._fail(400, f"Malformed HTTP request: {e}.")
