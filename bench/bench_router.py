@@ -11,8 +11,10 @@ Authorization header), four paths:
 * ``nginx``          Debian's nginx as a plain reverse proxy with an upstream keep-alive pool;
 * ``vllm-router``    the Rust router from PyPI (``pip download --no-deps vllm-router``; install it into
                      a venv under /tmp and pass ``--vllm-router /tmp/.../bin/vllm-router``);
-* ``aiohttp floor``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what the framework
-                     itself costs, so that the router's own overhead can be read off.
+* ``aiohttp proxy``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what the framework
+                     the router was first built on costs by itself, three times the whole of
+                     vllm-router, and the reason the router has its own HTTP layer
+                     (kvfence.router.http / .upstream).
 
 Measurements:
 
@@ -413,7 +415,7 @@ def start_kvfence(workdir: Path, upstream_port: int) -> Target:
 
 
 def _serve_aiohttp_floor(port: int, upstream_port: int) -> None:
-    """A bare aiohttp pass-through proxy (no auth, no quotas, no signing): the framework's floor."""
+    """A bare aiohttp pass-through proxy (no auth, no quotas, no signing): the framework's cost."""
     import aiohttp
     from aiohttp import web
 
@@ -447,7 +449,7 @@ def start_aiohttp_floor(upstream_port: int) -> Target:
          "--upstream-port", str(upstream_port)]
     )  # fmt: skip
     wait_for_port(port, p)
-    return Target("aiohttp floor", port, [p])
+    return Target("aiohttp proxy", port, [p])
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -685,15 +687,32 @@ def main() -> None:
         f"{float(kv['p99']) - float(base['p99']):.3f} ms"
     )  # type: ignore[arg-type]
     if vllm:
-        floor = next((r["cpu_us"] for r in rows if r["name"] == "aiohttp floor" and "cpu_us" in r), math.nan)
+        floor = next((r["cpu_us"] for r in rows if r["name"] == "aiohttp proxy" and "cpu_us" in r), math.nan)
         print(
             f"CPU per request: kvfence-router {cpu_text(kv['cpu_us'])} us, "
-            f"vllm-router {cpu_text(vllm['cpu_us'])} us, aiohttp floor {cpu_text(floor)} us"
+            f"vllm-router {cpu_text(vllm['cpu_us'])} us, aiohttp proxy {cpu_text(floor)} us"
         )
         print(
             f"target: kvfence-router throughput >= 0.5x vllm-router: "
             f"{float(kv['rps']) / float(vllm['rps']):.2f}x"
         )  # type: ignore[arg-type]
+    out_dir = Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"router-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    setup = {
+        "rounds": a.rounds,
+        "seconds": a.seconds,
+        "rate": a.rate,
+        "latency_connections": a.latency_connections,
+        "throughput": f"wrk -t1 -c{a.connections}" if have_wrk else "python closed loop",
+        "upstream": upstream.name,
+        "cores": cores,
+        "pinning": pinning,
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+    clean = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+    path.write_text(json.dumps({"setup": setup, "rows": clean}, indent=2, default=str) + "\n")
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ HTTP API, auth, allowlists, stripping, salts, quotas, streaming, errors."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import subprocess
 import sys
@@ -41,6 +42,15 @@ def test_auth_401(stack: Stack) -> None:
         assert _err(data)["code"] == "invalid_api_key"
     status, _, _ = request("GET", stack.router.url + "/v1/models", headers={"Authorization": "Bearer nope"})
     assert status == 401
+    # Two Authorization headers (a valid key and another): ambiguous, refused rather than picking one.
+    conn = http.client.HTTPConnection("127.0.0.1", stack.router.port, timeout=10)
+    conn.putrequest("GET", "/v1/models")
+    conn.putheader("Authorization", f"Bearer {KEYS['bob']}")
+    conn.putheader("Authorization", "Bearer nope")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 401 and _err(resp.read())["code"] == "invalid_api_key"
+    conn.close()
 
 
 def test_models_lists_only_the_tenants_models(stack: Stack) -> None:

@@ -12,9 +12,14 @@ from typing import Any
 
 import pytest
 import uvloop
+from router.support import standard_table
 
+from kvfence.contract import HEADER_NONCE
 from kvfence.router.errors import error_response
 from kvfence.router.http import HttpServer, Request, Response, Stream
+from kvfence.router.metrics import RouterMetrics
+from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.table import parse_table
 from kvfence.router.upstream import Pool, UpstreamError
 
 
@@ -155,6 +160,8 @@ def test_http_1_0_answers_close_the_connection(run: Any) -> None:
         (b"BLAH\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nHost: x\r\nX: a\r\n b\r\n\r\n", 400),  # obsolete line folding
         (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!", 400),
+        # request smuggling: both framings at once
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
         (post("/big", b"x" * 2000), 413),  # refused from Content-Length, before the body is read
     ],
 )
@@ -550,5 +557,43 @@ def test_pool_stops_reading_an_engine_faster_than_its_consumer(run: Any) -> None
         assert await resp.read() == data
         resp.release()
         pool.close()
+
+    run(main())
+
+
+def test_proxy_retries_a_stale_connection_once_with_a_fresh_nonce(run: Any) -> None:
+    """The engine refuses a replayed nonce, so the retry after a stale keep-alive connection must be
+    signed anew; the engine sees two different nonces and the client one answer."""
+
+    async def main() -> None:
+        seen: list[bytes] = []
+
+        async def answer_once_then_drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            head, _ = await read_request(r)
+            seen.append(head)
+            w.write(ok(b'{"usage":{"total_tokens":3}}', b"Content-Type: application/json\r\n"))
+            head, _ = await read_request(r)  # the next request on this connection: dropped unanswered
+            seen.append(head)
+
+        port = await RawServer(answer_once_then_drop).start()
+        table = parse_table(
+            json.dumps(standard_table(f"http://127.0.0.1:{port}", "http://silver:8000")).encode()
+        )
+        plan = table.tenants["alice"]
+        proxy = Proxy(RouterMetrics(), ProxyConfig())
+        for _ in range(2):
+            payload = build_body(plan, {"model": "tiny", "prompt": "p"})
+            headers = build_headers(plan, "/v1/completions", [], payload)
+            resp = await proxy._send(plan, "/v1/completions", payload, headers)
+            assert resp.status == 200 and await resp.read() == b'{"usage":{"total_tokens":3}}'
+            resp.release()
+        nonces = [
+            line.split(b":", 1)[1].strip()
+            for head in seen
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(HEADER_NONCE.lower().encode())
+        ]
+        assert len(seen) == 3 and len(set(nonces)) == 3  # first, dropped, retried: all distinct
+        await proxy.close()
 
     run(main())
