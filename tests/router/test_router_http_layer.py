@@ -268,6 +268,10 @@ def test_handler_crash_is_a_500_and_the_connection_lives_on(run: Any) -> None:
     async def crash(req: Request) -> Response:
         if req.path == "/boom":
             raise RuntimeError("bug")
+        if req.path == "/boom-mid-stream":
+            s = req.stream(200, [])
+            await s.write(b"partial")
+            raise RuntimeError("bug after the head")
         return await echo(req)
 
     async def main() -> None:
@@ -278,6 +282,11 @@ def test_handler_crash_is_a_500_and_the_connection_lives_on(run: Any) -> None:
         assert status == 500 and json.loads(body)["error"]["code"] == "e500"
         w.write(post("/fine", b""))
         assert (await read_response(r))[0] == 200
+        # Failing after a streamed answer began: no second status line, the connection is cut
+        # (the chunked body never gets its terminating chunk, so the client knows it is incomplete).
+        w.write(post("/boom-mid-stream", b""))
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_response(r)
         w.close()
         await server.shutdown(1)
 

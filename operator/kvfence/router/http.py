@@ -101,7 +101,18 @@ class Request:
     """One parsed request. ``headers`` keeps what the client sent, in order; :meth:`header` looks a
     header up by its lower-case name (the first occurrence)."""
 
-    __slots__ = ("_conn", "_index", "body", "headers", "keep_alive", "method", "path", "query", "version")
+    __slots__ = (
+        "_conn",
+        "_index",
+        "body",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "streamed",
+        "version",
+    )
 
     def __init__(
         self,
@@ -122,6 +133,7 @@ class Request:
         self.headers = headers
         self.keep_alive = keep_alive
         self.body = body
+        self.streamed = False  # stream() wrote the head of the answer
         self._index: dict[str, str] | None = None
 
     def header(self, name: str) -> str | None:
@@ -140,6 +152,7 @@ class Request:
         """Write the head of a streamed answer now; the body follows through the returned
         :class:`Stream`. HTTP/1.0 clients get the body unframed, ended by closing the connection."""
         conn = self._conn
+        self.streamed = True
         chunked = self.version != "1.0"
         if not chunked:
             self.keep_alive = False
@@ -325,6 +338,12 @@ class _Connection(asyncio.Protocol):
                 return
             if isinstance(out, Stream):
                 out.end()
+            elif req.streamed:
+                # The handler failed after its streamed answer began: the status line is gone, so
+                # the only honest signal left is to cut the connection.
+                log.error("%s %s failed after its answer began; closing", req.method, req.path)
+                self.transport.close()
+                return
             else:
                 keep = req.keep_alive and not self.closing
                 self.write_head(out.status, out.headers, keep, out.body, req.method == "HEAD")

@@ -291,10 +291,15 @@ class Pool:
 
     def _reuse(self) -> _Connection | None:
         idle = self._idle
+        oldest = time.monotonic() - self.idle_timeout
         while idle:
             conn = idle.pop()
-            if conn.transport is not None and not conn.transport.is_closing():
-                return conn
+            if conn.transport is None or conn.transport.is_closing():
+                continue
+            if conn.idle_since < oldest:  # the engine may be closing it right now
+                conn.transport.close()
+                continue
+            return conn
         return None
 
     def _done(self, conn: _Connection | None) -> None:
