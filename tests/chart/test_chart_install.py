@@ -150,7 +150,11 @@ def test_install_upgrade_uninstall(release: Release, cluster: LocalCluster) -> N
     assert release.can_i("patch", f"secrets/{SIGNING_SECRET_NAME}", "kvf-gold")
     assert release.can_i("update", f"leases.coordination.k8s.io/{op}", ns)
     assert release.can_i("get", "secrets/tenant-keys", tenants)
+    assert release.can_i("watch", "secrets", tenants)  # API-key rotations seen within seconds
+    assert release.can_i("watch", f"secrets/{SIGNING_SECRET_NAME}", "kvf-gold")
+    assert not release.can_i("watch", f"secrets/{ROUTING_SECRET_NAME}", ns)
     assert not release.can_i("list", "secrets", ns)
+    assert not release.can_i("watch", "secrets", "default")
     assert not release.can_i("get", "secrets/tenant-keys", "default")
     assert not release.can_i("delete", "deployments.apps", "kvf-gold")
     assert not release.can_i("update", "leases.coordination.k8s.io/someone-else", ns)

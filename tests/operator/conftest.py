@@ -158,8 +158,16 @@ class Kubectl:
 class OperatorProcess:
     """``python -m kvfence.operator`` under its own ServiceAccount token (never the admin kubeconfig)."""
 
-    def __init__(self, cluster: Any, kubeconfig: Path, workdir: Path, identity: str = "op-0") -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        kubeconfig: Path,
+        workdir: Path,
+        identity: str = "op-0",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.cluster, self.kubeconfig, self.workdir, self.identity = cluster, kubeconfig, workdir, identity
+        self.extra_args = extra_args  # after the defaults: a repeated flag overrides them
         self.port = _free_port()
         self.log = workdir / f"operator-{identity}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -173,6 +181,7 @@ class OperatorProcess:
             "--health-host", "127.0.0.1", "--health-port", str(self.port),
             "--lease-namespace", OPERATOR_NS, "--lease-seconds", "6",
             "--resync-seconds", "5", "--identity", self.identity, "--log-format", "json",
+            *self.extra_args,
         ]  # fmt: skip
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -226,6 +235,15 @@ class OperatorProcess:
             for k, v in self.metrics().items()
             if k.startswith("kvfence_operator_api_requests_total")
             and any(f'verb="{verb}"' in k for verb in ("POST", "PUT", "PATCH", "DELETE"))
+        )
+
+    def counter(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples whose labels include ``labels``."""
+        return sum(
+            v
+            for k, v in self.metrics().items()
+            if (k == name or k.startswith(name + "{"))
+            and all(f'{lk}="{lv}"' in k for lk, lv in labels.items())
         )
 
     def reconciles(self, kind: str) -> float:
@@ -288,9 +306,11 @@ def installed(cluster: Any, kv: Kubectl, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="module")
 def operator(
-    cluster: Any, installed: Path, tmp_path_factory: pytest.TempPathFactory
+    cluster: Any, installed: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster, installed, tmp_path_factory.mktemp("oplog"))
+    """The operator of a test module, with the module's ``OPERATOR_ARGS`` after the defaults."""
+    extra = tuple(getattr(request.module, "OPERATOR_ARGS", ()))
+    op = OperatorProcess(cluster, installed, tmp_path_factory.mktemp("oplog"), extra_args=extra)
     op.start()
     try:
         op.wait_ready()

@@ -428,7 +428,7 @@ def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]
     )
     kv("delete", "pdb", "kvfence-engine", "-n", ns)
     wait(lambda: kv.json("get", "pdb", "kvfence-engine", "-n", ns) is not None, "pdb back", 60)
-    # Secrets are not watched (RBAC); the resync brings a deleted signing key back (a new one).
+    # The signing-key Secret is watched by name: a deleted one comes back (a new key).
     kv("delete", "secret", "kvfence-signing-key", "-n", ns)
     wait(
         lambda: kv.json("get", "secret", "kvfence-signing-key", "-n", ns) is not None, "signing key back", 60

@@ -17,13 +17,28 @@ from collections.abc import Callable
 from typing import Any
 
 import kopf
+from kubernetes import client as k8s
 
 from kvfence.api.common import GROUP, VERSION
 from kvfence.operator import metrics
 from kvfence.operator.apply import load_api_client
-from kvfence.operator.builders import ANNOTATION_ROTATE, LABEL_MANAGED_BY, LABEL_TRUST_CLASS
+from kvfence.operator.builders import (
+    ANNOTATION_ROTATE,
+    LABEL_MANAGED_BY,
+    LABEL_TRUST_CLASS,
+    SIGNING_SECRET_NAME,
+)
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
 from kvfence.operator.reconciler import ROUTING, Key, Reconciler, Requeue, class_key
+from kvfence.operator.secretwatch import (
+    DELETED,
+    SIGNING_SECRET_FIELD_SELECTOR,
+    ApiKeyIndex,
+    MetadataWatchClient,
+    NamespaceSecretWatches,
+    signing_secret_class,
+    stale_readers,
+)
 
 log = logging.getLogger("kvfence.operator")
 
@@ -38,7 +53,11 @@ LOGIN: dict[str, str | None] = {"kubeconfig": None}
 
 
 class Controller:
-    """A de-duplicating work queue with per-key exclusivity, retries with backoff, and a resync."""
+    """A de-duplicating work queue with per-key exclusivity, retries with backoff, and a resync.
+
+    With ``secrets_api`` it also watches the tenants' API-key Secrets (see
+    :mod:`kvfence.operator.secretwatch`): one metadata-only watch per namespace that holds bindings,
+    filtered by the index of the Secrets bindings reference."""
 
     def __init__(
         self,
@@ -47,6 +66,7 @@ class Controller:
         workers: int = 4,
         resync_seconds: float = 300.0,
         on_stop: Callable[[], None] | None = None,
+        secrets_api: k8s.ApiClient | None = None,
     ) -> None:
         self.reconciler = reconciler
         self._on_stop = on_stop
@@ -56,6 +76,9 @@ class Controller:
         self.namespace_labels: dict[str, dict[str, str]] = {}
         self.binding_generations: dict[str, Any] = {}
         self.class_signatures: dict[str, tuple[Any, ...]] = {}
+        self.api_keys = ApiKeyIndex()
+        self._secrets_api = secrets_api
+        self.secret_watches: NamespaceSecretWatches | None = None
         self._queue: asyncio.Queue[Key] | None = None
         self._queued: set[Key] = set()
         self._processing: set[Key] = set()
@@ -85,6 +108,14 @@ class Controller:
         self._queue = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
         self._tasks.append(asyncio.create_task(self._resync()))
+        if self._secrets_api is not None:
+            self.secret_watches = NamespaceSecretWatches(
+                MetadataWatchClient(self._secrets_api),
+                self.api_key_secret_event,
+                forbidden_retry_seconds=self.resync_seconds,
+                referenced=self.api_keys.secrets,
+            )
+            self.secret_watches.want(self.api_keys.namespaces())
         self.enqueue(ROUTING)
 
     async def stop(self) -> None:
@@ -93,6 +124,44 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.secret_watches is not None:
+            await self.secret_watches.stop()
+
+    # --- API-key Secrets ------------------------------------------------------------------------
+    def track_binding(self, binding: str, namespace: str, secret_name: str | None) -> None:
+        """Record which Secret a binding reads (``None``: the binding is gone); start or stop the
+        namespace watches accordingly."""
+        old = self.api_keys.ref(binding)
+        if self.api_keys.track(binding, namespace, secret_name) and self.secret_watches is not None:
+            self.secret_watches.want(self.api_keys.namespaces())
+        if old is not None and old not in self.api_keys:
+            self.reconciler.state.secret_versions.pop(old, None)
+
+    def api_key_secret_event(self, namespace: str, name: str, resource_version: str) -> None:
+        """A Secret in a watched namespace was added, changed or deleted (``DELETED``): re-decide the
+        bindings that read it, unless their keys were read at this very version. Any other Secret's
+        event stops here."""
+        stale = stale_readers(
+            self.api_keys, namespace, name, resource_version, self.reconciler.cached_secret_version
+        )
+        if stale is None:
+            metrics.SECRET_EVENTS.labels("api-key", "ignored").inc()
+            return
+        self.reconciler.state.secret_versions[(namespace, name)] = resource_version
+        if not stale:
+            metrics.SECRET_EVENTS.labels("api-key", "current").inc()
+            return
+        metrics.SECRET_EVENTS.labels("api-key", "enqueued").inc()
+        log.info(
+            "API-key Secret %s/%s %s: re-deciding %s",
+            namespace,
+            name,
+            "deleted" if resource_version == DELETED else "changed",
+            ", ".join(sorted(stale)),
+        )
+        for b in stale:
+            ns, bname = b.split("/", 1)
+            self.enqueue(("binding", ns, bname), COALESCE_SECONDS)
 
     async def _worker(self, _: int) -> None:
         assert self._queue is not None
@@ -134,8 +203,9 @@ class Controller:
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
-            # API keys are re-read (a rotated key in a tenant's Secret is picked up here), and each
-            # class's signing-key Secret, the one child the operator cannot watch, is checked.
+            # A safety net behind the Secret watches, and the only way to see a change in a tenant
+            # namespace that lets the operator read but not watch its Secrets: API keys are re-read,
+            # and each class's signing-key Secret is checked (one GET per class).
             self.reconciler.state.keys.clear()
             self.enqueue(ROUTING)
             for name in sorted(self.known_classes):
@@ -174,6 +244,9 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.posting.enabled = False  # the reconciler posts its own, meaningful Events
     settings.scanning.disabled = True  # no CRD/namespace scanning: fewer permissions needed
     settings.watching.server_timeout = 300
+    # Secrets are watched by name only: RBAC grants list/watch of this one name (resourceNames), so
+    # the server-side field selector is what makes the watch allowed at all.
+    settings.watching.field_selectors["", "v1", "secrets"] = SIGNING_SECRET_FIELD_SELECTOR
     settings.networking.request_timeout = 60
     await _controller(memo).start()
 
@@ -207,7 +280,13 @@ async def trustclass_event(name: str, type: str | None, meta: kopf.Meta, memo: A
 
 @kopf.on.event(GROUP, VERSION, "tenantbindings")
 async def tenantbinding_event(
-    namespace: str | None, name: str, type: str | None, meta: kopf.Meta, memo: Any, **_: Any
+    namespace: str | None,
+    name: str,
+    type: str | None,
+    meta: kopf.Meta,
+    spec: kopf.Spec,
+    memo: Any,
+    **_: Any,
 ) -> None:
     c = _controller(memo)
     key = f"{namespace}/{name}"
@@ -217,8 +296,11 @@ async def tenantbinding_event(
         c.reconciler.state.keys.pop(key, None)
     if type == "DELETED":
         c.binding_generations.pop(key, None)
+        c.track_binding(key, namespace or "", None)
     else:
         c.binding_generations[key] = generation
+        ref = spec.get("apiKeySecretRef") or {}
+        c.track_binding(key, namespace or "", ref.get("name") if isinstance(ref, dict) else None)
     c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
@@ -247,8 +329,29 @@ def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
     return child_event
 
 
-# Children the operator watches: an edit or a delete of one of them is repaired at once. Secrets are
-# not watched (that would need cluster-wide read access to every Secret); the resync repairs them.
+@kopf.on.event("", "v1", "secrets", id="signing-key-secrets")
+async def signing_key_secret_event(
+    namespace: str | None, name: str, labels: kopf.Labels, memo: Any, **_: Any
+) -> None:
+    """The signing-key Secret of a class was created, edited or deleted (the watch's field selector
+    lets only that name through): check the class's key at once (one GET; a full reconcile only if the
+    Secret is gone or not what was applied)."""
+    c = _controller(memo)
+    owner = (
+        signing_secret_class(namespace, labels, c.namespace_labels, c.known_classes)
+        if name == SIGNING_SECRET_NAME
+        else None
+    )
+    if owner is None:
+        metrics.SECRET_EVENTS.labels("signing-key", "ignored").inc()
+        return
+    metrics.SECRET_EVENTS.labels("signing-key", "enqueued").inc()
+    c.enqueue(("secrets", owner), COALESCE_SECONDS)
+
+
+# Children the operator watches: an edit or a delete of one of them is repaired at once. The
+# signing-key Secret has its own watch (above); the routing-table Secret is checked by each routing
+# reconcile and the resync.
 CHILD_WATCHERS = [
     _child_handler("apps", "v1", "deployments"),
     _child_handler("", "v1", "services"),

@@ -275,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         reconciler = Reconciler(kube, opts, emit=EventRecorder(kube, args.identity))
         current["reconciler"] = reconciler
         controller = _handlers.Controller(
-            reconciler, workers=args.workers, resync_seconds=args.resync_seconds, on_stop=stop.set
+            reconciler,
+            workers=args.workers,
+            resync_seconds=args.resync_seconds,
+            on_stop=stop.set,
+            secrets_api=api,
         )
         try:
             kopf.run(clusterwide=True, standalone=True, stop_flag=stop, memo=kopf.Memo(controller=controller))

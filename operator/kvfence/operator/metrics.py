@@ -37,6 +37,20 @@ LEASE_REQUESTS = Counter(
     ["verb"],
     registry=REGISTRY,
 )
+SECRET_EVENTS = Counter(
+    "kvfence_operator_secret_events",
+    "Secret watch events, by kind (signing-key, api-key) and result: enqueued (a reconcile follows), "
+    "current (a referenced Secret at the version already read), ignored (a Secret nothing depends on).",
+    ["kind", "result"],
+    registry=REGISTRY,
+)
+SECRET_WATCH_NAMESPACES = Gauge(
+    "kvfence_operator_secret_watch_namespaces",
+    "Tenant namespaces whose API-key Secrets are watched, by state (watching, forbidden: the namespace "
+    "did not grant list/watch, its Secrets are re-read at each resync).",
+    ["state"],
+    registry=REGISTRY,
+)
 QUEUE_DEPTH = Gauge("kvfence_operator_queue_depth", "Keys waiting in the work queue.", registry=REGISTRY)
 LEADER = Gauge("kvfence_operator_leader", "1 while this replica holds the leader lease.", registry=REGISTRY)
 

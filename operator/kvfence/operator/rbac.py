@@ -10,12 +10,16 @@ What the operator may do, and why:
   class namespaces, delete one when its class is deleted.
 * Deployments, Services, ConfigMaps, NetworkPolicies, PodDisruptionBudgets: watch (drift repair) and
   create/patch. Never delete: garbage collection does it through owner references.
-* Secrets: **no list or watch, and no get on arbitrary Secrets.** ``create`` (which reveals nothing),
-  and get/patch/update only on the two names it owns (``kvfence-signing-key`` in class namespaces,
-  ``kvfence-routing`` in the router's namespace).
+* Secrets: **no get, list or watch of arbitrary Secrets.** ``create`` (which reveals nothing),
+  get/patch/update only on the two names it owns (``kvfence-signing-key`` in class namespaces,
+  ``kvfence-routing`` in the router's namespace), and list/watch of ``kvfence-signing-key`` only
+  (``resourceNames``: the API server allows such a list or watch only with the field selector
+  ``metadata.name=kvfence-signing-key``), so that a deleted or edited signing key is repaired at once.
 * Tenants' API-key Secrets: only where a namespace opts in, by binding the ClusterRole
-  ``kvfence-operator-tenant-secrets`` to the operator with a RoleBinding in that namespace. Elsewhere a
-  binding is ``Denied`` with reason ``ApiKeySecretForbidden``.
+  ``kvfence-operator-tenant-secrets`` to the operator with a RoleBinding in that namespace: get, and
+  list/watch so that a rotated key reaches the routing table within seconds (the operator asks for
+  metadata only and ignores every Secret no binding references). Elsewhere a binding is ``Denied``
+  with reason ``ApiKeySecretForbidden``.
 * Events: create. Leases: only its own, in its own namespace (a Role).
 """
 
@@ -69,6 +73,12 @@ def cluster_role() -> Obj:
                 "resourceNames": [SIGNING_SECRET_NAME, ROUTING_SECRET_NAME],
                 "verbs": ["get", "patch", "update"],
             },
+            {
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": [SIGNING_SECRET_NAME],
+                "verbs": ["list", "watch"],
+            },
             {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         ],
     }
@@ -80,7 +90,7 @@ def tenant_secrets_role() -> Obj:
         "apiVersion": RBAC,
         "kind": "ClusterRole",
         "metadata": {"name": TENANT_SECRETS_ROLE, "labels": LABELS},
-        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": WATCH}],
     }
 
 

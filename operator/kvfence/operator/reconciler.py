@@ -131,7 +131,12 @@ class State:
     """What the reconciler remembers between reconciles (all of it can be rebuilt from the cluster)."""
 
     signing: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
-    keys: dict[str, tuple[tuple[str, str | None, str], R.KeyLookup]] = field(default_factory=dict)
+    #: binding key -> ((secret name, secret key, binding resourceVersion), lookup, the Secret's
+    #: resourceVersion when it was read)
+    keys: dict[str, tuple[tuple[str, str | None, str], R.KeyLookup, str]] = field(default_factory=dict)
+    #: (namespace, name) of an API-key Secret -> the latest resourceVersion its watch reported
+    #: (``secretwatch.DELETED`` once deleted). A cached lookup of an older version is read again.
+    secret_versions: dict[tuple[str, str], str] = field(default_factory=dict)
     tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
     bound_count: dict[str, int] = field(default_factory=dict)
     class_namespace: dict[str, str] = field(default_factory=dict)
@@ -165,6 +170,7 @@ class Reconciler:
         if key[0] == "secrets":
             return self.check_class_secret(key[1])
         if key[0] == "binding":
+            # The binding's API-key Secret changed (its watch said so): read it again, decide again.
             self.state.keys.pop(f"{key[1]}/{key[2]}", None)
             return {ROUTING}
         raise ValueError(f"unknown key {key!r}")
@@ -486,11 +492,17 @@ class Reconciler:
         self.state.signing[tc.name] = keys
         return keys
 
+    def cached_secret_version(self, binding: str) -> str | None:
+        """resourceVersion of the API-key Secret whose keys are cached for ``binding`` (or None)."""
+        cached = self.state.keys.get(binding)
+        return None if cached is None else cached[2]
+
     def _api_keys(self, b: TenantBinding) -> R.KeyLookup:
         ref = b.spec.api_key_secret_ref
         ident = (ref.name, ref.key, str(b.metadata.get("resourceVersion", "")))
         cached = self.state.keys.get(b.key)
-        if cached is not None and cached[0][:2] == ident[:2]:
+        watched = self.state.secret_versions.get((b.namespace, ref.name))
+        if cached is not None and cached[0][:2] == ident[:2] and watched in (None, cached[2]):
             return cached[1]
         try:
             secret = self.kube.get("v1", "Secret", ref.name, b.namespace)
@@ -516,7 +528,8 @@ class Reconciler:
                     error=C.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text"
                 )
         if lookup.error is None:
-            self.state.keys[b.key] = (ident, lookup)
+            version = str(((secret or {}).get("metadata") or {}).get("resourceVersion", ""))
+            self.state.keys[b.key] = (ident, lookup, version)
         return lookup
 
     def _binding_status(self, body: Obj, d: R.Decision) -> None:
