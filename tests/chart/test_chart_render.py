@@ -228,9 +228,16 @@ def test_engine_network_policy_admits_the_router_pods(rendered: dict[str, list[O
     # What the operator would build with its defaults also matches (labels the chart always sets).
     assert builders.OperatorOptions().router_pod_labels.items() <= router_labels.items()
     opts = builders.OperatorOptions(router_namespace=NAMESPACE, router_pod_labels=told)
+    tc = _trust_class()
+    peer = builders.network_policy(tc, opts)["spec"]["ingress"][0]["from"][0]
+    assert peer["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
+
+
+def _trust_class() -> Any:
     from kvfence.api.trustclass import TrustClass
 
-    tc = TrustClass.model_validate(
+    return TrustClass.model_validate(
         {
             "apiVersion": "kvfence.dev/v1alpha1",
             "kind": "TrustClass",
@@ -240,9 +247,6 @@ def test_engine_network_policy_admits_the_router_pods(rendered: dict[str, list[O
             },
         }
     )
-    peer = builders.network_policy(tc, opts)["spec"]["ingress"][0]["from"][0]
-    assert peer["podSelector"]["matchLabels"].items() <= router_labels.items()
-    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": NAMESPACE}
 
 
 def test_rbac_matches_the_operators_own_definition(rendered: dict[str, list[Obj]]) -> None:
@@ -345,6 +349,35 @@ def test_monitoring_values(rendered: dict[str, list[Obj]]) -> None:
     pm = one(objs, "PodMonitor")
     assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": builders.ENGINE_APP}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"  # the engine container's port name
+    # ... and the engines' NetworkPolicy lets Prometheus in, to that port only
+    from kvfence.operator.main import parse_args
+
+    args = parse_args(
+        [
+            a.replace("$(POD_NAME)", "pod-0")
+            for a in container(one(objs, "Deployment", "kvfence-operator"))["args"]
+        ]
+    )
+    assert args.scraper_namespace_labels == {"kubernetes.io/metadata.name": "monitoring"}
+    assert args.scraper_pod_labels == {"app.kubernetes.io/name": "prometheus"}
+    opts = builders.OperatorOptions(
+        router_namespace=args.router_namespace,
+        router_pod_labels=args.router_labels,
+        metrics_scraper_namespace_labels=args.scraper_namespace_labels,
+        metrics_scraper_pod_labels=args.scraper_pod_labels,
+    )
+    tc = _trust_class()
+    dep = builders.deployment(tc, "h", "k", opts)
+    (engine_port,) = dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert engine_port["name"] == pm["spec"]["podMetricsEndpoints"][0]["port"]
+    _, scraper = builders.network_policy(tc, opts)["spec"]["ingress"]
+    assert scraper["ports"] == [{"protocol": "TCP", "port": engine_port["containerPort"]}]
+    # the other values files admit no scraper
+    for name in ("default", "ha", "minimal"):
+        op_args = container(one(rendered[name], "Deployment", "kvfence-operator"))
+        assert not flag(op_args, "metrics-scraper-namespace-label") and not flag(
+            op_args, "metrics-scraper-pod-label"
+        )
     route = one(objs, "HTTPRoute", "kvfence-router")
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
     assert route["spec"]["parentRefs"] == [
@@ -440,6 +473,8 @@ def test_alerts_and_dashboard_only_use_metrics_that_exist(
         (["router.typo=1"], "additional properties"),
         (["image.digest=latest"], "digest"),
         (["operator.replicaCount=2", "operator.leaderElection.enabled=false"], "leaderElection"),
+        (["operator.engineMetricsScraper.podLabels.app=prometheus"], "needs namespaceLabels"),
+        (["operator.engineMetricsScraper.namespaceLabels.team=1"], "string"),
     ],
 )
 def test_bad_values_are_refused(sets: list[str], message: str) -> None:

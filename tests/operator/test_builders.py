@@ -205,6 +205,74 @@ def test_network_policy_admits_only_router_pods(make_tc: Any) -> None:
     assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
+def test_network_policy_admits_a_configured_metrics_scraper_on_the_metrics_port_only(make_tc: Any) -> None:
+    tc = make_tc(engine={"port": 8123})
+    opts = B.OperatorOptions(
+        router_namespace="edge",
+        router_pod_labels={"app": "router"},
+        metrics_scraper_namespace_labels={"kubernetes.io/metadata.name": "monitoring"},
+        metrics_scraper_pod_labels={"app.kubernetes.io/name": "prometheus"},
+    )
+    router_rule, scraper_rule = B.network_policy(tc, opts)["spec"]["ingress"]
+    assert (
+        router_rule
+        == B.network_policy(tc, B.OperatorOptions("edge", {"app": "router"}))["spec"]["ingress"][0]
+    )
+    assert scraper_rule == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": 8123}],
+    }
+    # both runtimes serve /metrics on the engine port (the inference API there needs router signatures)
+    assert B.metrics_port(tc) == 8123 == tc.spec.engine.port
+    # without pod labels: every pod of the monitoring namespaces, still only that port
+    (peer,) = B.network_policy(tc, B.OperatorOptions(metrics_scraper_namespace_labels={"team": "obs"}))[
+        "spec"
+    ]["ingress"][1]["from"]
+    assert peer == {"namespaceSelector": {"matchLabels": {"team": "obs"}}}
+    # off by default
+    assert len(B.network_policy(tc, OPTS)["spec"]["ingress"]) == 1
+
+
+def test_a_scraper_needs_a_namespace_selector() -> None:
+    # a podSelector alone would mean the engine's own namespace; from every namespace, anyone's pod
+    with pytest.raises(ValueError, match="namespace labels"):
+        B.OperatorOptions(metrics_scraper_pod_labels={"app": "prometheus"})
+
+
+@pytest.mark.parametrize(
+    "bad", ["novalue", "=x", "k=has space", "-k=v", "k=-v", "Upper.case/k=v", "k=" + "v" * 64]
+)
+def test_label_flags_are_validated(bad: str) -> None:
+    assert B.parse_labels(["kubernetes.io/metadata.name=monitoring", "app=", "a.b/c_d=x-y.z"]) == {
+        "kubernetes.io/metadata.name": "monitoring",
+        "app": "",
+        "a.b/c_d": "x-y.z",
+    }
+    with pytest.raises(ValueError, match="not a label"):
+        B.parse_labels([bad])
+
+
+def test_scraper_flags_reach_the_operator_options() -> None:
+    from kvfence.operator.main import parse_args
+
+    args = parse_args(
+        [
+            "--metrics-scraper-namespace-label=kubernetes.io/metadata.name=monitoring",
+            "--metrics-scraper-pod-label=app.kubernetes.io/name=prometheus",
+        ]
+    )
+    assert args.scraper_namespace_labels == {"kubernetes.io/metadata.name": "monitoring"}
+    assert args.scraper_pod_labels == {"app.kubernetes.io/name": "prometheus"}
+    for bad in (["--metrics-scraper-pod-label=app=prometheus"], ["--metrics-scraper-namespace-label=x"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
 def test_service_and_pdb_select_engine_pods(make_tc: Any) -> None:
     tc = make_tc()
     sel = B.selector_labels("gold")

@@ -421,11 +421,12 @@ def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]
         60,
     )
     kv("delete", "networkpolicy", "kvfence-engine-ingress", "-n", ns)
-    wait(
-        lambda: kv.json("get", "networkpolicy", "kvfence-engine-ingress", "-n", ns) is not None,
+    np = wait(
+        lambda: kv.json("get", "networkpolicy", "kvfence-engine-ingress", "-n", ns),
         "netpol back",
         60,
     )
+    assert len(np["spec"]["ingress"]) == 1  # the router only: no metrics scraper unless configured
     kv("delete", "pdb", "kvfence-engine", "-n", ns)
     wait(lambda: kv.json("get", "pdb", "kvfence-engine", "-n", ns) is not None, "pdb back", 60)
     # The signing-key Secret is watched by name: a deleted one comes back (a new key).

@@ -1,7 +1,10 @@
 """The Secrets the operator depends on are watched, on the real control plane, under the operator's own
 least-privilege ServiceAccount: a deleted or edited signing key and a rotated or deleted tenant API key
 are acted on within seconds, and a Secret nothing depends on triggers no reconcile. The operator here
-resyncs once an hour, so nothing below can be the resync's doing."""
+resyncs once an hour, so nothing below can be the resync's doing.
+
+The same operator admits a metrics scraper to the engines (opt-in flags): the NetworkPolicy the API
+server stores is checked rule by rule."""
 
 from __future__ import annotations
 
@@ -22,7 +25,12 @@ pytestmark = pytest.mark.cluster
 RESYNC_SECONDS = 3600
 #: "Within seconds": far below the resync, with room for a loaded 2-core test machine.
 PROMPT = 30.0
-OPERATOR_ARGS = ("--resync-seconds", str(RESYNC_SECONDS))
+OPERATOR_ARGS = (
+    "--resync-seconds",
+    str(RESYNC_SECONDS),
+    "--metrics-scraper-namespace-label=kubernetes.io/metadata.name=monitoring",
+    "--metrics-scraper-pod-label=app.kubernetes.io/name=prometheus",
+)
 EVENTS = "kvfence_operator_secret_events_total"
 
 
@@ -337,3 +345,73 @@ def test_a_namespace_that_did_not_opt_in_is_not_watched(
         dump=operator.tail,
     )
     assert "may not watch the Secrets of namespace wc-closed" in operator.log.read_text()
+
+
+def test_engines_admit_the_configured_metrics_scraper_on_the_metrics_port_only(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup.append("scraped")
+    engine = {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}, "port": 8123}
+    assert kv.apply(tc("scraped", engine=engine)).returncode == 0
+    ns = "kvf-scraped"
+    np = wait(
+        lambda: kv.json("get", "networkpolicy", "kvfence-engine-ingress", "-n", ns),
+        "the engine NetworkPolicy",
+        120,
+        dump=operator.tail,
+    )
+    engine_pods = {"app.kubernetes.io/name": "kvfence-engine", "app.kubernetes.io/instance": "scraped"}
+    expected = {
+        "podSelector": {"matchLabels": engine_pods},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": "kvfence-system"}
+                        },
+                        "podSelector": {
+                            "matchLabels": {
+                                "app.kubernetes.io/name": "kvfence",
+                                "app.kubernetes.io/component": "router",
+                            }
+                        },
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": 8123}],
+            },
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                    }
+                ],
+                "ports": [{"protocol": "TCP", "port": 8123}],
+            },
+        ],
+    }
+    assert np["spec"] == expected
+    # the engine pods it selects serve /metrics on that port
+    dep = kv.json("get", "deployment", "kvfence-engine", "-n", ns)
+    assert engine_pods.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert port["containerPort"] == 8123
+    # the scraper's rule is the operator's like the rest: removed by hand, it comes back
+    kv(
+        "patch",
+        "networkpolicy",
+        "kvfence-engine-ingress",
+        "-n",
+        ns,
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/spec/ingress/1"}]',
+    )
+    wait(
+        lambda: kv.json("get", "networkpolicy", "kvfence-engine-ingress", "-n", ns)["spec"] == expected,
+        "the scraper rule restored",
+        60,
+        dump=operator.tail,
+    )

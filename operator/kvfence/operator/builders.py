@@ -11,6 +11,8 @@ import base64
 import copy
 import hashlib
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,35 @@ class OperatorOptions:
     )
     cluster_domain: str = "cluster.local"
     version: str = "0.1.0"
+    #: Opt-in: the engines' NetworkPolicy also admits pods with ``metrics_scraper_pod_labels`` (all
+    #: pods when empty) in namespaces with ``metrics_scraper_namespace_labels`` to the metrics port.
+    #: Empty namespace labels (the default) admit no scraper.
+    metrics_scraper_namespace_labels: dict[str, str] = field(default_factory=dict)
+    metrics_scraper_pod_labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.metrics_scraper_pod_labels and not self.metrics_scraper_namespace_labels:
+            # A NetworkPolicy peer with only a podSelector means pods of the engine's own namespace;
+            # and admitting a label from every namespace would let any tenant label a pod and get in.
+            raise ValueError("a metrics scraper's pod labels need namespace labels too")
+
+
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_LABEL_KEY = re.compile(rf"^({_DNS_LABEL}(\.{_DNS_LABEL})*/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
+
+
+def parse_labels(pairs: Iterable[str]) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` as a dict of Kubernetes labels; ``ValueError`` names a bad one."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        prefix = key.rpartition("/")[0]
+        if not sep or not _LABEL_KEY.match(key) or len(prefix) > 253 or not _LABEL_VALUE.match(value):
+            raise ValueError(f"{pair!r} is not a label KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def labels(tc_name: str, component: str, version: str = "0.1.0") -> dict[str, str]:
@@ -448,8 +479,33 @@ def service(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> 
     }
 
 
+def metrics_port(tc: TrustClass) -> int:
+    """The port of the engine's ``/metrics``: both runtimes serve it on the engine port, next to the
+    inference API (which answers only requests the router signed)."""
+    return tc.spec.engine.port
+
+
 def network_policy(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
-    """Engine ingress only from router pods in the router's namespace, only on the engine port."""
+    """Engine ingress only from router pods in the router's namespace, only on the engine port; and,
+    when the operator is told a metrics scraper, from that scraper's pods, only on the metrics port."""
+    ingress: list[Obj] = [
+        {
+            "from": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": opts.router_namespace}
+                    },
+                    "podSelector": {"matchLabels": dict(opts.router_pod_labels)},
+                }
+            ],
+            "ports": [{"protocol": "TCP", "port": tc.spec.engine.port}],
+        }
+    ]
+    if opts.metrics_scraper_namespace_labels:
+        scraper: Obj = {"namespaceSelector": {"matchLabels": dict(opts.metrics_scraper_namespace_labels)}}
+        if opts.metrics_scraper_pod_labels:
+            scraper["podSelector"] = {"matchLabels": dict(opts.metrics_scraper_pod_labels)}
+        ingress.append({"from": [scraper], "ports": [{"protocol": "TCP", "port": metrics_port(tc)}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -457,19 +513,7 @@ def network_policy(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = No
         "spec": {
             "podSelector": {"matchLabels": selector_labels(tc.name)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": [
-                        {
-                            "namespaceSelector": {
-                                "matchLabels": {"kubernetes.io/metadata.name": opts.router_namespace}
-                            },
-                            "podSelector": {"matchLabels": dict(opts.router_pod_labels)},
-                        }
-                    ],
-                    "ports": [{"protocol": "TCP", "port": tc.spec.engine.port}],
-                }
-            ],
+            "ingress": ingress,
         },
     }
 

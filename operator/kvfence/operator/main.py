@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import faulthandler
 import http.server
@@ -31,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvfence.operator import handlers as _handlers  # registers the kopf handlers
 from kvfence.operator import metrics
 from kvfence.operator.apply import Kube, load_api_client
-from kvfence.operator.builders import FIELD_MANAGER, OperatorOptions
+from kvfence.operator.builders import FIELD_MANAGER, OperatorOptions, parse_labels
 from kvfence.operator.leader import LeaderElector
 from kvfence.operator.reconciler import Event, Reconciler
 
@@ -163,6 +164,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="labels of the router pods the engines' NetworkPolicy admits (repeatable; default "
         "app.kubernetes.io/name=kvfence, app.kubernetes.io/component=router)",
     )
+    p.add_argument(
+        "--metrics-scraper-namespace-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="opt-in: the engines' NetworkPolicy also admits a metrics scraper (Prometheus) from the "
+        "namespaces with these labels, to the engines' metrics port only (repeatable; e.g. "
+        "kubernetes.io/metadata.name=monitoring). Default: no scraper is admitted",
+    )
+    p.add_argument(
+        "--metrics-scraper-pod-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --metrics-scraper-namespace-label: only the scraper's pods with these labels "
+        "(repeatable; default: every pod of those namespaces)",
+    )
     p.add_argument("--cluster-domain", default="cluster.local")
     p.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz, /metrics (0: off)")
     p.add_argument("--health-host", default="0.0.0.0")  # noqa: S104 - a pod listens on its own IP
@@ -182,6 +200,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
+    try:
+        args.router_labels = parse_labels(args.router_pod_label)
+        args.scraper_namespace_labels = parse_labels(args.metrics_scraper_namespace_label)
+        args.scraper_pod_labels = parse_labels(args.metrics_scraper_pod_label)
+    except ValueError as e:
+        p.error(str(e))
+    if args.scraper_pod_labels and not args.scraper_namespace_labels:
+        p.error("--metrics-scraper-pod-label needs --metrics-scraper-namespace-label")
     if args.liveness:
         url = urllib.parse.urlsplit(args.liveness)
         if url.scheme != "http" or not url.port:
@@ -204,13 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     lease_kube = Kube(
         load_api_client(args.kubeconfig), on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc()
     )
-    router_labels = dict(kv.split("=", 1) for kv in args.router_pod_label)
-    opts = OperatorOptions(router_namespace=args.router_namespace, cluster_domain=args.cluster_domain)
-    if router_labels:
-        opts = OperatorOptions(
-            router_namespace=args.router_namespace,
-            cluster_domain=args.cluster_domain,
-            router_pod_labels=router_labels,
+    opts = OperatorOptions(
+        router_namespace=args.router_namespace,
+        cluster_domain=args.cluster_domain,
+        metrics_scraper_namespace_labels=args.scraper_namespace_labels,
+        metrics_scraper_pod_labels=args.scraper_pod_labels,
+    )
+    if args.router_labels:
+        opts = dataclasses.replace(opts, router_pod_labels=args.router_labels)
+    if opts.metrics_scraper_namespace_labels:
+        log.info(
+            "engines admit a metrics scraper: namespaces %s, pods %s",
+            opts.metrics_scraper_namespace_labels,
+            opts.metrics_scraper_pod_labels or "(any)",
         )
     elector: LeaderElector | None = None
     if args.leader_elect:
