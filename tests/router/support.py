@@ -60,6 +60,7 @@ class Proc:
                 if status == 200:
                     return self
             time.sleep(0.05)
+        self.stop()  # never leave a process behind that no fixture will stop
         raise RuntimeError(f"{self.args} not ready: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfence.api.routing import ROUTING_SECRET_KEY
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.errors import RouterError, error_response
@@ -31,6 +32,7 @@ from kvfence.router.http import HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection
+from kvfence.router.source import SecretSource
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
 
 log = logging.getLogger("kvfence.router")
@@ -43,7 +45,10 @@ MAX_TOKENS_LIMIT = 1 << 30
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    routing_table: str
+    routing_table: str = ""  # a file (the mounted Secret), polled; or:
+    routing_secret: str = ""  # NAMESPACE/NAME of the Secret, followed through the Kubernetes API
+    routing_secret_key: str = ROUTING_SECRET_KEY
+    kubeconfig: str | None = None  # for routing_secret; default: in-cluster
     reload_interval: float = 1.0
     replicas: int = 1
     max_body_bytes: int = 4 * 1024 * 1024
@@ -77,9 +82,14 @@ class RouterState:
         self.metrics.table_tenants.set(len(table.tenants))
 
     async def start(self) -> None:
-        self.watcher.check()
         await self.proxy.start()
-        self.tasks.append(asyncio.create_task(self.watcher.run()))
+        if self.config.routing_secret:
+            namespace, _, name = self.config.routing_secret.partition("/")
+            source = SecretSource(namespace, name, self.config.routing_secret_key, self.config.kubeconfig)
+            self.tasks.append(asyncio.create_task(source.run(self.watcher)))
+        else:
+            self.watcher.check()
+            self.tasks.append(asyncio.create_task(self.watcher.run()))
         self.tasks.append(asyncio.create_task(self.health_loop()))
 
     async def stop(self) -> None:
@@ -382,7 +392,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--routing-table",
         default=_env("KVFENCE_ROUTING_TABLE", ""),
-        help="routing table JSON file (the mounted kvfence-routing Secret) [KVFENCE_ROUTING_TABLE]",
+        help="routing table JSON file (the mounted kvfence-routing Secret), polled [KVFENCE_ROUTING_TABLE]",
+    )
+    p.add_argument(
+        "--routing-secret",
+        default=_env("KVFENCE_ROUTING_SECRET", ""),
+        metavar="NAMESPACE/NAME",
+        help="follow the routing table Secret through the Kubernetes API instead of a file: changes "
+        "(a revoked key) apply within a second, not at the kubelet's next volume refresh "
+        "[KVFENCE_ROUTING_SECRET]",
+    )
+    p.add_argument("--routing-secret-key", default=ROUTING_SECRET_KEY, help="the Secret's data key")
+    p.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="for --routing-secret (default: in-cluster) [KUBECONFIG]",
     )
     p.add_argument("--host", default=_env("KVFENCE_ROUTER_HOST", "0.0.0.0"))  # noqa: S104
     p.add_argument("--port", type=int, default=int(_env("KVFENCE_ROUTER_PORT", "8080")))
@@ -423,8 +447,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default=_env("KVFENCE_LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
-    if not args.routing_table:
-        p.error("--routing-table is required")
+    if bool(args.routing_table) == bool(args.routing_secret):
+        p.error("give exactly one of --routing-table FILE and --routing-secret NAMESPACE/NAME")
+    if args.routing_secret:
+        namespace, _, name = args.routing_secret.partition("/")
+        if not namespace or not name or "/" in name:
+            p.error("--routing-secret must be NAMESPACE/NAME")
     if args.replicas < 1:
         p.error("--replicas must be >= 1")
     return args
@@ -433,6 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         routing_table=args.routing_table,
+        routing_secret=args.routing_secret,
+        routing_secret_key=args.routing_secret_key,
+        kubeconfig=args.kubeconfig,
         reload_interval=args.reload_interval,
         replicas=args.replicas,
         max_body_bytes=args.max_body_bytes,

@@ -279,6 +279,25 @@ class TableWatcher:
         if self._on_change:
             self._on_change(table)
 
+    def missing(self, what: str) -> None:
+        """The source has no table right now (deleted, missing key): keep the current one."""
+        if self.last_error != what:
+            log.error("%s; keeping the current routing table", what)
+        self.last_error = what
+
+    async def offer(self, raw: bytes) -> bool:
+        """A table's bytes from a source other than the file (:mod:`kvfence.router.source`):
+        validated and compiled in a thread, swapped in on the event loop. True if now in force."""
+        if self.loaded and hashlib.sha256(raw).hexdigest() == self.table.checksum:
+            return False
+        try:
+            table = await asyncio.to_thread(parse_table, raw)
+        except TableError as e:
+            self._refuse(e)
+            return False
+        self._install(table)
+        return True
+
     def check(self) -> bool:
         """Reload if the file changed. Returns True if a new table is now in force."""
         try:
