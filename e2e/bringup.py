@@ -45,8 +45,8 @@ def main() -> int:
     svc = json.loads(kube.run("get", "svc", f"{RELEASE}-router", "-n", NAMESPACE, "-o", "json"))
     ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
     acme = example_tenants()["acme"]
-    # The routing table reaches the router through a mounted Secret, which the kubelet refreshes on its
-    # own schedule: say "up" only once the router knows the tenants.
+    # The operator writes the routing table once the examples' engines exist; the router follows that
+    # Secret through the API: say "up" only once the router knows the tenants.
     router = Router(f"http://{ip}:{port}")
     for t in example_tenants().values():
         wait_until(
@@ -68,8 +68,8 @@ kvfence is up. The router's Service is reachable from this machine at http://{ip
   kubectl get trustclasses,tenantbindings -A
   curl -s http://{ip}:{port}/metrics | grep kvfence_router_requests
 
-Bindings you add reach the router when the kubelet refreshes the mounted routing Secret (about a
-minute). `make down` stops everything.
+Bindings you add (or API keys you revoke) reach the router within seconds. `make down` stops
+everything.
 """
     )
     return 0

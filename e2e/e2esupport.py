@@ -291,12 +291,12 @@ def port_forward(kube: Kube) -> Iterator[Router]:
     try:
         router = Router(f"http://127.0.0.1:{port}", quota_divisor=router_replicas(kube))
         wait_until(lambda: router.request("GET", "/readyz").status == 200, "the router's /readyz", 120)
-        # The routing table reaches the router through a mounted Secret: the kubelet refreshes it on
-        # its own schedule (about a minute), so new bindings route only after that.
+        # The operator writes the routing table once the engines exist; the router follows the
+        # Secret through the API (or, with routingTableSource=volume, the kubelet's refresh).
         for t in example_tenants().values():
             wait_until(
                 lambda t=t: router.request("GET", "/v1/models", key=t.api_key).status == 200,
-                f"the router to know tenant {t.id} (mounted Secret refresh)",
+                f"the router to know tenant {t.id}",
                 300,
                 2,
             )

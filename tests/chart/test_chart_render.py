@@ -30,6 +30,7 @@ from chart.chartsupport import (
 from kvfence import contract
 from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
 from kvfence.operator import builders, rbac
+from kvfence.router import source
 
 CI = {p.name.removesuffix("-values.yaml"): p for p in CI_VALUES}
 RECOMMENDED = (
@@ -123,6 +124,8 @@ def test_default_objects(rendered: dict[str, list[Obj]]) -> None:
             ("ClusterRoleBinding", "kvfence-operator"),
             ("Role", "kvfence-operator-leader-election"),
             ("RoleBinding", "kvfence-operator-leader-election"),
+            ("Role", "kvfence-router"),
+            ("RoleBinding", "kvfence-router"),
             ("Deployment", "kvfence-operator"),
             ("Deployment", "kvfence-router"),
             ("Service", "kvfence-operator-metrics"),
@@ -199,13 +202,20 @@ def test_router_deployment_reads_the_routing_table_the_operator_renders(
     c = container(r)
     pod = r["spec"]["template"]["spec"]
     assert c["command"] == ["kvfence-router"]
-    vol = next(v for v in pod["volumes"] if "secret" in v)
-    assert vol["secret"]["secretName"] == ROUTING_SECRET_NAME
-    assert vol["secret"]["optional"] is True
-    assert vol["secret"]["items"] == [{"key": ROUTING_SECRET_KEY, "path": ROUTING_SECRET_KEY}]
-    mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
-    assert flag(c, "routing-table") == [f"{mount['mountPath']}/{ROUTING_SECRET_KEY}"]
-    assert pod["automountServiceAccountToken"] is False
+    # Default: the Secret through the API, with a token that may read that Secret and nothing else.
+    assert flag(c, "routing-secret") == [f"{NAMESPACE}/{ROUTING_SECRET_NAME}"]
+    assert flag(c, "routing-secret-key") == [ROUTING_SECRET_KEY] and not flag(c, "routing-table")
+    assert not any("secret" in v for v in pod["volumes"])
+    assert pod["automountServiceAccountToken"] is True
+    role = one(objs, "Role", "kvfence-router")
+    assert normalize_rules(role["rules"]) == normalize_rules(
+        source.role(NAMESPACE, ROUTING_SECRET_NAME)["rules"]
+    )
+    binding = one(objs, "RoleBinding", "kvfence-router")
+    assert binding["roleRef"]["name"] == "kvfence-router"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}
+    ]
     _assert_hardened(r)
     # The flags are the router's own.
     from kvfence.router.server import parse_args
@@ -216,6 +226,24 @@ def test_router_deployment_reads_the_routing_table_the_operator_renders(
     svc = one(objs, "Service", "kvfence-router")
     assert svc["spec"]["selector"].items() <= r["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_router_can_read_the_routing_table_from_a_volume_without_api_access() -> None:
+    objs = render(sets=["router.routingTableSource=volume"])
+    assert not find(objs, "Role", "kvfence-router") and not find(objs, "RoleBinding", "kvfence-router")
+    r = one(objs, "Deployment", "kvfence-router")
+    c = container(r)
+    pod = r["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if "secret" in v)
+    assert vol["secret"]["secretName"] == ROUTING_SECRET_NAME
+    assert vol["secret"]["optional"] is True
+    assert vol["secret"]["items"] == [{"key": ROUTING_SECRET_KEY, "path": ROUTING_SECRET_KEY}]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
+    assert flag(c, "routing-table") == [f"{mount['mountPath']}/{ROUTING_SECRET_KEY}"]
+    assert not flag(c, "routing-secret")
+    assert pod["automountServiceAccountToken"] is False
+    res = helm("template", "x", str(CHART), "--set", "router.routingTableSource=mounted", check=False)
+    assert res.returncode != 0 and "routingTableSource" in res.stderr
 
 
 def test_engine_network_policy_admits_the_router_pods(rendered: dict[str, list[Obj]]) -> None:
@@ -273,12 +301,12 @@ def test_rbac_matches_the_operators_own_definition(rendered: dict[str, list[Obj]
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
-    # Nothing in the chart grants the router any API access.
-    assert not [
-        b
+    # The router's only grant is its Role on the routing Secret (checked in the router test above).
+    assert [
+        b["roleRef"]["name"]
         for b in find(objs, "RoleBinding") + find(objs, "ClusterRoleBinding")
         if "router" in str(b["subjects"])
-    ]
+    ] == ["kvfence-router"]
     # The operator's names are the ones its code uses.
     assert builders.SIGNING_SECRET_NAME in str(rbac.cluster_role()["rules"])
 
@@ -327,7 +355,9 @@ def test_minimal_values(rendered: dict[str, list[Obj]]) -> None:
     op = one(objs, "Deployment", "kvfence-operator")
     assert op["spec"]["replicas"] == 1
     assert "--no-leader-elect" in container(op)["args"]
-    assert not find(objs, "Role") and not find(objs, "PodDisruptionBudget")
+    assert not find(objs, "Role", "kvfence-operator-leader-election") and not find(
+        objs, "PodDisruptionBudget"
+    )
     assert not find(objs, "ConfigMap")
     assert flag(container(one(objs, "Deployment", "kvfence-router")), "replicas") == ["1"]
 
