@@ -417,6 +417,23 @@ class LocalCluster:
         args = ["apply", "-f", "-"] + (["--server-side"] if server_side else [])
         self.kubectl(*args, input=json.dumps(doc))
 
+    def serviceaccount_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
+        """A kubeconfig that authenticates as ServiceAccount ``namespace/name`` (a fresh token), for
+        running a component under exactly the RBAC its account is bound to."""
+        token = self.kubectl("create", "token", name, "-n", namespace, "--duration=6h").stdout.strip()
+        entry = json.loads(Path(self.kubeconfig).read_text())["clusters"][0]
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [entry],
+            "users": [{"name": name, "user": {"token": token}}],
+            "contexts": [{"name": name, "context": {"cluster": entry["name"], "user": name}}],
+            "current-context": name,
+        }
+        path.write_text(json.dumps(cfg))
+        path.chmod(0o600)
+        return path
+
     def env(self) -> dict[str, str]:
         """Environment for subprocesses that should talk to this cluster."""
         return {

@@ -287,20 +287,9 @@ def installed(cluster: Any, kv: Kubectl, tmp_path_factory: pytest.TempPathFactor
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}}
     res = kv.apply(ns, *rbac.manifests(OPERATOR_NS))
     assert res.returncode == 0, res.stderr
-    token = kv("create", "token", rbac.NAME, "-n", OPERATOR_NS, "--duration=6h").stdout.strip()
-    admin = json.loads(Path(cluster.kubeconfig).read_text())
-    cluster_entry = admin["clusters"][0]
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [cluster_entry],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": cluster_entry["name"], "user": "operator"}}],
-        "current-context": "operator",
-    }
-    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(json.dumps(cfg))
-    path.chmod(0o600)
+    path: Path = cluster.serviceaccount_kubeconfig(
+        OPERATOR_NS, rbac.NAME, tmp_path_factory.mktemp("operator") / "kubeconfig"
+    )
     return path
 
 

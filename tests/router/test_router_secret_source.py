@@ -53,21 +53,7 @@ def router_kubeconfig(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFa
             },
         ]
     )
-    token = cluster.kubectl("create", "token", SA, "-n", NS, "--duration=2h").stdout.strip()
-    admin = json.loads(Path(cluster.kubeconfig).read_text())
-    entry = admin["clusters"][0]
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [entry],
-        "users": [{"name": SA, "user": {"token": token}}],
-        "contexts": [{"name": SA, "context": {"cluster": entry["name"], "user": SA}}],
-        "current-context": SA,
-    }
-    path = tmp_path_factory.mktemp("router-sa") / "kubeconfig"
-    path.write_text(json.dumps(cfg))
-    path.chmod(0o600)
-    return path
+    return cluster.serviceaccount_kubeconfig(NS, SA, tmp_path_factory.mktemp("router-sa") / "kubeconfig")
 
 
 @pytest.fixture

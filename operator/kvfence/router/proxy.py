@@ -158,6 +158,11 @@ def _unavailable(cls: ClassPlan, why: str) -> RouterError:
     )
 
 
+def _timeout(cls: ClassPlan) -> RouterError:
+    message = f"The engine for trust class '{cls.name}' did not answer in time."
+    return RouterError(504, message, "engine_timeout", "upstream_error")
+
+
 def _bad_gateway(cls: ClassPlan, what: str) -> RouterError:
     return RouterError(
         502, f"The engine for trust class '{cls.name}' {what}.", "bad_gateway", "upstream_error"
@@ -282,12 +287,7 @@ class Proxy:
                 raise _unavailable(cls, "unreachable") from None
             if e.kind == "timeout":
                 self.metrics.upstream_errors.inc((cls.name, "timeout"))
-                raise RouterError(
-                    504,
-                    f"The engine for trust class '{cls.name}' did not answer in time.",
-                    "engine_timeout",
-                    "upstream_error",
-                ) from None
+                raise _timeout(cls) from None
             self.metrics.upstream_errors.inc((cls.name, "protocol"))
             raise _bad_gateway(cls, f"gave a bad answer ({e})") from None
 
@@ -330,12 +330,7 @@ class Proxy:
             kind = "timeout" if e.kind == "timeout" else "read"
             self.metrics.upstream_errors.inc((cls.name, kind))
             if e.kind == "timeout":
-                raise RouterError(
-                    504,
-                    f"The engine for trust class '{cls.name}' did not answer in time.",
-                    "engine_timeout",
-                    "upstream_error",
-                ) from None
+                raise _timeout(cls) from None
             raise _bad_gateway(cls, f"failed mid-answer ({e})") from None
         finally:
             # Back to the pool when read to its end; closed otherwise (a client that went away
