@@ -394,6 +394,7 @@ def _script(name: str) -> str:
 def local_stack(workdir: Path) -> Iterator[Router]:
     """Reference engines and the router as processes, configured from examples/ by the operator's own
     pure functions (engine config builder, binding decisions, routing table)."""
+    from kvfence.api.routing import hash_api_key
     from kvfence.api.tenantbinding import TenantBinding
     from kvfence.api.trustclass import TrustClass
     from kvfence.contract import new_signing_key
@@ -412,7 +413,7 @@ def local_stack(workdir: Path) -> Iterator[Router]:
         s = secrets[(b.namespace, b.spec.api_key_secret_ref.name)]
         data = {k: base64.b64encode(v.encode()).decode() for k, v in s.get("stringData", {}).items()}
         keys = routes.api_keys_from_secret({"data": data}, b.spec.api_key_secret_ref.key)
-        lookups[b.key] = routes.KeyLookup(hashes=tuple(routes.hash_api_key(k) for k in keys))
+        lookups[b.key] = routes.KeyLookup(hashes=tuple(hash_api_key(k) for k in keys))
     signing = {name: new_signing_key() for name in classes}
     opts = OperatorOptions()
     states = {n: routes.ClassState(tc, signing_keys=(signing[n],)) for n, tc in classes.items()}

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvfence.api import conditions as C
-from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable
+from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable, hash_api_key
 from kvfence.operator import routes as R
 from kvfence.operator.builders import OperatorOptions
 
@@ -17,11 +17,11 @@ NS = {"team-a": {"kvfence.dev/tenants": "gold"}, "team-b": {"kvfence.dev/tenants
 
 
 def keys(*pairs: tuple[str, str]) -> dict[str, R.KeyLookup]:
-    return {b: R.KeyLookup(hashes=(R.hash_api_key(k),)) for b, k in pairs}
+    return {b: R.KeyLookup(hashes=(hash_api_key(k),)) for b, k in pairs}
 
 
 def test_hash_and_secret_parsing() -> None:
-    assert R.hash_api_key("abc") == "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert hash_api_key("abc") == "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
     enc = base64.b64encode(b"k1\n\nk2 \n").decode()
     secret = {"data": {"keys": enc, "other": base64.b64encode(b"k3").decode()}}
     assert R.api_keys_from_secret(secret, "keys") == ["k1", "k2"]
@@ -37,7 +37,7 @@ def test_bound_binding_routes_with_hashed_keys(make_tc: Any, make_tb: Any) -> No
     assert d.bound and not d.denied and d.reason == C.REASON_BOUND and d.api_keys == 1
     route = out.table.tenants["acme"]
     assert route.trust_class == "gold" and route.binding == "team-a/acme"
-    assert route.api_key_hashes == [R.hash_api_key("secret-1")]
+    assert route.api_key_hashes == [hash_api_key("secret-1")]
     assert "secret-1" not in R.table_json(out.table)
     assert route.quotas.requests_per_minute == 120
     cls = out.table.trust_classes["gold"]
@@ -112,7 +112,7 @@ def test_denied_bindings_never_route(make_tc: Any, make_tb: Any) -> None:
     routed_hashes = {h for t in out.table.tenants.values() for h in t.api_key_hashes}
     for b, lk in lookups.items():
         if not out.decisions[b].bound:
-            assert not (set(lk.hashes) - {R.hash_api_key("k-first")}) & routed_hashes
+            assert not (set(lk.hashes) - {hash_api_key("k-first")}) & routed_hashes
 
 
 def test_unset_selector_admits_none_and_empty_admits_all(make_tc: Any, make_tb: Any) -> None:
@@ -166,7 +166,7 @@ def _big_table(n: int) -> RoutingTable:
         tenants={
             f"t{i}": TenantRoute(
                 trust_class=f"c{i % 1000}",
-                api_key_hashes=[R.hash_api_key(str(i))],
+                api_key_hashes=[hash_api_key(str(i))],
                 binding=f"ns{i % 10}/t{i}",
             )
             for i in range(n)

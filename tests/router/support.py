@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfence.router.table import hash_api_key
+from kvfence.api.routing import hash_api_key
 
 HERE = Path(__file__).parent
 GOLD_KEY = bytes(range(32))

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, free_port, standard_table, write_table
 
-from kvfence.api.routing import Quotas, RoutingTable, encode_table
+from kvfence.api.routing import Quotas, RoutingTable, encode_table, hash_api_key
 from kvfence.contract import (
     HEADER_SIGNATURE,
     HEADER_TENANT,
@@ -26,7 +26,7 @@ from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, _UsageScanner, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, parse_body, reserve_tokens
-from kvfence.router.table import TableError, TableWatcher, compile_table, hash_api_key, parse_table
+from kvfence.router.table import TableError, TableWatcher, compile_table, parse_table
 
 
 def _table(**overrides: object) -> bytes:

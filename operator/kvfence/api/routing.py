@@ -13,6 +13,7 @@ bytes through :func:`decode_table_bytes` (gzip is recognised by its magic number
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +28,13 @@ GZIP_MAGIC = b"\x1f\x8b"
 COMPRESS_ABOVE_BYTES = 512 * 1024
 #: What fits into the Secret (1 MiB, less room for the other fields).
 MAX_STORED_BYTES = 1024 * 1024 - 16 * 1024
+KEY_HASH_PREFIX = "sha256:"
+
+
+def hash_api_key(api_key: str) -> str:
+    """How the routing table stores an API key: ``sha256:<hex>`` (the operator writes it, the router
+    hashes what a client presents and looks it up)."""
+    return KEY_HASH_PREFIX + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
 
 class _Model(BaseModel):

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from kvfence.api import conditions as C
 from kvfence.api.common import API_VERSION, TenantQuotas
-from kvfence.api.routing import ROUTING_SECRET_NAME
+from kvfence.api.routing import ROUTING_SECRET_NAME, hash_api_key
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
@@ -522,7 +522,7 @@ class Reconciler:
         else:
             try:
                 keys = R.api_keys_from_secret(secret, ref.key)
-                lookup = R.KeyLookup(hashes=tuple(sorted({R.hash_api_key(k) for k in keys})))
+                lookup = R.KeyLookup(hashes=tuple(sorted({hash_api_key(k) for k in keys})))
             except (ValueError, UnicodeDecodeError):
                 lookup = R.KeyLookup(
                     error=C.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text"

@@ -8,7 +8,6 @@ must identify one tenant) and says, per binding, whether it is ``Bound`` or ``De
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,10 +30,6 @@ from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorO
 
 REASON_DUPLICATE_API_KEY = C.REASON_DUPLICATE_API_KEY
 REASON_KV_OVERCOMMITTED = C.REASON_KV_OVERCOMMITTED
-
-
-def hash_api_key(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
 def api_keys_from_secret(secret: Mapping[str, Any], key: str | None) -> list[str]:

@@ -28,12 +28,10 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from kvfence.api.routing import Quotas, RoutingTable, decode_table_bytes
+from kvfence.api.routing import KEY_HASH_PREFIX, Quotas, RoutingTable, decode_table_bytes
 from kvfence.contract import CacheScope, Identity, cache_namespace, derive_cache_salt, key_id
 
 log = logging.getLogger("kvfence.router.table")
-
-KEY_HASH_PREFIX = "sha256:"
 
 
 class TableError(Exception):
@@ -79,11 +77,6 @@ class CompiledTable:
     @staticmethod
     def empty() -> CompiledTable:
         return CompiledTable(checksum="", classes={}, tenants={}, key_hashes={})
-
-
-def hash_api_key(api_key: str) -> str:
-    """How the routing table stores an API key: ``sha256:<hex>``."""
-    return KEY_HASH_PREFIX + hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
 
 def _check_endpoint(url: str) -> str:
