@@ -6,30 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from cluster.manifests import tenant_binding, trust_class
 
 pytestmark = pytest.mark.cluster
-
-
-def _tc(name: str, **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"engine": {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}}}
-    base.update(spec)
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TrustClass",
-        "metadata": {"name": name},
-        "spec": base,
-    }
-
-
-def _tb(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"tenantId": name, "trustClassName": "gold", "apiKeySecretRef": {"name": "keys"}}
-    base.update(spec)
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TenantBinding",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": base,
-    }
 
 
 @pytest.mark.parametrize(
@@ -90,19 +69,19 @@ def _tb(name: str, ns: str, **spec: Any) -> dict[str, Any]:
 def test_bad_trustclass_is_rejected_with_the_field_named(
     installed: Any, kv: Any, spec: Any, field: str, words: str
 ) -> None:
-    res = kv.apply(_tc("crd-bad", **spec))
+    res = kv.apply(trust_class("crd-bad", **spec))
     assert res.returncode != 0, f"accepted: {spec}"
     assert field in res.stderr and words in res.stderr, res.stderr
     assert kv.json("get", "trustclass", "crd-bad") is None
 
 
 def test_trustclass_name_length_and_immutable_namespace(installed: Any, kv: Any) -> None:
-    res = kv.apply(_tc("x" * 60))
+    res = kv.apply(trust_class("x" * 60))
     assert res.returncode != 0 and "metadata.name must be at most 59 characters" in res.stderr
     try:
-        ok = kv.apply(_tc("crd-immutable", namespace="crd-immutable-engines", replicas=0))
+        ok = kv.apply(trust_class("crd-immutable", namespace="crd-immutable-engines", replicas=0))
         assert ok.returncode == 0, ok.stderr
-        moved = kv.apply(_tc("crd-immutable", namespace="elsewhere", replicas=0))
+        moved = kv.apply(trust_class("crd-immutable", namespace="elsewhere", replicas=0))
         assert moved.returncode != 0 and "namespace is immutable" in moved.stderr
         got = kv.json("get", "trustclass", "crd-immutable")
         # defaults are applied by the API server, from the schema
@@ -117,20 +96,20 @@ def test_bad_tenantbinding_is_rejected_with_the_field_named(installed: Any, kv: 
     kv("create", "namespace", "crd-tb")
     try:
         bad = [
-            (_tb("a", "crd-tb", tenantId="Not_Valid!"), "spec.tenantId"),
+            (tenant_binding("a", "crd-tb", tenantId="Not_Valid!"), "spec.tenantId"),
             (
-                _tb("b", "crd-tb", quotas={"maxKVBlocks": 1, "guaranteedKVBlocks": 5}),
+                tenant_binding("b", "crd-tb", quotas={"maxKVBlocks": 1, "guaranteedKVBlocks": 5}),
                 "spec.quotas.guaranteedKVBlocks",
             ),
-            (_tb("c", "crd-tb", apiKeySecretRef={}), "spec.apiKeySecretRef.name"),
-            (_tb("d", "crd-tb", quotas={"requestsPerMinute": 0}), "spec.quotas.requestsPerMinute"),
+            (tenant_binding("c", "crd-tb", apiKeySecretRef={}), "spec.apiKeySecretRef.name"),
+            (tenant_binding("d", "crd-tb", quotas={"requestsPerMinute": 0}), "spec.quotas.requestsPerMinute"),
         ]
         for obj, field in bad:
             res = kv.apply(obj)
             assert res.returncode != 0 and field in res.stderr, res.stderr
-        ok = kv.apply(_tb("e", "crd-tb"))
+        ok = kv.apply(tenant_binding("e", "crd-tb"))
         assert ok.returncode == 0, ok.stderr
-        renamed = kv.apply(_tb("e", "crd-tb", tenantId="other"))
+        renamed = kv.apply(tenant_binding("e", "crd-tb", tenantId="other"))
         assert renamed.returncode != 0 and "tenantId is immutable" in renamed.stderr
     finally:
         kv("delete", "namespace", "crd-tb", "--wait=false")

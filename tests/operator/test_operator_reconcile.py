@@ -5,78 +5,26 @@ rotation, deletion, and least-privilege RBAC."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from cluster.manifests import (
+    condition,
+    keys_secret,
+    ready,
+    sha,
+    tenant_binding,
+    tenant_namespace,
+    trust_class,
+)
 
 from kvfence.operator import rbac
 
 pytestmark = pytest.mark.cluster
 
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-
-
-def tc(name: str, **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"engine": {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}}}
-    base.update(spec)
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TrustClass",
-        "metadata": {"name": name},
-        "spec": base,
-    }
-
-
-def tb(name: str, ns: str, tenant: str, trust_class: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TenantBinding",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "tenantId": tenant,
-            "trustClassName": trust_class,
-            "apiKeySecretRef": {"name": f"{name}-keys"},
-            **spec,
-        },
-    }
-
-
-def keys_secret(name: str, ns: str, *keys: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": f"{name}-keys", "namespace": ns},
-        "stringData": {f"k{i}": k for i, k in enumerate(keys)},
-    }
-
-
-def tenant_ns(name: str, *, label: str | None, grant: bool) -> list[dict[str, Any]]:
-    ns: dict[str, Any] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
-    if label:
-        ns["metadata"]["labels"] = {"kvfence.dev/tenants": label}
-    return [ns, *([rbac.tenant_secrets_binding(name, "kvfence-system")] if grant else [])]
-
-
-def sha(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
-    for c in ((obj or {}).get("status") or {}).get("conditions", []):
-        if c["type"] == ctype:
-            return dict(c)
-    return {}
-
-
-def ready(kv: Any, name: str) -> bool:
-    obj = kv.json("get", "trustclass", name)
-    c = condition(obj, "Ready")
-    return bool(
-        obj and c.get("status") == "True" and c.get("observedGeneration") == obj["metadata"]["generation"]
-    )
 
 
 def pods(kv: Any, ns: str) -> list[dict[str, Any]]:
@@ -130,18 +78,18 @@ def test_gpu_engines_land_on_gpu_nodes_with_the_right_resource_names(
 ) -> None:
     cleanup += ["gpu-h100", "gpu-mig", "gpu-vllm"]
     res = kv.apply(
-        tc(
+        trust_class(
             "gpu-h100",
             replicas=2,
             resources={"gpu": {"count": 2}, "cpu": "2", "memory": "8Gi"},
             placement={"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
         ),
-        tc(
+        trust_class(
             "gpu-mig",
             resources={"gpu": {"count": 1, "resourceName": "nvidia.com/mig-1g.5gb"}},
             placement={"tolerations": [GPU_TOLERATION]},
         ),
-        tc(
+        trust_class(
             "gpu-vllm",
             engine={
                 "runtime": "vllm",
@@ -188,7 +136,7 @@ def test_too_many_gpus_stay_pending_and_are_reported(
     operator: Any, kv: Any, wait: Any, cleanup: list[str]
 ) -> None:
     cleanup.append("gpu-huge")
-    assert kv.apply(tc("gpu-huge", resources={"gpu": {"count": 16}})).returncode == 0
+    assert kv.apply(trust_class("gpu-huge", resources={"gpu": {"count": 16}})).returncode == 0
     wait(lambda: pods(kv, "kvf-gpu-huge"), "a pod", 120)
 
     def not_ready() -> bool:
@@ -209,15 +157,15 @@ def test_dedicated_trust_classes_never_share_a_node(
     cleanup += ["ded-a", "ded-b", "shared-c"]
     dedicated = {"dedicatedNodes": {"enabled": True}, "tolerations": [GPU_TOLERATION]}
     res = kv.apply(
-        tc("ded-a", replicas=2, resources={"gpu": {"count": 1}}, placement=dedicated),
-        tc("ded-b", replicas=2, resources={"gpu": {"count": 1}}, placement=dedicated),
+        trust_class("ded-a", replicas=2, resources={"gpu": {"count": 1}}, placement=dedicated),
+        trust_class("ded-b", replicas=2, resources={"gpu": {"count": 1}}, placement=dedicated),
     )
     assert res.returncode == 0, res.stderr
     for name in ("ded-a", "ded-b"):
         wait(lambda n=name: ready(kv, n), f"{name} Ready", 180, dump=operator.tail)
     # A class that does not ask for dedicated nodes, allowed everywhere, with more replicas than the
     # nodes left over: the dedicated classes' anti-affinity keeps it off their nodes anyway.
-    shared = tc(
+    shared = trust_class(
         "shared-c", replicas=6, resources={"gpu": {"count": 0}}, placement={"tolerations": [GPU_TOLERATION]}
     )
     assert kv.apply(shared).returncode == 0
@@ -238,7 +186,7 @@ def test_dedicated_trust_classes_never_share_a_node(
 def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
     cleanup += ["route-gold", "route-silver"]
     objs = [
-        tc(
+        trust_class(
             "route-gold",
             replicas=0,
             engine={
@@ -252,11 +200,11 @@ def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, clean
                 "limits": {"requestsPerMinute": 600, "maxKVBlocks": 512},
             },
         ),
-        tc("route-silver", replicas=0, namespaceSelector={}),
-        *tenant_ns("rt-a", label="gold", grant=True),
-        *tenant_ns("rt-b", label="gold", grant=True),
-        *tenant_ns("rt-rogue", label=None, grant=True),
-        *tenant_ns("rt-closed", label="gold", grant=False),
+        trust_class("route-silver", replicas=0, namespaceSelector={}),
+        *tenant_namespace("rt-a", label="gold", grant=True),
+        *tenant_namespace("rt-b", label="gold", grant=True),
+        *tenant_namespace("rt-rogue", label=None, grant=True),
+        *tenant_namespace("rt-closed", label="gold", grant=False),
     ]
     assert kv.apply(*objs).returncode == 0
     bindings = [
@@ -277,17 +225,15 @@ def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, clean
     ]
     for name, ns, tenant, cls, spec in bindings:
         secret = [keys_secret(name, ns, f"sk-{name}")] if name != "nosecret" else []
-        assert kv.apply(*secret, tb(name, ns, tenant, cls, **spec)).returncode == 0
+        assert kv.apply(*secret, tenant_binding(name, ns, tenant, cls, **spec)).returncode == 0
     # a later binding claiming an existing tenant id, with the first one's API key as well
     wait(
         lambda: condition(kv.json("get", "tb", "ok", "-n", "rt-a"), "Bound").get("status") == "True",
         "ok Bound",
         120,
     )
-    assert (
-        kv.apply(keys_secret("dup", "rt-b", "sk-dup"), tb("dup", "rt-b", "t-ok", "route-gold")).returncode
-        == 0
-    )
+    dup = tenant_binding("dup", "rt-b", "t-ok", "route-gold")
+    assert kv.apply(keys_secret("dup", "rt-b", "sk-dup"), dup).returncode == 0
     expected = {
         ("rt-a", "ok"): ("True", "False", "Bound"),
         ("rt-rogue", "silver"): ("True", "False", "Bound"),
@@ -388,7 +334,7 @@ def test_health_metrics_and_json_logs(operator: Any) -> None:
 
 def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
     cleanup.append("drift")
-    assert kv.apply(tc("drift", replicas=2, resources={"gpu": {"count": 1}})).returncode == 0
+    assert kv.apply(trust_class("drift", replicas=2, resources={"gpu": {"count": 1}})).returncode == 0
     wait(lambda: ready(kv, "drift"), "drift Ready", 180, dump=operator.tail)
     ns = "kvf-drift"
     kv("scale", "deployment/kvfence-engine", "-n", ns, "--replicas=0")
@@ -439,7 +385,7 @@ def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]
 
 def test_signing_key_rotation(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
     cleanup.append("rotate")
-    assert kv.apply(tc("rotate", replicas=1, resources={"gpu": {"count": 0}})).returncode == 0
+    assert kv.apply(trust_class("rotate", replicas=1, resources={"gpu": {"count": 0}})).returncode == 0
     wait(lambda: ready(kv, "rotate"), "rotate Ready", 180, dump=operator.tail)
     before = kv.json("get", "secret", "kvfence-signing-key", "-n", "kvf-rotate")["data"]
     assert set(before) == {"current"} and len(base64.b64decode(before["current"])) == 32
@@ -469,10 +415,10 @@ def test_signing_key_rotation(operator: Any, kv: Any, wait: Any, cleanup: list[s
 
 def test_deleting_a_trustclass_removes_everything(operator: Any, kv: Any, wait: Any) -> None:
     objs = [
-        tc("doomed", replicas=1, resources={"gpu": {"count": 1}}, namespaceSelector={}),
-        *tenant_ns("doomed-tenants", label=None, grant=True),
+        trust_class("doomed", replicas=1, resources={"gpu": {"count": 1}}, namespaceSelector={}),
+        *tenant_namespace("doomed-tenants", label=None, grant=True),
         keys_secret("victim", "doomed-tenants", "sk-victim"),
-        tb("victim", "doomed-tenants", "t-victim", "doomed"),
+        tenant_binding("victim", "doomed-tenants", "t-victim", "doomed"),
     ]
     assert kv.apply(*objs).returncode == 0
     wait(lambda: ready(kv, "doomed"), "doomed Ready", 180, dump=operator.tail)
@@ -505,7 +451,7 @@ def test_namespace_conflict_is_degraded_not_adopted(
 ) -> None:
     kv("create", "namespace", "someone-elses")
     cleanup.append("squatter")
-    assert kv.apply(tc("squatter", namespace="someone-elses", replicas=0)).returncode == 0
+    assert kv.apply(trust_class("squatter", namespace="someone-elses", replicas=0)).returncode == 0
 
     def degraded() -> bool:
         return (
@@ -528,7 +474,8 @@ def test_router_keeps_the_previous_key_until_the_engines_have_the_new_one(
     cleanup.append("rotate-stuck")
     # No node matches: the engine pod stays Pending, so a rollout never completes.
     nowhere = {"nodeSelector": {"kvfence.dev/test": "no-such-node"}}
-    assert kv.apply(tc("rotate-stuck", resources={"gpu": {"count": 0}}, placement=nowhere)).returncode == 0
+    stuck = trust_class("rotate-stuck", resources={"gpu": {"count": 0}}, placement=nowhere)
+    assert kv.apply(stuck).returncode == 0
     wait(
         lambda: "rotate-stuck" in kv.routing_table()["trustClasses"], "class routed", 120, dump=operator.tail
     )

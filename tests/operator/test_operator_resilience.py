@@ -4,38 +4,17 @@ and of two replicas only the lease holder reconciles."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
+from cluster.manifests import CPU_ANY_NAMESPACE, ready, trust_class
 
 pytestmark = pytest.mark.cluster
 
+tc = functools.partial(trust_class, **CPU_ANY_NAMESPACE)
+
 KINDS = ("deployments", "services", "configmaps", "secrets", "networkpolicies", "poddisruptionbudgets")
-
-
-def tc(name: str, **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "engine": {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}},
-        "resources": {"gpu": {"count": 0}},
-        "namespaceSelector": {},
-    }
-    base.update(spec)
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TrustClass",
-        "metadata": {"name": name},
-        "spec": base,
-    }
-
-
-def ready(kv: Any, name: str) -> bool:
-    obj = kv.json("get", "trustclass", name)
-    for c in ((obj or {}).get("status") or {}).get("conditions", []):
-        if c["type"] == "Ready":
-            return bool(
-                c["status"] == "True" and c.get("observedGeneration") == obj["metadata"]["generation"]
-            )
-    return False
 
 
 def snapshot(kv: Any) -> dict[tuple[str, str, str], str]:

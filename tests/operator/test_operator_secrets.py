@@ -9,7 +9,7 @@ server stores is checked rule by rule."""
 from __future__ import annotations
 
 import base64
-import hashlib
+import functools
 import json
 import os
 import time
@@ -17,10 +17,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from cluster.manifests import (
+    CPU_ANY_NAMESPACE,
+    condition,
+    secret,
+    sha,
+    tenant_binding,
+    tenant_namespace,
+    trust_class,
+)
 
 from kvfence.operator import rbac
 
 pytestmark = pytest.mark.cluster
+
+#: The TrustClasses here run no engine pods: only the Secrets matter.
+tc = functools.partial(trust_class, **CPU_ANY_NAMESPACE, replicas=0)
 
 RESYNC_SECONDS = 3600
 #: "Within seconds": far below the resync, with room for a loaded 2-core test machine.
@@ -32,60 +44,6 @@ OPERATOR_ARGS = (
     "--metrics-scraper-pod-label=app.kubernetes.io/name=prometheus",
 )
 EVENTS = "kvfence_operator_secret_events_total"
-
-
-def tc(name: str, **spec: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "engine": {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}},
-        "resources": {"gpu": {"count": 0}},
-        "replicas": 0,
-        "namespaceSelector": {},
-    }
-    base.update(spec)
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TrustClass",
-        "metadata": {"name": name},
-        "spec": base,
-    }
-
-
-def tb(name: str, ns: str, tenant: str, trust_class: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "TenantBinding",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "tenantId": tenant,
-            "trustClassName": trust_class,
-            "apiKeySecretRef": {"name": f"{name}-keys"},
-        },
-    }
-
-
-def secret(name: str, ns: str, **data: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": name, "namespace": ns},
-        "stringData": data,
-    }
-
-
-def namespace(name: str, *, grant: bool) -> list[dict[str, Any]]:
-    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
-    return [ns, *([rbac.tenant_secrets_binding(name, "kvfence-system")] if grant else [])]
-
-
-def sha(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
-    for c in ((obj or {}).get("status") or {}).get("conditions", []):
-        if c["type"] == ctype:
-            return dict(c)
-    return {}
 
 
 def hashes(kv: Any, tenant: str) -> list[str] | None:
@@ -140,7 +98,8 @@ def test_the_operator_may_watch_signing_keys_and_opted_in_tenant_secrets_only(
     installed: Any, kv: Any, cleanup: list[str]
 ) -> None:
     cleanup += ["ns/wr-open", "ns/wr-closed"]
-    assert kv.apply(*namespace("wr-open", grant=True), *namespace("wr-closed", grant=False)).returncode == 0
+    namespaces = [*tenant_namespace("wr-open", grant=True), *tenant_namespace("wr-closed", grant=False)]
+    assert kv.apply(*namespaces).returncode == 0
     sa = f"--as=system:serviceaccount:kvfence-system:{rbac.NAME}"
 
     def can(*args: str) -> bool:
@@ -220,9 +179,9 @@ def test_a_rotated_or_deleted_api_key_reaches_the_routing_table_within_seconds(
     cleanup += ["watch-keys", "ns/wk-a"]
     objs = [
         tc("watch-keys"),
-        *namespace("wk-a", grant=True),
+        *tenant_namespace("wk-a", grant=True),
         secret("acme-keys", "wk-a", k0="sk-acme-1"),
-        tb("acme", "wk-a", "t-acme", "watch-keys"),
+        tenant_binding("acme", "wk-a", "t-acme", "watch-keys"),
     ]
     assert kv.apply(*objs).returncode == 0
     wait(lambda: hashes(kv, "t-acme") == [sha("sk-acme-1")], "t-acme routed", 120, dump=operator.tail)
@@ -267,10 +226,10 @@ def test_a_secret_nothing_depends_on_triggers_no_reconcile(
     cleanup += ["watch-quiet", "ns/wq-a", "ns/wq-other"]
     objs = [
         tc("watch-quiet"),
-        *namespace("wq-a", grant=True),
-        *namespace("wq-other", grant=True),
+        *tenant_namespace("wq-a", grant=True),
+        *tenant_namespace("wq-other", grant=True),
         secret("quiet-keys", "wq-a", k0="sk-quiet-1"),
-        tb("quiet", "wq-a", "t-quiet", "watch-quiet"),
+        tenant_binding("quiet", "wq-a", "t-quiet", "watch-quiet"),
     ]
     assert kv.apply(*objs).returncode == 0
     wait(lambda: hashes(kv, "t-quiet") == [sha("sk-quiet-1")], "t-quiet routed", 120, dump=operator.tail)
@@ -324,9 +283,9 @@ def test_a_namespace_that_did_not_opt_in_is_not_watched(
     cleanup += ["watch-closed", "ns/wc-closed"]
     objs = [
         tc("watch-closed"),
-        *namespace("wc-closed", grant=False),
+        *tenant_namespace("wc-closed", grant=False),
         secret("closed-keys", "wc-closed", k0="sk-closed"),
-        tb("closed", "wc-closed", "t-closed", "watch-closed"),
+        tenant_binding("closed", "wc-closed", "t-closed", "watch-closed"),
     ]
     assert kv.apply(*objs).returncode == 0
     wait(
