@@ -46,14 +46,16 @@ from e2esupport import (
 _KUBE: Kube | None = None
 _MODE, _DETAIL = choose_target()
 
-# The NetworkPolicy test needs a cluster; in the process-level mode it does not exist (never a skip).
-collect_ignore = ["test_e2e_networkpolicy.py"] if _MODE == "local" else []
+# The NetworkPolicy and revocation tests need a cluster; in the process-level mode there is none (never
+# a skip: they are not collected, and the report header says so).
+collect_ignore = ["test_e2e_networkpolicy.py", "test_e2e_revocation.py"] if _MODE == "local" else []
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"kvfence e2e target: {_MODE} ({_DETAIL})"]
     if collect_ignore:
-        lines.append("kvfence e2e: local mode, so test_e2e_networkpolicy.py is not collected (no Kubernetes)")
+        names = ", ".join(collect_ignore)
+        lines.append(f"kvfence e2e: local mode, so {names} are not collected (no Kubernetes)")
     return lines
 
 
