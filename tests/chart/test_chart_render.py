@@ -222,6 +222,11 @@ def test_router_deployment_reads_the_routing_table_the_operator_renders(
 
     args = parse_args(c["args"])
     assert args.replicas == 2 and args.port == c["ports"][0]["containerPort"]
+    assert args.keepalive_timeout == 75 and not args.access_log
+    logged = parse_args(
+        container(one(render(sets=["router.accessLog=true"]), "Deployment", "kvfence-router"))["args"]
+    )
+    assert logged.access_log
     # The Service reaches those pods.
     svc = one(objs, "Service", "kvfence-router")
     assert svc["spec"]["selector"].items() <= r["spec"]["template"]["metadata"]["labels"].items()

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -398,6 +399,38 @@ def test_metrics_port_keeps_metrics_off_the_tenant_port(tmp_path: Path, logs: Pa
             )[0]
             == 404
         )
+    finally:
+        router.stop()
+
+
+def test_access_log_names_the_tenant_and_never_the_key_or_the_body(
+    tmp_path: Path, logs: Path, own_gold: Proc
+) -> None:
+    table_path = tmp_path / "routing.json"
+    write_table(table_path, standard_table(own_gold.url, own_gold.url))
+    router = start_router(logs, table_path, "--access-log")
+    secret_prompt = "the-secret-prompt-words"
+    try:
+        body = {"model": "tiny", "prompt": secret_prompt}
+        headers = {**auth(KEYS["bob"]), "X-Request-Id": "req-7"}
+        assert request("POST", router.url + "/v1/completions", body, headers=headers)[0] == 200
+        assert request("POST", router.url + "/v1/completions", body, headers=auth("sk-wrong-key"))[0] == 401
+        assert request("GET", router.url + '/v1/x"}{"forged":1}?q=' + secret_prompt)[0] == 404
+
+        def entries() -> list[dict[str, Any]]:
+            marker = "kvfence.router.access: "
+            return [json.loads(x.split(marker, 1)[1]) for x in router.output().splitlines() if marker in x]
+
+        wait_for(lambda: len(entries()) >= 3, "three access log lines")
+        first, refused, missing = entries()[:3]
+        assert first["tenant"] == "bob" and first["status"] == 200 and first["path"] == "/v1/completions"
+        assert first["method"] == "POST" and first["request_id"] == "req-7" and first["duration_ms"] >= 0
+        assert first["remote"].startswith("127.0.0.1:")
+        assert refused["tenant"] is None and refused["status"] == 401
+        assert missing["status"] == 404 and missing["path"].startswith("/v1/x")  # one line, escaped
+        assert all("forged" not in e for e in entries())
+        log = router.output()
+        assert KEYS["bob"] not in log and "sk-wrong-key" not in log and secret_prompt not in log
     finally:
         router.stop()
 

@@ -25,7 +25,7 @@ from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, _UsageScanner, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
-from kvfence.router.server import RouterError, parse_body, reserve_tokens
+from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
 from kvfence.router.table import TableError, TableWatcher, compile_table, parse_table
 
 
@@ -370,3 +370,16 @@ def test_large_tables_arrive_gzipped_as_the_operator_writes_them() -> None:
     assert authenticate(t, "Bearer key-17").name == "t00017"
     with pytest.raises(TableError):
         parse_table(stored[:-40])  # truncated gzip: refused, the old table stays in force
+
+
+def test_cli_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = "--routing-secret kvfence-system/kvfence-routing --keepalive-timeout 620 --request-timeout 5"
+    args = parse_args([*argv.split(), "--access-log", "--kubeconfig", "/k"])
+    cfg = config_from_args(args)
+    assert cfg.routing_secret == "kvfence-system/kvfence-routing" and cfg.routing_table == ""
+    assert cfg.keepalive_timeout == 620 and cfg.request_timeout == 5 and cfg.access_log
+    assert cfg.kubeconfig == "/k" and cfg.routing_secret_key == "routing.json"
+    for bad in ([], ["--routing-table", "f", "--routing-secret", "a/b"], ["--routing-secret", "no-slash"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "--routing-secret" in capsys.readouterr().err

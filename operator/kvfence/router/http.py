@@ -40,6 +40,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_HEADERS = 128
 #: Requests parsed ahead of the one being answered before the server stops reading the connection.
 MAX_PIPELINE = 16
+#: Seconds an idle client connection is kept open (above common load balancers' 60 s idle timeout).
+KEEPALIVE_TIMEOUT = 75.0
+#: Seconds a client has to send a whole request, head and body, once it started (slow clients: 408).
+REQUEST_TIMEOUT = 60.0
 #: How long a connection answered early (413, 431, ...) keeps draining the client's bytes.
 LINGER_SECONDS = 2.0
 
@@ -69,10 +73,11 @@ class Stream:
     """A streamed answer: the head is written by :meth:`Request.stream`, then :meth:`write` each
     chunk (it waits while the client reads slower than we write) and :meth:`end`."""
 
-    __slots__ = ("_chunked", "_conn", "ended")
+    __slots__ = ("_chunked", "_conn", "ended", "status")
 
-    def __init__(self, conn: _Connection, chunked: bool) -> None:
+    def __init__(self, conn: _Connection, status: int, chunked: bool) -> None:
         self._conn = conn
+        self.status = status
         self._chunked = chunked
         self.ended = False
 
@@ -111,6 +116,7 @@ class Request:
         "path",
         "query",
         "streamed",
+        "tenant",
         "version",
     )
 
@@ -134,6 +140,7 @@ class Request:
         self.keep_alive = keep_alive
         self.body = body
         self.streamed = False  # stream() wrote the head of the answer
+        self.tenant: str | None = None  # who the application authenticated (for its access log)
         self._index: dict[str, str] | None = None
 
     def header(self, name: str) -> str | None:
@@ -144,6 +151,13 @@ class Request:
                 index.setdefault(k.lower(), v)
             self._index = index
         return index.get(name)
+
+    @property
+    def peer(self) -> str:
+        """The client's address, ``host:port``."""
+        t = self._conn.transport
+        addr = t.get_extra_info("peername") if t is not None else None
+        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "-"
 
     def header_count(self, name: str) -> int:
         return sum(1 for k, _ in self.headers if k.lower() == name)
@@ -158,7 +172,7 @@ class Request:
             self.keep_alive = False
         framing = [("Transfer-Encoding", "chunked")] if chunked else []
         conn.write_head(status, [*headers, *framing], self.keep_alive)
-        return Stream(conn, chunked)
+        return Stream(conn, status, chunked)
 
 
 Handler = Callable[[Request], Awaitable[Response | Stream]]
@@ -437,8 +451,8 @@ class HttpServer:
         error_response: Callable[[int, str], Response],
         *,
         max_body: int,
-        keepalive_timeout: float = 75.0,
-        request_timeout: float = 60.0,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         self.handler = handler
         self.error_response = error_response

@@ -28,7 +28,7 @@ from kvfence.api.routing import ROUTING_SECRET_KEY
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.errors import RouterError, error_response
-from kvfence.router.http import HttpServer, Request, Response, Stream
+from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection
@@ -36,6 +36,7 @@ from kvfence.router.source import SecretSource
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
 
 log = logging.getLogger("kvfence.router")
+access_log = logging.getLogger("kvfence.router.access")
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -54,6 +55,9 @@ class RouterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 1024  # reserved when a request does not say max_tokens
     metrics_port: int = 0  # serve /metrics (and the probes) on this port only; 0: on the API port
+    access_log: bool = False  # one JSON line per API request on the logger kvfence.router.access
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT  # idle client connections
+    request_timeout: float = REQUEST_TIMEOUT  # a client's whole request, once started
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
 
@@ -173,10 +177,12 @@ def _authenticate(state: RouterState, request: Request) -> TenantPlan:
         state.metrics.auth_failures.inc(("malformed",))
         raise RouterError(401, "Send exactly one Authorization header.", "invalid_api_key")
     try:
-        return authenticate(state.table, request.header("authorization"))
+        plan = authenticate(state.table, request.header("authorization"))
     except AuthError as e:
         state.metrics.auth_failures.inc((e.reason,))
         raise RouterError(401, str(e), "invalid_api_key") from None
+    request.tenant = plan.name
+    return plan
 
 
 async def _inference(state: RouterState, request: Request, path: str) -> Answer:
@@ -321,15 +327,15 @@ def protocol_error(status: int, message: str) -> Response:
 Dispatch = Callable[[Request], Awaitable[Answer]]
 
 
-def dispatcher(state: RouterState, routes: dict[str, tuple[str, Route]]) -> Dispatch:
+def dispatcher(state: RouterState, routes: dict[str, tuple[str, Route]], logged: bool = False) -> Dispatch:
     """The HTTP server's handler: route by path and method, answer the router's errors in the API's
-    error shape."""
+    error shape; with ``logged``, write the access log."""
 
-    async def dispatch(request: Request) -> Answer:
-        route = routes.get(request.path)
-        if route is None:
+    async def route(request: Request) -> Answer:
+        found = routes.get(request.path)
+        if found is None:
             return error_response(404, "Not Found", "not_found")
-        method, handler = route
+        method, handler = found
         if request.method != method and not (method == "GET" and request.method == "HEAD"):
             allow = "GET, HEAD" if method == "GET" else method
             return error_response(405, "Method Not Allowed", "method_not_allowed", headers={"Allow": allow})
@@ -338,7 +344,44 @@ def dispatcher(state: RouterState, routes: dict[str, tuple[str, Route]]) -> Disp
         except RouterError as e:
             return e.response()
 
+    if not logged:
+        return route
+
+    async def dispatch(request: Request) -> Answer:
+        if request.path in UNLOGGED:
+            return await route(request)
+        started = time.perf_counter()
+        status = 500
+        try:
+            out = await route(request)
+            status = out.status
+            return out
+        except (asyncio.CancelledError, ConnectionError):
+            status = 499  # the client went away
+            raise
+        finally:
+            log_access(request, status, time.perf_counter() - started)
+
     return dispatch
+
+
+#: Probes and scrapes, every few seconds from the kubelet and Prometheus: not in the access log.
+UNLOGGED = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def log_access(request: Request, status: int, seconds: float) -> None:
+    """One JSON line per request: who (the authenticated tenant, never the key), what, the outcome.
+    Never the body, the query string or any header but X-Request-Id."""
+    entry = {
+        "remote": request.peer,
+        "method": request.method[:16],
+        "path": request.path[:256],  # JSON-escaped: a client's odd path cannot forge a log line
+        "status": status,
+        "tenant": request.tenant,
+        "duration_ms": round(seconds * 1000, 3),
+        "request_id": (request.header("x-request-id") or "")[:128] or None,
+    }
+    access_log.info(json.dumps(entry, separators=(",", ":")))
 
 
 # --- serving ----------------------------------------------------------------------------------------
@@ -350,7 +393,13 @@ async def serve(
     routes = (
         API_ROUTES if not config.metrics_port else {p: r for p, r in API_ROUTES.items() if p != "/metrics"}
     )
-    api = HttpServer(dispatcher(state, routes), protocol_error, max_body=config.max_body_bytes)
+    api = HttpServer(
+        dispatcher(state, routes, logged=config.access_log),
+        protocol_error,
+        max_body=config.max_body_bytes,
+        keepalive_timeout=config.keepalive_timeout,
+        request_timeout=config.request_timeout,
+    )
     await api.start(host, port)
     ops: HttpServer | None = None
     if config.metrics_port:
@@ -446,6 +495,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds to keep serving with /readyz failing after SIGTERM",
     )
     p.add_argument("--log-level", default=_env("KVFENCE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        default=_env("KVFENCE_ROUTER_ACCESS_LOG", "") in ("1", "true"),
+        help="log one JSON line per API request (tenant, path, status, duration; never keys or bodies) "
+        "on the logger kvfence.router.access [KVFENCE_ROUTER_ACCESS_LOG=1]",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=KEEPALIVE_TIMEOUT,
+        help="seconds an idle client connection stays open; keep it above your load balancer's idle timeout",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=REQUEST_TIMEOUT,
+        help="seconds a client has to send a whole request once it started (408 after)",
+    )
     args = p.parse_args(argv)
     if bool(args.routing_table) == bool(args.routing_secret):
         p.error("give exactly one of --routing-table FILE and --routing-secret NAMESPACE/NAME")
@@ -469,6 +537,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
         metrics_port=args.metrics_port,
+        access_log=args.access_log,
+        keepalive_timeout=args.keepalive_timeout,
+        request_timeout=args.request_timeout,
         proxy=ProxyConfig(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,
