@@ -315,7 +315,9 @@ class _Connection(asyncio.Protocol):
         if expect is not None:
             if expect != "100-continue":
                 raise _Reject(417, "Only 'Expect: 100-continue' is supported.")
-            if self.transport is not None and self._version == "1.1":
+            # Only when nothing is being answered on this connection: an interim answer must not
+            # overtake the answer to an earlier pipelined request (that client sends the body anyway).
+            if self.transport is not None and self._version == "1.1" and self.task is None:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
