@@ -23,7 +23,7 @@ from e2esupport import (
     deploy,
     example_tenants,
     import_images_into_containerd,
-    wait_until,
+    wait_router_serves,
 )
 
 
@@ -45,16 +45,8 @@ def main() -> int:
     svc = json.loads(kube.run("get", "svc", f"{RELEASE}-router", "-n", NAMESPACE, "-o", "json"))
     ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
     acme = example_tenants()["acme"]
-    # The operator writes the routing table once the examples' engines exist; the router follows that
-    # Secret through the API: say "up" only once the router knows the tenants.
     router = Router(f"http://{ip}:{port}")
-    for t in example_tenants().values():
-        wait_until(
-            lambda t=t: router.request("GET", "/v1/models", key=t.api_key).status == 200,
-            f"the router to know tenant {t.id}",
-            300,
-            2,
-        )
+    wait_router_serves(router)
     print(
         f"""
 kvfence is up. The router's Service is reachable from this machine at http://{ip}:{port}

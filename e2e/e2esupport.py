@@ -291,20 +291,34 @@ def port_forward(kube: Kube) -> Iterator[Router]:
     try:
         router = Router(f"http://127.0.0.1:{port}", quota_divisor=router_replicas(kube))
         wait_until(lambda: router.request("GET", "/readyz").status == 200, "the router's /readyz", 120)
-        # The operator writes the routing table once the engines exist; the router follows the
-        # Secret through the API (or, with routingTableSource=volume, the kubelet's refresh).
-        for t in example_tenants().values():
-            wait_until(
-                lambda t=t: router.request("GET", "/v1/models", key=t.api_key).status == 200,
-                f"the router to know tenant {t.id}",
-                300,
-                2,
-            )
+        wait_router_serves(router)
         yield router
     finally:
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+def wait_router_serves(router: Router) -> None:
+    """Until the router knows every example tenant and has seen every example class's engine healthy.
+    The operator writes the routing table as soon as the engines exist, and the router follows that
+    Secret through the API (or, with routingTableSource=volume, the kubelet's refresh); an engine that
+    was still starting when the router first probed it is re-probed every half second."""
+    tenants = example_tenants().values()
+    for t in tenants:
+        wait_until(
+            lambda t=t: router.request("GET", "/v1/models", key=t.api_key).status == 200,
+            f"the router to know tenant {t.id}",
+            300,
+            2,
+        )
+    for cls in sorted({t.trust_class for t in tenants}):
+        line = f'kvfence_router_engine_healthy{{trust_class="{cls}"}} 1'.encode()
+        wait_until(
+            lambda line=line: line in router.request("GET", "/metrics").body.split(b"\n"),
+            f"the router to see the {cls} engine healthy",
+            300,
+        )
 
 
 def router_replicas(kube: Kube) -> int:

@@ -23,7 +23,14 @@ from kvfence.contract import (
 )
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import Proxy, ProxyConfig, _UsageScanner, build_body, build_headers
+from kvfence.router.proxy import (
+    RECOVERY_PROBE_INTERVAL,
+    Proxy,
+    ProxyConfig,
+    _UsageScanner,
+    build_body,
+    build_headers,
+)
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
 from kvfence.router.table import TableError, TableWatcher, compile_table, parse_table
@@ -352,6 +359,35 @@ def test_probe_needs_two_failures_in_a_row() -> None:
             with pytest.raises(RouterError) as e:
                 proxy.check_available(cls)
             assert e.value.status == 503
+        finally:
+            await proxy.close()
+
+    asyncio.run(run())
+
+
+def test_probes_are_scheduled_faster_while_an_engine_is_suspect() -> None:
+    """Healthy engines every health_interval; a new endpoint at once; one that failed its last probe,
+    or is unhealthy, every RECOVERY_PROBE_INTERVAL, so that it serves again soon after it is back."""
+
+    async def run() -> None:
+        cls = parse_table(_table()).classes["gold"]
+        cls = dataclasses.replace(cls, endpoint=f"http://127.0.0.1:{free_port()}")  # nobody listens
+        proxy = Proxy(RouterMetrics(), ProxyConfig(health_interval=60.0, health_timeout=0.5))
+        try:
+            st = proxy.engine(cls)
+            await proxy.probe_all([cls])  # new: probed at once
+            assert st.failures == 1 and st.healthy
+            first = st.last_probe
+            await proxy.probe_all([cls])  # suspect, but probed less than RECOVERY_PROBE_INTERVAL ago
+            assert st.last_probe == first
+            st.last_probe -= RECOVERY_PROBE_INTERVAL
+            await proxy.probe_all([cls])  # suspect and due: probed again, long before health_interval
+            assert st.failures == 2 and not st.healthy
+            st.failures, st.healthy = 0, True  # healthy again: back to health_interval
+            st.last_probe -= RECOVERY_PROBE_INTERVAL
+            before = st.last_probe
+            await proxy.probe_all([cls])
+            assert st.last_probe == before
         finally:
             await proxy.close()
 

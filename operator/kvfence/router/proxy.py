@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,15 +80,19 @@ class Relay:
 #: Failed health probes in a row that make an engine unhealthy (one slow probe under load is not
 #: enough); a refused connection on a real request counts at once.
 PROBE_FAILURE_THRESHOLD = 2
+#: Seconds between probes of an engine that is unhealthy or failed its last probe, so that one that
+#: comes back (a new class's engine starting, a restarted pod) serves again within about this long.
+RECOVERY_PROBE_INTERVAL = 0.5
 
 
 class EngineState:
-    __slots__ = ("failures", "healthy", "last_error")
+    __slots__ = ("failures", "healthy", "last_error", "last_probe")
 
     def __init__(self) -> None:
         self.healthy = True  # optimistic until a probe or a connection says otherwise
         self.last_error = ""
         self.failures = 0
+        self.last_probe = -1e9  # never: probed at the next round
 
 
 def build_body(plan: TenantPlan, body: dict[str, Any]) -> bytes:
@@ -230,6 +235,7 @@ class Proxy:
 
     async def probe(self, cls: ClassPlan) -> bool:
         st = self.engine(cls)
+        st.last_probe = time.monotonic()
         error = ""
         try:
             status = await asyncio.wait_for(
@@ -248,11 +254,21 @@ class Proxy:
                 self._mark(cls, False, error)
         return st.healthy
 
+    def _due(self, cls: ClassPlan, now: float) -> bool:
+        st = self.engine(cls)
+        suspect = not st.healthy or st.failures > 0
+        interval = RECOVERY_PROBE_INTERVAL if suspect else self.config.health_interval
+        return now - st.last_probe >= interval
+
     async def probe_all(self, classes: list[ClassPlan]) -> None:
+        """Probe the engines that are due: every ``health_interval`` seconds, and every
+        :data:`RECOVERY_PROBE_INTERVAL` while one is unhealthy or has just failed a probe (a new
+        endpoint is probed at once). Forgets engines no longer in the table."""
         seen: dict[str, ClassPlan] = {}
         for c in classes:
             seen.setdefault(c.endpoint, c)
-        await asyncio.gather(*(self.probe(c) for c in seen.values()))
+        now = time.monotonic()
+        await asyncio.gather(*(self.probe(c) for c in seen.values() if self._due(c, now)))
         for endpoint in [e for e in self.engines if e not in seen]:
             del self.engines[endpoint]
         for endpoint in [e for e in self._pools if e not in seen]:

@@ -30,7 +30,7 @@ from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.source import SecretSource
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
@@ -110,7 +110,7 @@ class RouterState:
                 await self.proxy.probe_all(classes)
             except Exception:
                 log.exception("health probe round failed")
-            await asyncio.sleep(self.config.proxy.health_interval)
+            await asyncio.sleep(min(self.config.proxy.health_interval, RECOVERY_PROBE_INTERVAL))
 
 
 # --- request parsing --------------------------------------------------------------------------------
