@@ -608,3 +608,29 @@ def test_proxy_retries_a_stale_connection_once_with_a_fresh_nonce(run: Any) -> N
         await proxy.close()
 
     run(main())
+
+
+def test_pool_resolves_once_per_ttl_and_bounds_the_wait_for_a_connection(run: Any) -> None:
+    async def main() -> None:
+        srv = RawServer(serve_forever)
+        port = await srv.start()  # listens on 127.0.0.1 only: "localhost" may resolve to ::1 first
+        pool = Pool("localhost", port, limit=1, total_timeout=0.5)
+        resp = await pool.request("POST", "/", {}, b"a")
+        assert await resp.read() == b"a"
+        resp.release()
+        pool.host = "no-such-host.invalid"  # DNS would now fail; the cached address still serves
+        resp = await pool.request("POST", "/", {}, b"b", fresh=True)
+        assert await resp.read() == b"b"
+        # The one connection is held (answer read, not released): the next request may wait for it
+        # no longer than the total timeout.
+        with pytest.raises(UpstreamError) as e:
+            await pool.request("POST", "/", {}, b"c")
+        assert e.value.kind == "timeout" and "no free connection" in str(e.value)
+        resp.release()
+        pool._addrs_expiry = 0.0  # the cache expired: resolving the bogus name fails, clearly
+        with pytest.raises(UpstreamError) as e:
+            await pool.request("POST", "/", {}, b"d", fresh=True)
+        assert e.value.kind == "connect" and "no-such-host.invalid" in str(e.value)
+        pool.close()
+
+    run(main())

@@ -4,9 +4,10 @@ An asyncio protocol around httptools' response parser (see :mod:`kvfence.router.
 router does not use a framework here). Per engine: at most ``limit`` connections in use at once
 (more requests wait for a free one), idle connections reused most-recent-first and closed after
 ``idle_timeout`` (below uvicorn's 5 s keep-alive, the shortest among the engines, so that the router
-rarely picks a connection the engine is closing). Timeouts: connect, read (the longest silence while
-an answer is awaited or streamed) and total. A response body is read whole (:meth:`Response.read`)
-or streamed (:meth:`Response.chunks`) with backpressure: the engine connection stops being read while
+rarely picks a connection the engine is closing), addresses resolved once per :data:`DNS_TTL`.
+Timeouts: connect, read (the longest silence while an answer is awaited or streamed), total (which
+also bounds the wait for a free connection). A response body is read whole (:meth:`Response.read`)
+or streamed (:meth:`Response.chunks_iter`) with backpressure: the engine connection stops being read while
 more than ``HIGH_WATER`` bytes wait for a slow client.
 
 Errors are :class:`UpstreamError` with a ``kind`` the proxy maps to the client's status:
@@ -17,6 +18,7 @@ keep-alive connection closed before any byte of the answer: nothing was processe
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from collections import deque
@@ -26,6 +28,8 @@ from typing import cast
 import httptools
 
 HIGH_WATER = 256 * 1024
+#: Seconds an engine's resolved address is reused for new connections.
+DNS_TTL = 10.0
 
 
 class UpstreamError(Exception):
@@ -269,25 +273,46 @@ class Pool:
         self._idle: deque[_Connection] = deque()
         self._slots = asyncio.Semaphore(limit)
         self._host_line = f"Host: {host}:{port}\r\n".encode("latin-1")
+        self._addrs: list[str] = []
+        self._addrs_expiry = 0.0
         self.closed = False
 
-    async def _connect(self) -> _Connection:
-        try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(
+    async def _resolve(self) -> list[str]:
+        """The engine's addresses, cached for :data:`DNS_TTL` seconds: a Service name in a pod's
+        resolver (ndots:5) costs several DNS queries, and its ClusterIP does not change."""
+        now = time.monotonic()
+        if self._addrs and now < self._addrs_expiry:
+            return self._addrs
+        infos = await self.loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        self._addrs = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        self._addrs_expiry = now + DNS_TTL
+        return self._addrs
+
+    async def _open(self) -> _Connection:
+        error: OSError | None = None
+        for addr in await self._resolve():  # in the resolver's order, the first that accepts
+            try:
+                _, conn = await self.loop.create_connection(
                     lambda: _Connection(self),
-                    self.host,
+                    addr,
                     self.port,
                     ssl=self.tls,
                     server_hostname=self.host if self.tls else None,
-                ),
-                self.connect_timeout,
-            )
+                )
+                return conn
+            except OSError as e:
+                error = e
+        assert error is not None
+        raise error
+
+    async def _connect(self) -> _Connection:
+        try:
+            return await asyncio.wait_for(self._open(), self.connect_timeout)
         except TimeoutError:
             raise UpstreamError("connect", f"connect to {self.host}:{self.port} timed out") from None
         except (OSError, ssl.SSLError) as e:
+            self._addrs = []  # resolve again next time
             raise UpstreamError("connect", f"connect to {self.host}:{self.port} failed: {e}") from None
-        return conn
 
     def _reuse(self) -> _Connection | None:
         idle = self._idle
@@ -332,7 +357,14 @@ class Pool:
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
         lines.append(body)
-        await self._slots.acquire()
+        if self._slots.locked():
+            # Every connection to this engine is busy: wait for one, but not past the total timeout.
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.total_timeout)
+            except TimeoutError:
+                raise UpstreamError("timeout", "no free connection to the engine in time") from None
+        else:
+            await self._slots.acquire()
         conn: _Connection | None = None
         try:
             conn = None if fresh else self._reuse()
