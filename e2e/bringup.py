@@ -37,11 +37,11 @@ def main() -> int:
         print(f"bringup: no real node at {d} (start it with localcluster.py up --real-node)", file=sys.stderr)
         return 2
     print("bringup: images (engine-image/build-images.sh) -> the node's containerd", flush=True)
-    import_images_into_containerd(str(sock))
+    rebuilt = import_images_into_containerd(str(sock))
     print("bringup: helm install, examples/, waiting for Ready (a few minutes)", flush=True)
     logs = d / "logs"
     kube = Kube(str(kubeconfig), logs, env=dict(os.environ))
-    deploy(kube, [])
+    deploy(kube, [], restart=rebuilt)
     svc = json.loads(kube.run("get", "svc", f"{RELEASE}-router", "-n", NAMESPACE, "-o", "json"))
     ip, port = svc["spec"]["clusterIP"], svc["spec"]["ports"][0]["port"]
     acme = example_tenants()["acme"]

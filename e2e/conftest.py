@@ -72,13 +72,14 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
             yield r
         return
     kubeconfig = detail if mode == "cluster" else kind_cluster(detail, logs)
+    rebuilt = False
     if os.environ.get("KVFENCE_E2E_CONTAINERD"):
-        import_images_into_containerd(os.environ["KVFENCE_E2E_CONTAINERD"])
+        rebuilt = import_images_into_containerd(os.environ["KVFENCE_E2E_CONTAINERD"])
     kube = Kube(kubeconfig, logs, env=dict(os.environ))
     _KUBE = kube
     extra = [v for v in os.environ.get("KVFENCE_E2E_HELM_VALUES", "").split(",") if v]
     try:
-        deploy(kube, extra)
+        deploy(kube, extra, restart=rebuilt)
         with port_forward(kube) as r:
             yield r
     finally:

@@ -242,12 +242,17 @@ NAMESPACE = os.environ.get("KVFENCE_E2E_NAMESPACE", "kvfence-system")
 RELEASE = "kvfence"
 
 
-def deploy(kube: Kube, extra_values: list[str]) -> None:
+def deploy(kube: Kube, extra_values: list[str], restart: bool = False) -> None:
     """helm install the chart and apply examples/, then wait until every class is Ready and every
-    binding Bound."""
-    # A namespace still terminating from an earlier run would swallow what is applied into it.
+    binding Bound. ``restart``: the images were rebuilt under the same tags, so pods already running
+    (a cluster deployed before) are restarted onto them."""
+    # A namespace still terminating from an earlier run would swallow what is applied into it. (Only
+    # then: `kubectl wait --for=delete` on a live namespace would wait out its whole timeout, as when
+    # `make up` runs again on a cluster that already has the examples.)
     for ns in (d["metadata"]["name"] for d in load_docs("00-namespaces.yaml")):
-        kube.run("wait", "--for=delete", f"namespace/{ns}", "--timeout=300s", check=False, timeout=330)
+        phase = kube.run("get", "namespace", ns, "-o", "jsonpath={.status.phase}", check=False).strip()
+        if phase == "Terminating":
+            kube.run("wait", "--for=delete", f"namespace/{ns}", "--timeout=300s", check=False, timeout=330)
     kube.run("apply", "-f", str(EXAMPLES / "00-namespaces.yaml"))
     # CRDs first and server-side, as docs/helm.md says for upgrades (Helm never upgrades them).
     kube.run("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
@@ -264,6 +269,12 @@ def deploy(kube: Kube, extra_values: list[str]) -> None:
         kube.run(
             "wait", "--for=condition=Bound", f"tenantbinding/{t.binding}", "-n", t.namespace, "--timeout=300s"
         )
+    if restart:
+        namespaces = [NAMESPACE] + [f"kvf-{d['metadata']['name']}" for d in load_docs("10-trustclasses.yaml")]
+        for ns in namespaces:
+            kube.run("rollout", "restart", "deployment", "-n", ns)
+        for ns in namespaces:
+            kube.run("rollout", "status", "deployment", "-n", ns, "--timeout=300s", timeout=330)
 
 
 def undeploy(kube: Kube) -> None:
@@ -327,9 +338,20 @@ def router_replicas(kube: Kube) -> int:
     return next((int(a.split("=", 1)[1]) for a in args if a.startswith("--replicas=")), 1)
 
 
-def import_images_into_containerd(socket_path: str) -> None:
+def _sources_newer_than(archives: list[Path]) -> bool:
+    """Whether any file the images are built from changed after the oldest archive was written (so
+    `make up` after an edit runs the edited code, not the image of an earlier build)."""
+    built = min(a.stat().st_mtime for a in archives)
+    sources = [ROOT / "pyproject.toml", ROOT / "setup.py"]
+    for top in ("operator", "engine-image"):
+        sources += [p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    return any(p.exists() and p.stat().st_mtime > built for p in sources)
+
+
+def import_images_into_containerd(socket_path: str) -> bool:
     """For clusters whose node runs containerd on this machine (the project's own cluster with a real
-    node, `make up`): build the images if needed and import them (no registry involved)."""
+    node, `make up`): build the images if needed and import them (no registry involved). True if they
+    were rebuilt (pods already running keep the old image of the same tag)."""
     out = Path(os.environ.get("OUT", ROOT / "build" / "images"))
     version = next(
         line.split('"')[1]
@@ -337,7 +359,9 @@ def import_images_into_containerd(socket_path: str) -> None:
         if line.startswith("version = ")
     )
     archives = [out / f"kvfence-{n}-{version}.oci.tar" for n in ("control-plane", "engine-reference")]
-    if not all(a.exists() for a in archives) or os.environ.get("KVFENCE_E2E_REBUILD") == "1":
+    missing = not all(a.exists() for a in archives)
+    rebuild = missing or _sources_newer_than(archives) or os.environ.get("KVFENCE_E2E_REBUILD") == "1"
+    if rebuild:
         subprocess.run(
             [str(ROOT / "engine-image" / "build-images.sh"), "control-plane", "reference"], check=True
         )
@@ -355,6 +379,7 @@ def import_images_into_containerd(socket_path: str) -> None:
             check=True,
             capture_output=True,
         )
+    return rebuild
 
 
 def kind_cluster(name: str, logs: Path) -> str:
