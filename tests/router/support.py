@@ -105,6 +105,11 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def complete(base_url: str, tenant: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    """``POST /v1/completions`` with the API key of ``tenant`` (a name in :data:`KEYS`)."""
+    return request("POST", base_url + "/v1/completions", body, headers=auth(KEYS[tenant]))
+
+
 # Tenants of the standard table: API key -> (tenant, trust class)
 KEYS = {
     "alice": "sk-alice-0123456789",

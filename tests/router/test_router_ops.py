@@ -7,19 +7,20 @@ import json
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from cluster.waiting import wait_until
 from router.support import (
     GOLD_KEY,
     KEYS,
     SILVER_KEY,
     Proc,
     auth,
+    complete,
     free_port,
     request,
     standard_table,
@@ -31,13 +32,8 @@ from router.support import (
 from kvfence.contract import derive_cache_salt
 
 
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+def wait_for(cond: Callable[[], Any], what: str) -> None:
+    wait_until(cond, what, timeout=30.0, interval=0.05)
 
 
 def metric(router: Proc, line_prefix: str) -> float | None:
@@ -100,25 +96,12 @@ def test_hot_reload_keeps_inflight_requests_and_revokes_keys(
         # quota state survives a reload: dave (3 requests/minute) uses them up, the table changes,
         # and the fourth is still refused
         for _ in range(3):
-            assert (
-                request(
-                    "POST",
-                    router.url + "/v1/completions",
-                    {"model": "tiny", "prompt": "q"},
-                    headers=auth(KEYS["dave"]),
-                )[0]
-                == 200
-            )
+            assert complete(router.url, "dave", {"model": "tiny", "prompt": "q"})[0] == 200
         newer = json.loads(table_path.read_text())
         newer["tenants"]["bob"]["quotas"] = {"requestsPerMinute": 999}
         write_table(table_path, newer)
         wait_for(lambda: metric(router, "kvfence_router_routing_table_generation") == 3, "second reload")
-        status, headers, _ = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "q"},
-            headers=auth(KEYS["dave"]),
-        )
+        status, headers, _ = complete(router.url, "dave", {"model": "tiny", "prompt": "q"})
         assert status == 429 and int(headers["retry-after"]) >= 1
         # an invalid table is refused; the last good one stays in force
         table_path.write_text("{ not json")
@@ -129,12 +112,7 @@ def test_hot_reload_keeps_inflight_requests_and_revokes_keys(
             "invalid table noticed",
         )
         assert request("GET", router.url + "/readyz")[0] == 200
-        status, _, _ = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, _ = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert status == 200
     finally:
         router.stop()
@@ -153,54 +131,26 @@ def test_unhealthy_engine_fast_503_and_recovery(tmp_path: Path, logs: Path, own_
     router = start_router(logs, table_path, "--read-timeout", "600", "--connect-timeout", "600")
     try:
         wait_for(lambda: metric(router, 'kvfence_router_engine_healthy{trust_class="silver"}') == 0, "probe")
-        status, headers, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "small", "prompt": "x"},
-            headers=auth(KEYS["carol"]),
-        )
+        status, headers, data = complete(router.url, "carol", {"model": "small", "prompt": "x"})
         assert status == 503 and headers["retry-after"] == "1"
         err = json.loads(data)["error"]
         assert err["code"] == "engine_unavailable" and "silver" in err["message"]
         # gold is unaffected
-        ok = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        ok = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert ok[0] == 200
         # gold's engine reports unhealthy -> 503; healthy again -> 200
         assert request("POST", own_gold.url + "/control/health", {"ok": False})[0] == 200
         wait_for(
             lambda: metric(router, 'kvfence_router_engine_healthy{trust_class="gold"}') == 0, "gold down"
         )
-        status, _, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, data = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert status == 503 and json.loads(data)["error"]["type"] == "service_unavailable"
         assert request("POST", own_gold.url + "/control/health", {"ok": True})[0] == 200
         wait_for(lambda: metric(router, 'kvfence_router_engine_healthy{trust_class="gold"}') == 1, "gold up")
-        assert (
-            request(
-                "POST",
-                router.url + "/v1/completions",
-                {"model": "tiny", "prompt": "x"},
-                headers=auth(KEYS["bob"]),
-            )[0]
-            == 200
-        )
+        assert complete(router.url, "bob", {"model": "tiny", "prompt": "x"})[0] == 200
         # the engine process dies: connection refused -> 503 at once (no probe needed)
         own_gold.stop()
-        status, _, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, data = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert status == 503 and json.loads(data)["error"]["code"] == "engine_unavailable"
     finally:
         router.stop()
@@ -214,12 +164,7 @@ def test_signature_key_mismatch_is_502_not_401(tmp_path: Path, logs: Path, own_g
     write_table(table_path, table)
     router = start_router(logs, table_path)
     try:
-        status, _, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, data = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert status == 502 and json.loads(data)["error"]["code"] == "engine_refused_signature"
         assert SILVER_KEY != GOLD_KEY
     finally:
@@ -285,21 +230,11 @@ def test_starts_unready_without_a_table_and_becomes_ready(tmp_path: Path, logs: 
     try:
         status, _, data = request("GET", router.url + "/readyz")
         assert status == 503 and json.loads(data)["error"]["code"] == "not_ready"
-        status, _, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, data = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert status == 503 and json.loads(data)["error"]["code"] == "not_ready"
         write_table(table_path, standard_table(own_gold.url, own_gold.url))
         wait_for(lambda: request("GET", router.url + "/readyz")[0] == 200, "ready")
-        status, _, _ = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "x"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, _ = complete(router.url, "bob", {"model": "tiny", "prompt": "x"})
         assert status == 200
     finally:
         router.stop()
@@ -310,33 +245,15 @@ def test_engine_silent_past_read_timeout_is_504(tmp_path: Path, logs: Path, own_
     write_table(table_path, standard_table(own_gold.url, own_gold.url))
     router = start_router(logs, table_path, "--read-timeout", "1")
     try:
-        status, headers, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "SILENT please"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, headers, data = complete(router.url, "bob", {"model": "tiny", "prompt": "SILENT please"})
         assert status == 504 and "x-kvfence-upstream-status" not in headers
         assert json.loads(data)["error"]["code"] == "engine_timeout"
         # a tokens-per-minute tenant is not charged for a request the engine never answered
-        status, _, _ = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "SILENT", "max_tokens": 500},
-            headers=auth(KEYS["frank"]),
-        )
+        status, _, _ = complete(router.url, "frank", {"model": "tiny", "prompt": "SILENT", "max_tokens": 500})
         assert status == 504
         assert metric(router, 'kvfence_router_tokens_total{tenant="frank"}') is None
         # a slow answer is not an unhealthy engine: the next request goes through
-        assert (
-            request(
-                "POST",
-                router.url + "/v1/completions",
-                {"model": "tiny", "prompt": "fine"},
-                headers=auth(KEYS["bob"]),
-            )[0]
-            == 200
-        )
+        assert complete(router.url, "bob", {"model": "tiny", "prompt": "fine"})[0] == 200
     finally:
         router.stop()
 
@@ -350,19 +267,9 @@ def test_engine_cookies_never_cross_tenants(tmp_path: Path, logs: Path, own_gold
     write_table(table_path, standard_table(by_name, by_name))
     router = start_router(logs, table_path)
     try:
-        status, headers, _ = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "COOKIE"},
-            headers=auth(KEYS["alice"]),
-        )
+        status, headers, _ = complete(router.url, "alice", {"model": "tiny", "prompt": "COOKIE"})
         assert status == 200 and "set-cookie" not in headers
-        status, _, _ = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "tiny", "prompt": "after-cookie"},
-            headers=auth(KEYS["bob"]),
-        )
+        status, _, _ = complete(router.url, "bob", {"model": "tiny", "prompt": "after-cookie"})
         assert status == 200
         _, _, data = request("GET", own_gold.url + "/control/requests")
         seen = [r for r in json.loads(data) if r["body"].get("prompt") == "after-cookie"]
@@ -377,28 +284,12 @@ def test_metrics_port_keeps_metrics_off_the_tenant_port(tmp_path: Path, logs: Pa
     ops_port = free_port()
     router = start_router(logs, table_path, "--metrics-port", str(ops_port))
     try:
-        assert (
-            request(
-                "POST",
-                router.url + "/v1/completions",
-                {"model": "tiny", "prompt": "m"},
-                headers=auth(KEYS["bob"]),
-            )[0]
-            == 200
-        )
+        assert complete(router.url, "bob", {"model": "tiny", "prompt": "m"})[0] == 200
         assert request("GET", router.url + "/metrics")[0] == 404
         status, _, data = request("GET", f"http://127.0.0.1:{ops_port}/metrics")
         assert status == 200 and b'kvfence_router_requests_total{tenant="bob"' in data
         assert request("GET", f"http://127.0.0.1:{ops_port}/readyz")[0] == 200
-        assert (
-            request(
-                "POST",
-                f"http://127.0.0.1:{ops_port}/v1/completions",
-                {"model": "tiny"},
-                headers=auth(KEYS["bob"]),
-            )[0]
-            == 404
-        )
+        assert complete(f"http://127.0.0.1:{ops_port}", "bob", {"model": "tiny"})[0] == 404
     finally:
         router.stop()
 
@@ -469,11 +360,8 @@ def test_same_request_works_against_vllm_with_the_kvfence_middleware(
         assert "extra_key" not in saw["fields"]
         assert not [h for h in saw["headers"] if h.startswith("x-kvfence-") or h == "x-tenant-id"]
         # streamed, through the middleware, relayed event by event
-        status, headers, data = request(
-            "POST",
-            router.url + "/v1/completions",
-            {"model": "small", "prompt": "hi", "stream": True},
-            headers=auth(KEYS["grace"]),
+        status, headers, data = complete(
+            router.url, "grace", {"model": "small", "prompt": "hi", "stream": True}
         )
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         assert data.rstrip().endswith(b"data: [DONE]") and data.count(b"data: {") == len("salted:") + 8
