@@ -352,7 +352,6 @@ def test_probe_needs_two_failures_in_a_row() -> None:
         cls = parse_table(_table()).classes["gold"]
         cls = dataclasses.replace(cls, endpoint=f"http://127.0.0.1:{free_port()}")
         proxy = Proxy(RouterMetrics(), ProxyConfig(health_timeout=0.5))
-        await proxy.start()
         try:
             assert await proxy.probe(cls) is True  # one failure: still healthy
             assert await proxy.probe(cls) is False

@@ -182,9 +182,6 @@ class Proxy:
         self._pools: dict[str, tuple[Pool, str]] = {}  # endpoint -> (pool, base path)
 
     # --- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> None:
-        pass  # pools open on first use, inside the running loop
-
     async def close(self) -> None:
         for pool, _ in self._pools.values():
             pool.close()

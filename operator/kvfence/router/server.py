@@ -86,7 +86,6 @@ class RouterState:
         self.metrics.table_tenants.set(len(table.tenants))
 
     async def start(self) -> None:
-        await self.proxy.start()
         if self.config.routing_secret:
             namespace, _, name = self.config.routing_secret.partition("/")
             source = SecretSource(namespace, name, self.config.routing_secret_key, self.config.kubeconfig)
