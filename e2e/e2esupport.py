@@ -244,8 +244,11 @@ RELEASE = "kvfence"
 
 def deploy(kube: Kube, extra_values: list[str], restart: bool = False) -> None:
     """helm install the chart and apply examples/, then wait until every class is Ready and every
-    binding Bound. ``restart``: the images were rebuilt under the same tags, so pods already running
-    (a cluster deployed before) are restarted onto them."""
+    binding Bound. ``restart``: the images were rebuilt under the same tags, so pods that were already
+    running (on a cluster deployed before) are restarted onto them; a fresh install is left alone."""
+    deployed_before = bool(
+        kube.run("get", "deployment", "-n", NAMESPACE, "-o", "name", check=False).count("deployment.apps/")
+    )
     # A namespace still terminating from an earlier run would swallow what is applied into it. (Only
     # then: `kubectl wait --for=delete` on a live namespace would wait out its whole timeout, as when
     # `make up` runs again on a cluster that already has the examples.)
@@ -269,7 +272,7 @@ def deploy(kube: Kube, extra_values: list[str], restart: bool = False) -> None:
         kube.run(
             "wait", "--for=condition=Bound", f"tenantbinding/{t.binding}", "-n", t.namespace, "--timeout=300s"
         )
-    if restart:
+    if restart and deployed_before:
         namespaces = [NAMESPACE] + [f"kvf-{d['metadata']['name']}" for d in load_docs("10-trustclasses.yaml")]
         for ns in namespaces:
             kube.run("rollout", "restart", "deployment", "-n", ns)
