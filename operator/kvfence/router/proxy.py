@@ -70,8 +70,7 @@ class ProxyConfig:
 class Relay:
     """What :meth:`Proxy.forward` relayed."""
 
-    response: Response | Stream
-    status: int
+    response: Response | Stream  # its status is the engine's
     total_tokens: int | None  # usage.total_tokens as the engine reported it, if it did
     stream_events: int = 0  # SSE events relayed (streams only)
     client_gone: bool = False  # the client disconnected before the end of the answer
@@ -338,7 +337,7 @@ class Proxy:
                 with contextlib.suppress(ValueError, UnicodeDecodeError):
                     used = _total_tokens(json.loads(body))
             out = Response(resp.status, body, self._relay_headers(resp), content_type="")
-            return Relay(out, resp.status, used)
+            return Relay(out, used)
         except UpstreamError as e:
             kind = "timeout" if e.kind == "timeout" else "read"
             self.metrics.upstream_errors.inc((cls.name, kind))
@@ -383,8 +382,8 @@ class Proxy:
                 await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
         except ConnectionError:
             # The client went away: the engine connection is closed on release, which stops it.
-            return Relay(out, resp.status, None, scanner.events if scanner else 0, client_gone=True)
+            return Relay(out, None, scanner.events if scanner else 0, client_gone=True)
         out.end()
         if scanner is None:
-            return Relay(out, resp.status, None)
-        return Relay(out, resp.status, scanner.total, scanner.events)
+            return Relay(out, None)
+        return Relay(out, scanner.total, scanner.events)

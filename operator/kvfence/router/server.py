@@ -243,8 +243,9 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
             if used is None and relay.stream_events:
                 # A stream without a usage event: the prompt estimate plus one token per event.
                 used = len(raw) + relay.stream_events
-            code = "499" if relay.client_gone else str(relay.status)
-            if relay.status >= 400 and used is None:
+            status = relay.response.status
+            code = "499" if relay.client_gone else str(status)
+            if status >= 400 and used is None:
                 used = 0  # the engine refused the request: nothing was generated
             return relay.response
         finally:

@@ -231,9 +231,7 @@ class TableWatcher:
         self._polls += 1
         st = _stat_key(self.path)
         if st is None:
-            if self.last_error != "missing":
-                log.error("routing table %s is missing; keeping the current one", self.path)
-            self.last_error = "missing"
+            self.missing(f"routing table {self.path} is missing")
             return None
         if st == self._stat and self.loaded and self._polls % self.rehash_every:
             return None
@@ -244,9 +242,10 @@ class TableWatcher:
             self.last_error = str(e)
             return None
         self._stat = st
-        if self.loaded and hashlib.sha256(raw).hexdigest() == self.table.checksum:
-            return None
-        return parse_table(raw)
+        return None if self._is_current(raw) else parse_table(raw)
+
+    def _is_current(self, raw: bytes) -> bool:
+        return self.loaded and hashlib.sha256(raw).hexdigest() == self.table.checksum
 
     def _refuse(self, e: TableError) -> None:
         if self.last_error != str(e):
@@ -281,7 +280,7 @@ class TableWatcher:
     async def offer(self, raw: bytes) -> bool:
         """A table's bytes from a source other than the file (:mod:`kvfence.router.source`):
         validated and compiled in a thread, swapped in on the event loop. True if now in force."""
-        if self.loaded and hashlib.sha256(raw).hexdigest() == self.table.checksum:
+        if self._is_current(raw):
             return False
         try:
             table = await asyncio.to_thread(parse_table, raw)
