@@ -37,10 +37,13 @@ from kvfence.contract import (
     HEADER_TIMESTAMP,
     METRIC_CROSS_ACCESS_REJECTED,
     METRIC_SIGNATURE_REJECTED,
+    XARG_TENANT,
+    XARG_TENANT_TAG,
     Identity,
     cache_namespace,
     derive_cache_salt,
     sign,
+    tenant_tag,
 )
 from kvfence.vllm.middleware import KeySource, KeySourceError, KvfenceMiddleware
 
@@ -236,6 +239,18 @@ def test_signed_request_reaches_app_with_derived_salt(env: Env, path: str) -> No
     assert int(got["content_length"]) == got["raw_len"]
     assert not [h for h in got["headers"] if h.startswith("x-kvfence-")]
     assert got["tenant"] == "alice"
+    # The verified tenant travels on to vLLM's engine core, bound to the salt by a tag its scheduler
+    # checks with the same key (kvfence.vllm.scheduler).
+    assert got["body"]["vllm_xargs"] == {
+        XARG_TENANT: "alice",
+        XARG_TENANT_TAG: tenant_tag(KEY, TC, "alice", salt(ALICE)),
+    }
+
+
+def test_previous_key_tags_the_tenant_with_that_key(env: Env) -> None:
+    assert env.post({"prompt": "x"}, key=OLD_KEY, identity=BOB)[0] == 200
+    xargs = env.seen.requests[0]["body"]["vllm_xargs"]
+    assert xargs == {XARG_TENANT: "bob", XARG_TENANT_TAG: tenant_tag(OLD_KEY, TC, "bob", salt(BOB, OLD_KEY))}
 
 
 def test_router_style_body_with_matching_salt_is_accepted(env: Env) -> None:
@@ -322,7 +337,7 @@ def test_signed_body_carrying_another_tenants_salt_is_refused(env: Env) -> None:
     assert env.registry.get_sample_value(METRIC_CROSS_ACCESS_REJECTED) == before + 1
 
 
-@pytest.mark.parametrize("field_name", ["extra_key", "kv_transfer_params"])
+@pytest.mark.parametrize("field_name", ["extra_key", "kv_transfer_params", "vllm_xargs"])
 def test_other_namespace_fields_are_refused(env: Env, field_name: str) -> None:
     status, _, _ = env.post({"prompt": "x", field_name: {"x": 1}})
     assert status == 403

@@ -70,8 +70,17 @@ CLIENT_FORBIDDEN_HEADERS = frozenset(
 )
 
 #: Body fields that choose a KV-cache namespace or carry KV state in engines we know of
-#: (vLLM: cache_salt, kv_transfer_params; SGLang: extra_key). The router removes them.
-CLIENT_FORBIDDEN_BODY_FIELDS = ("cache_salt", "extra_key", "kv_transfer_params")
+#: (vLLM: cache_salt, kv_transfer_params, and vllm_xargs, which reaches vLLM's engine core as the
+#: request's extra_args, where kv_transfer_params is read too; SGLang: extra_key). The router
+#: removes them.
+CLIENT_FORBIDDEN_BODY_FIELDS = ("cache_salt", "extra_key", "kv_transfer_params", "vllm_xargs")
+
+#: vLLM: the body field the kvfence middleware sets (after verifying the router's signature) to carry
+#: the tenant to the engine core, where the kvfence scheduler accounts KV blocks to it.
+BODY_VLLM_XARGS = "vllm_xargs"
+#: Keys of :data:`BODY_VLLM_XARGS`: the tenant, and its :func:`tenant_tag`.
+XARG_TENANT = "kvfence_tenant"
+XARG_TENANT_TAG = "kvfence_tenant_tag"
 
 #: The body field the router sets to the derived salt (what stock vLLM reads).
 BODY_CACHE_SALT = "cache_salt"
@@ -117,6 +126,14 @@ def derive_cache_salt(key: bytes, trust_class: str, namespace: str) -> str:
     router replicas and restarts, and different for every namespace."""
     mac = hmac.new(key, b"kvfence-cache-salt-v1\x00" + _b(trust_class) + b"\x00" + _b(namespace), "sha256")
     return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode("ascii")
+
+
+def tenant_tag(key: bytes, trust_class: str, tenant: str, cache_salt: str) -> str:
+    """Binds a tenant to the cache salt of its request under the trust class key: what the vLLM
+    middleware hands the engine core with the tenant, so the scheduler accounts KV blocks only to a
+    tenant whose signature was verified (it checks the tag with the same keys)."""
+    msg = b"kvfence-tenant-tag-v1\x00" + _b(trust_class) + b"\x00" + _b(tenant) + b"\x00" + _b(cache_salt)
+    return base64.urlsafe_b64encode(hmac.new(key, msg, "sha256").digest()).rstrip(b"=").decode("ascii")
 
 
 def body_digest(body: bytes) -> str:
@@ -186,6 +203,9 @@ class Verified:
 
     identity: Identity
     cache_salt: str
+    #: :func:`tenant_tag` of the identity and salt, under the key that signed (vLLM's engine core
+    #: checks it); empty where no key signed (an engine that does not require signatures)
+    tenant_tag: str = ""
 
 
 class SignatureError(Exception):
@@ -285,7 +305,8 @@ class Verifier:
             raise SignatureError("ReplayedSignature", "signature nonce was already used")
         # The salt is derived with the key that signed, so a key rotation also starts fresh cache
         # namespaces, and router and engine agree on it during the rotation window.
-        return Verified(identity, derive_cache_salt(key, identity.trust_class, identity.namespace))
+        salt = derive_cache_salt(key, identity.trust_class, identity.namespace)
+        return Verified(identity, salt, tenant_tag(key, identity.trust_class, identity.tenant, salt))
 
 
 def strip_client_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -29,10 +29,15 @@ What it does, per HTTP request:
 * Every other request (other paths, other methods, websockets) is refused: new vLLM endpoints stay
   closed until they are reviewed and listed here.
 
+* ``vllm_xargs`` is set to the verified tenant and its tag (:func:`kvfence.contract.tenant_tag`): the
+  kvfence scheduler (:mod:`kvfence.vllm.scheduler`) accounts KV blocks to that tenant and refuses
+  requests without a valid tag.
+
 Rejections are counted in ``kvfence_engine_signature_rejected_total{reason}`` (the contract's name,
 the same series the reference engine exports) and salt mismatches also in
-``kv_cache_tenant_cross_access_rejected_total``, both in the process's default Prometheus registry,
-which vLLM's ``/metrics`` serves.
+``kv_cache_tenant_cross_access_rejected_total``; both are exported with the engine core's counters
+(:mod:`kvfence.vllm.stats`) by one collector in the process's default Prometheus registry, which
+vLLM's ``/metrics`` serves. Log lines go to vLLM's output (:mod:`kvfence.vllm.logs`).
 """
 
 from __future__ import annotations
@@ -49,16 +54,19 @@ from typing import Any
 
 from kvfence.contract import (
     BODY_CACHE_SALT,
+    BODY_VLLM_XARGS,
     CLIENT_FORBIDDEN_BODY_FIELDS,
     HEADER_PREFIX,
     MAX_SKEW_SECONDS,
-    METRIC_CROSS_ACCESS_REJECTED,
-    METRIC_SIGNATURE_REJECTED,
+    XARG_TENANT,
+    XARG_TENANT_TAG,
     NonceCache,
     SignatureError,
     Verified,
     Verifier,
 )
+from kvfence.vllm.logs import ensure_handler
+from kvfence.vllm.stats import EdgeCounters, FenceCollector
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -83,8 +91,6 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/v1/models", "/version"
 #: Rejection reasons decided here (the verifier adds its own: MissingSignature, BadSignature, ...).
 REASON_SALT_MISMATCH = "CacheSaltMismatch"
 REASON_FORBIDDEN_FIELD = "ForbiddenBodyField"
-
-_METRIC_SUFFIX = "_total"
 
 
 class KeySourceError(Exception):
@@ -141,37 +147,24 @@ class KeySource:
 
 
 class _Metrics:
-    """The middleware's two counters, created once per registry (vLLM imports the class once)."""
+    """The middleware's counters and the engine core's (:mod:`kvfence.vllm.stats`), registered as one
+    collector once per registry (vLLM imports the class once, tests build several)."""
 
     _lock = threading.Lock()
-    _by_registry: dict[int, _Metrics] = {}
-
-    def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter
-
-        self.signature_rejected = Counter(
-            METRIC_SIGNATURE_REJECTED.removesuffix(_METRIC_SUFFIX),
-            "Requests refused because their router signature did not verify",
-            ["reason"],
-            registry=registry,
-        )
-        self.cross_access_rejected = Counter(
-            METRIC_CROSS_ACCESS_REJECTED.removesuffix(_METRIC_SUFFIX),
-            "Prefix-cache entries reached by a request of another cache namespace, refused",
-            registry=registry,
-        )
+    _by_registry: dict[int, EdgeCounters] = {}
 
     @classmethod
-    def get(cls, registry: Any) -> _Metrics:
+    def get(cls, registry: Any) -> EdgeCounters:
         if registry is None:
             from prometheus_client import REGISTRY
 
             registry = REGISTRY
         with cls._lock:
-            m = cls._by_registry.get(id(registry))
-            if m is None:
-                m = cls._by_registry[id(registry)] = cls(registry)
-            return m
+            edge = cls._by_registry.get(id(registry))
+            if edge is None:
+                edge = cls._by_registry[id(registry)] = EdgeCounters()
+                registry.register(FenceCollector(edge))
+            return edge
 
 
 class Refusal(Exception):
@@ -210,6 +203,7 @@ class KvfenceMiddleware:
         clock: Callable[[], float] = time.time,
         max_skew: float = MAX_SKEW_SECONDS,
     ) -> None:
+        ensure_handler()
         self.app = app
         self.keys = keys if keys is not None else KeySource.from_env()
         if max_body_bytes is None:
@@ -271,9 +265,9 @@ class KvfenceMiddleware:
             new_body = self._salted(body, verified)
         except Refusal as r:
             if r.status in (401, 403):
-                self.metrics.signature_rejected.labels(r.reason).inc()
+                self.metrics.rejected(r.reason)
             if r.reason == REASON_SALT_MISMATCH:
-                self.metrics.cross_access_rejected.inc()
+                self.metrics.cross_access()
             log.info("kvfence: refused %s %s: %s (%s)", method, path, r.message, r.reason)
             await _respond(send, r)
             return
@@ -343,6 +337,10 @@ class KvfenceMiddleware:
         if sent is not None and sent != verified.cache_salt:
             raise _forbidden("cache_salt does not belong to the signed identity", REASON_SALT_MISMATCH)
         doc[BODY_CACHE_SALT] = verified.cache_salt
+        # The tenant, for the kvfence scheduler in vLLM's engine core (its KV quotas), bound to the
+        # salt by a tag it verifies with the same keys. The router never sends vllm_xargs (refused
+        # above with the other forbidden fields), so nothing of the client's reaches the engine core.
+        doc[BODY_VLLM_XARGS] = {XARG_TENANT: verified.identity.tenant, XARG_TENANT_TAG: verified.tenant_tag}
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 

@@ -1,0 +1,521 @@
+"""kvfence inside vLLM's engine core: ``--scheduler-cls kvfence.vllm.scheduler.FencedScheduler``.
+
+vLLM builds its scheduler from this name in the engine-core process. :func:`FencedScheduler` returns
+vLLM's own ``Scheduler`` (or ``AsyncScheduler``, whichever vLLM chose) extended by :class:`FenceMixin`,
+whose ``KVCacheManager`` and ``BlockPool`` are vLLM's own objects with a few methods overridden
+(:class:`FencedKVCacheManager`, :class:`FencedBlockPool`); every decision is made by
+:class:`kvfence.vllm.fence.TenantFence`. What changes, against stock vLLM:
+
+* **Who**: the tenant of each request comes from the request's ``vllm_xargs`` that the kvfence
+  middleware set after verifying the router's signature, and is checked again here with the trust
+  class's keys (:func:`kvfence.contract.tenant_tag` binds tenant and cache salt). A request without a
+  valid tag is refused (finished with an error) and counted: the scheduler never accounts to a tenant
+  a client chose.
+* **Verified hits**: ``get_computed_blocks`` keeps vLLM's hash lookup and then verifies each hit block
+  against the token ids (and chain, and cache namespace) stored when the block was cached; the hit ends
+  at the first mismatch.
+* **Stale references**: the (block, generation) pairs of a lookup are checked when the request takes
+  the blocks; a moved generation refuses that allocation (the request looks up again next step).
+* **Quotas and eviction**: ``BlockPool.get_num_free_blocks`` answers for the tenant being allocated
+  for, and ``get_new_blocks`` takes blocks in the fence's order (clean, own cold, others' beyond their
+  guarantee), so vLLM's own allocation logic enforces hard maxima and guarantees. Requests of a tenant
+  at its maximum are held out of the waiting queue during ``schedule`` so they never block other
+  tenants' requests behind them. A request that could never fit its tenant's maximum has its
+  ``max_tokens`` cut to fit (finish reason ``length``), or, if its prompt alone does not fit, is
+  refused.
+* **Reloads**: quotas are re-read from the engine config file and keys from the key directory when
+  those files change (checked once a second), without a restart.
+
+The fence supports what it can verify: one KV-cache group of full attention, block hashes at the
+block size, no KV connector, no decode context parallelism. Anything else fails the engine at start
+with a message naming what is unsupported (never a silently unfenced engine).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfence.contract import XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.engine.config import ConfigError, QuotasConfig, load_config
+from kvfence.vllm.fence import UNATTRIBUTED, FenceError, TenantFence, Verdict
+from kvfence.vllm.logs import ensure_handler
+from kvfence.vllm.middleware import ENV_ENGINE_CONFIG, KeySource, KeySourceError
+from kvfence.vllm.stats import StatsWriter
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import Request, RequestStatus
+
+log = logging.getLogger("kvfence.vllm.scheduler")
+
+RELOAD_INTERVAL = 1.0  # seconds between checks of the config and key files
+REASON_NO_IDENTITY = "MissingTenant"
+REASON_BAD_TAG = "BadTenantTag"
+
+
+class FencedBlockPool(BlockPool):  # type: ignore[misc]
+    """vLLM's ``BlockPool`` whose allocation, release and caching go through the fence.
+
+    ``tenant`` is set by :class:`FencedKVCacheManager` while it allocates for a request."""
+
+    fence: TenantFence
+    tenant: str | None
+
+    def get_num_free_blocks(self) -> int:
+        free: int = super().get_num_free_blocks()
+        if self.tenant is None:
+            return free
+        return min(free, self.fence.obtainable(self.tenant))
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        tenant = UNATTRIBUTED if self.tenant is None else self.tenant
+        if self.tenant is None:
+            log.error("kvfence: %d KV blocks allocated outside any request; charged to no tenant", num_blocks)
+        try:
+            ids, _evicted = self.fence.take(tenant, num_blocks)
+        except FenceError as e:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e}") from None
+        except Exception as e:  # AllocationError: vLLM checked get_num_free_blocks() first
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e}") from None
+        ret = [self.blocks[i] for i in ids]
+        for block in ret:
+            self.free_block_queue.remove(block)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        for block in ret:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return ret
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.fence.revive(block.block_id)
+        super().touch(blocks)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        seen: set[int] = set()
+        for block in blocks:
+            if block.is_null or block.pool is not self or block.ref_cnt != 0 or block.block_id in seen:
+                continue
+            seen.add(block.block_id)
+            self.fence.released(block.block_id, cached=self.enable_caching and block.block_hash is not None)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        for bid in block_ids:
+            if self.blocks[bid].block_hash is None:
+                self.fence.uncached(bid)
+
+    def reset_prefix_cache(self) -> bool:
+        ok: bool = super().reset_prefix_cache()
+        if ok:
+            for block in self.blocks:
+                if not block.is_null:
+                    self.fence.uncached(block.block_id)
+        return ok
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
+    ) -> None:
+        super().cache_full_blocks(
+            request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
+        )
+        fence = self.fence
+        tokens = request.all_token_ids
+        ns = namespace_of(request)
+        extras = extra_keys_of(request, num_full_blocks, block_size)
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or block.block_hash is None:
+                continue
+            parent = None
+            if i > 0:
+                parent = fence.records[blocks[i - 1].block_id]
+                if parent is None:  # cannot happen with one full-attention group; fail safe: no entry
+                    log.warning("kvfence: block %d cached without its parent's record", block.block_id)
+                    continue
+            chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
+            fence.record(block.block_id, fence.intern(parent, chunk, fence.block_namespace(i, ns, extras)))
+
+    def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
+        super().move_block_hashes(src_block, dst_block)
+        self.fence.records[dst_block.block_id] = self.fence.records[src_block.block_id]
+        self.fence.records[src_block.block_id] = None
+
+    def cache_partial_block(self, request: Request, block: Any, *args: Any, **kwargs: Any) -> Any:
+        # Partial entries are outside what the fence verifies (refused at start); an entry without a
+        # record can never verify, so it is a miss, never an unverified hit.
+        out = super().cache_partial_block(request, block, *args, **kwargs)
+        self.fence.records[block.block_id] = None
+        return out
+
+
+def namespace_of(request: Request) -> tuple[Any, ...]:
+    """The cache namespace of a request: its salt (the middleware derived it from the verified
+    tenant and scope) and its adapter."""
+    lora = request.lora_request.name if request.lora_request is not None else None
+    return (request.cache_salt, lora)
+
+
+def extra_keys_of(request: Request, num_blocks: int, block_size: int) -> list[Any] | None:
+    """vLLM's per-block extra keys (multimodal inputs, prompt embeddings), None for plain text."""
+    if not request.mm_features and getattr(request, "prompt_embeds", None) is None:
+        return None
+    out: list[Any] = []
+    mm_idx = 0
+    for i in range(num_blocks):
+        keys, mm_idx = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size, mm_idx)
+        out.append(keys)
+    return out
+
+
+class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
+    """vLLM's ``KVCacheManager`` with verified lookups, stale checks and per-tenant allocation."""
+
+    fence: TenantFence
+    fenced_pool: FencedBlockPool
+    tenant_of: dict[str, str]
+    reach_of: dict[str, int]
+    lookups: dict[str, list[tuple[int, int]]]
+    fence_block_size: int
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        blocks, num_tokens, boundary = super().get_computed_blocks(request)
+        rid = request.request_id
+        if num_tokens == 0:
+            self.lookups.pop(rid, None)
+            return blocks, num_tokens, boundary
+        hit = blocks.blocks[0]
+        fence = self.fence
+        ids = [b.block_id for b in hit]
+        extras = extra_keys_of(request, len(ids), self.fence_block_size)
+        ok, verdict = fence.verify(ids, request.all_token_ids, namespace_of(request), extras)
+        if ok < len(ids):
+            log.warning(
+                "kvfence: prefix hit of request %s refused at block %d of %d (%s)",
+                rid,
+                ok,
+                len(ids),
+                "another cache namespace" if verdict == Verdict.CROSS_ACCESS else "hash collision",
+            )
+            hit = hit[:ok]
+            blocks = self.create_kv_cache_blocks((hit,))
+            num_tokens, boundary = ok * self.fence_block_size, 0
+        self.lookups[rid] = [(bid, fence.generation(bid)) for bid in ids[:ok]]
+        return blocks, num_tokens, boundary
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        rid = request.request_id
+        fence = self.fence
+        looked_up = self.lookups.pop(rid, None)
+        new_computed = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
+        if new_computed is not None and new_computed.blocks and new_computed.blocks[0]:
+            taken = [(b.block_id, fence.generation(b.block_id)) for b in new_computed.blocks[0]]
+            if (
+                looked_up is None
+                or taken != looked_up[: len(taken)]
+                or any(fence.state(bid).name == "FREE" for bid, _ in taken)
+            ):
+                fence.counters.stale_reference += 1
+                fence.version += 1
+                log.warning(
+                    "kvfence: request %s would take prefix blocks that moved since lookup; refused", rid
+                )
+                return None
+        tenant = self.tenant_of.get(rid, UNATTRIBUTED)
+        reserve = 0
+        if not fence.is_admitted(rid):
+            need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
+            if need is None:
+                return None
+            reserve = need
+        pool = self.fenced_pool
+        pool.tenant = tenant
+        try:
+            out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        finally:
+            pool.tenant = None
+        if out is not None and not fence.is_admitted(rid):
+            fence.admit(rid, tenant, reserve)
+        return out
+
+    def free(self, request: Request) -> None:
+        super().free(request)
+        self.fence.release(request.request_id)
+        self.lookups.pop(request.request_id, None)
+
+
+def _check_supported(sched: Scheduler) -> None:
+    problems = []
+    groups = sched.kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        problems.append(f"one KV-cache group of full attention (this model has: {kinds or 'none'})")
+    if sched.hash_block_size != sched.block_size:
+        problems.append(
+            f"block hashes at the block size (hash block {sched.hash_block_size}, block {sched.block_size})"
+        )
+    if sched.connector is not None:
+        problems.append("no KV connector (--kv-transfer-config moves KV outside the fence)")
+    if getattr(sched, "dcp_world_size", 1) != 1:
+        problems.append("no decode context parallelism")
+    if problems:
+        raise FenceError("the kvfence scheduler supports only " + "; ".join(problems))
+
+
+class FenceMixin:
+    """What kvfence adds to vLLM's scheduler (see the module docstring)."""
+
+    kv_cache_manager: Any
+    waiting: Any
+    max_model_len: int
+    block_size: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        ensure_handler()
+        sched: Any = self
+        _check_supported(sched)
+        self._keys = KeySource.from_env()
+        self._key_list = self._keys.load()
+        self._key_stamp = self._keys.stamp()
+        self._config_path = os.environ.get(ENV_ENGINE_CONFIG, "")
+        self._config_stamp: tuple[int, int, int] | None = None
+        quotas = self._load_quotas() or QuotasConfig()
+        mgr = self.kv_cache_manager
+        pool = mgr.block_pool
+        self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas)
+        pool.__class__ = FencedBlockPool
+        pool.fence, pool.tenant = self.fence, None
+        mgr.__class__ = FencedKVCacheManager
+        mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
+        mgr.tenant_of, mgr.reach_of, mgr.lookups = {}, {}, {}
+        self._tenant_of: dict[str, str] = mgr.tenant_of
+        self._reach_of: dict[str, int] = mgr.reach_of
+        self._refused: dict[str, str] = {}
+        self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
+        self._next_reload = time.monotonic() + RELOAD_INTERVAL
+        self.stats = StatsWriter.from_env(self.fence)
+        log.info(
+            "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with quotas",
+            self._keys.trust_class,
+            self.fence.usable_blocks,
+            self.block_size,
+            len(quotas.tenants),
+        )
+
+    # --- identity ---------------------------------------------------------------------------------
+    def _identify(self, request: Request) -> tuple[str | None, str]:
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        tenant = extra.get(XARG_TENANT) if isinstance(extra, dict) else None
+        tag = extra.get(XARG_TENANT_TAG) if isinstance(extra, dict) else None
+        salt = request.cache_salt
+        if not isinstance(tenant, str) or not tenant or not isinstance(tag, str) or not salt:
+            return None, REASON_NO_IDENTITY
+        key = (tenant, salt, tag)
+        ok = self._verified.get(key)
+        if ok is None:
+            ok = any(
+                hmac.compare_digest(tenant_tag(k, self._keys.trust_class, tenant, salt), tag)
+                for k in self._key_list
+            )
+            self._verified[key] = ok
+            if len(self._verified) > 4096:
+                self._verified.popitem(last=False)
+        return (tenant, "") if ok else (None, REASON_BAD_TAG)
+
+    def add_request(self, request: Request) -> None:
+        self._maybe_reload()
+        tenant, reason = self._identify(request)
+        rid = request.request_id
+        if tenant is None:
+            self.fence.count("identity_rejected", reason)
+            log.warning("kvfence: request %s refused: no verified tenant (%s)", rid, reason)
+            self._refused[rid] = reason
+            super().add_request(request)  # type: ignore[misc]
+            return
+        self._tenant_of[rid] = tenant
+        if not self.fence.fits_alone(tenant, request.num_prompt_tokens + 1):
+            self.fence.count("quota_rejected", tenant)
+            log.warning(
+                "kvfence: request %s of tenant %r refused: its %d prompt tokens exceed the tenant's KV quota",
+                rid,
+                tenant,
+                request.num_prompt_tokens,
+            )
+            self._refused[rid] = "QuotaExceeded"
+        else:
+            acct = self.fence.account(tenant)
+            reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+            if acct.limited and self.fence.blocks_for(reach) > acct.max_blocks:
+                cut = acct.max_blocks * self.block_size - request.num_prompt_tokens
+                log.info(
+                    "kvfence: request %s of tenant %r: max_tokens %d cut to %d to fit its KV quota",
+                    rid,
+                    tenant,
+                    request.max_tokens,
+                    cut,
+                )
+                request.max_tokens = cut
+                reach = request.num_prompt_tokens + cut
+            self._reach_of[rid] = reach
+        super().add_request(request)  # type: ignore[misc]
+
+    # --- scheduling -------------------------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_reload()
+        held = self._hold_back()
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if held:
+                self.waiting.prepend_requests(held)
+
+    def _hold_back(self) -> list[Request]:
+        """Take out of the waiting queue, for this step, the requests that must not be scheduled: those
+        refused (they finish in update_from_output) and those whose tenant is at its maximum, so vLLM's
+        waiting loop (which stops at the first request it cannot allocate) never stalls on them."""
+        if not self.waiting:
+            return []
+        fence = self.fence
+        pending: dict[str, int] = {}
+        held: list[Request] = []
+        for request in self.waiting:
+            rid = request.request_id
+            if rid in self._refused:
+                held.append(request)
+                continue
+            if fence.is_admitted(rid):
+                continue
+            tenant = self._tenant_of.get(rid, UNATTRIBUTED)
+            need = fence.can_admit(
+                tenant, self._reach_of.get(rid, request.num_tokens), pending.get(tenant, 0)
+            )
+            if need is None:
+                held.append(request)
+                fence.count("quota_held_back", tenant)
+            else:
+                pending[tenant] = pending.get(tenant, 0) + need
+        if held:
+            self.waiting.remove_requests(held)
+        return held
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, Any]:
+        outputs: dict[int, Any] = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        if self._refused:
+            self._finish_refused(outputs)
+        return outputs
+
+    def _finish_refused(self, outputs: dict[int, Any]) -> None:
+        ids = list(self._refused)
+        self._refused.clear()
+        sched: Any = self
+        for request in sched.finish_requests(ids, RequestStatus.FINISHED_ERROR):
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                eco = outputs[request.client_index] = EngineCoreOutputs()
+            eco.outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        rid = request.request_id
+        self._tenant_of.pop(rid, None)
+        self._reach_of.pop(rid, None)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        self.stats.stop()
+        super().shutdown()  # type: ignore[misc]
+
+    # --- reloads ----------------------------------------------------------------------------------
+    def _load_quotas(self) -> QuotasConfig | None:
+        if not self._config_path:
+            log.warning("kvfence: %s is not set: every tenant gets an unlimited KV quota", ENV_ENGINE_CONFIG)
+            return None
+        try:
+            st = Path(self._config_path).stat()
+            cfg = load_config(self._config_path)
+        except (OSError, ConfigError) as e:
+            if self._config_stamp is None:
+                raise FenceError(f"cannot load the engine config: {e}") from None
+            log.warning("kvfence: engine config not reloaded: %s", e)
+            return None
+        self._config_stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        return cfg.quotas
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now < self._next_reload:
+            return
+        self._next_reload = now + RELOAD_INTERVAL
+        stamp = self._keys.stamp()
+        if stamp != self._key_stamp:
+            try:
+                self._key_list = self._keys.load()
+                self._key_stamp = stamp
+                self._verified.clear()
+                log.info("kvfence: signing keys reloaded from %s", self._keys.key_dir)
+            except KeySourceError as e:
+                log.warning("kvfence: signing keys not reloaded: %s", e)
+        if self._config_path:
+            try:
+                st = Path(self._config_path).stat()
+            except OSError:
+                return
+            if (st.st_ino, st.st_mtime_ns, st.st_size) != self._config_stamp:
+                quotas = self._load_quotas()
+                if quotas is not None:
+                    try:
+                        self.fence.set_quotas(quotas)
+                    except FenceError as e:
+                        log.warning("kvfence: quotas not applied: %s", e)
+                        return
+                    log.info("kvfence: KV quotas reloaded (%d tenants listed)", len(quotas.tenants))
+
+
+class FencedSyncScheduler(FenceMixin, Scheduler):  # type: ignore[misc]
+    pass
+
+
+class FencedAsyncScheduler(FenceMixin, AsyncScheduler):  # type: ignore[misc]
+    pass
+
+
+def FencedScheduler(*args: Any, **kwargs: Any) -> Scheduler:
+    """The ``--scheduler-cls`` target: vLLM's scheduler of the kind vLLM chose, fenced."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    use_async = bool(vllm_config is not None and vllm_config.scheduler_config.async_scheduling)
+    cls = FencedAsyncScheduler if use_async else FencedSyncScheduler
+    return cls(*args, **kwargs)

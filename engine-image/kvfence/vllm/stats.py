@@ -1,0 +1,221 @@
+"""The fence's counters on vLLM's ``/metrics``, across vLLM's processes.
+
+The scheduler (and so the fence) runs in vLLM's engine-core process; ``/metrics`` is served by the API
+server process, where the kvfence middleware runs. The engine core writes a small JSON snapshot
+(:class:`StatsWriter`, a background thread, at most four times a second and only when something
+changed) to the file named by ``KVFENCE_VLLM_STATS_FILE`` (the operator sets it to a file on the pod's
+``/tmp`` volume); the API server exports it at scrape time (:class:`FenceCollector`), merged with the
+middleware's own counters. The series carry the contract's names, so the chart's alerts and dashboards
+treat a vLLM class like a reference one:
+
+* ``kv_cache_hash_collision_total``, ``kv_cache_tenant_cross_access_rejected_total`` (refused prefix
+  hits from another namespace, plus cache salts refused at the HTTP edge),
+  ``kv_cache_stale_reference_error_total``;
+* ``kvfence_engine_signature_rejected_total{reason}`` (the middleware's refusals, plus requests the
+  scheduler refused for a missing or wrong tenant tag);
+* ``kvfence_engine_quota_rejected_total{tenant}``, ``kvfence_engine_quota_held_back_total{tenant}``,
+  ``kvfence_engine_kv_evictions_total{kind="own"|"cross"}``;
+* ``kvfence_engine_tenant_kv_blocks{tenant,state="active"|"cached"|"reserved"}``,
+  ``kvfence_engine_tenant_kv_blocks_limit{tenant,kind="max"|"guaranteed"}``,
+  ``kvfence_engine_kv_blocks_total``, ``kvfence_engine_kv_blocks_free``, ``kvfence_engine_kv_blocks_cached``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvfence.contract import (
+    METRIC_CROSS_ACCESS_REJECTED,
+    METRIC_HASH_COLLISION,
+    METRIC_SIGNATURE_REJECTED,
+    METRIC_STALE_REFERENCE,
+)
+
+log = logging.getLogger("kvfence.vllm.stats")
+
+ENV_STATS_FILE = "KVFENCE_VLLM_STATS_FILE"
+WRITE_INTERVAL = 0.25  # seconds
+
+
+def stats_path() -> Path:
+    value = os.environ.get(ENV_STATS_FILE)
+    return Path(value) if value else Path(tempfile.gettempdir()) / "kvfence-vllm-stats.json"
+
+
+class Snapshotting(Protocol):
+    version: int
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class StatsWriter:
+    """Writes ``fence.snapshot()`` to the stats file whenever ``fence.version`` moved."""
+
+    def __init__(self, fence: Snapshotting, path: Path, interval: float = WRITE_INTERVAL) -> None:
+        self.fence = fence
+        self.path = path
+        self.interval = interval
+        self._stop = threading.Event()
+        self._written = -1
+        self.write()  # a fresh engine starts from zero, whatever an earlier one left
+        self._thread = threading.Thread(target=self._run, name="kvfence-stats", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls, fence: Snapshotting) -> StatsWriter:
+        return cls(fence, stats_path())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.fence.version != self._written:
+                self.write()
+
+    def write(self) -> None:
+        version = self.fence.version
+        for _ in range(5):
+            try:
+                snap = self.fence.snapshot()
+                break
+            except RuntimeError:  # a dict changed size under the scheduler thread: take it again
+                continue
+        else:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(snap, separators=(",", ":")))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("kvfence: cannot write %s: %s", self.path, e)
+            return
+        self._written = version
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.write()
+
+
+class EdgeCounters:
+    """The middleware's own counts (API-server process), merged into the exported series."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.signature_rejected: dict[str, int] = {}
+        self.cross_access_rejected = 0
+
+    def rejected(self, reason: str) -> None:
+        with self._lock:
+            self.signature_rejected[reason] = self.signature_rejected.get(reason, 0) + 1
+
+    def cross_access(self) -> None:
+        with self._lock:
+            self.cross_access_rejected += 1
+
+
+class FenceCollector:
+    """A Prometheus collector reading the engine core's stats file at scrape time."""
+
+    def __init__(self, edge: EdgeCounters, path: Path | None = None) -> None:
+        self.edge = edge
+        self.path = path if path is not None else stats_path()
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._read()
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+
+        yield counter(
+            METRIC_HASH_COLLISION,
+            "Prefix-cache hits whose stored block did not match the request token for token (a miss)",
+            s.get("hash_collision", 0),
+        )
+        yield counter(
+            METRIC_CROSS_ACCESS_REJECTED,
+            "Prefix-cache entries reached by a request of another cache namespace, refused",
+            s.get("cross_access_rejected", 0) + self.edge.cross_access_rejected,
+        )
+        yield counter(
+            METRIC_STALE_REFERENCE,
+            "Uses of a block whose generation moved since it was looked up, refused",
+            s.get("stale_reference", 0),
+        )
+        reasons = dict(self.edge.signature_rejected)
+        for reason, n in (s.get("identity_rejected") or {}).items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        fam = CounterMetricFamily(
+            METRIC_SIGNATURE_REJECTED.removesuffix("_total"),
+            "Requests refused because their router signature (or tenant tag) did not verify",
+            labels=["reason"],
+        )
+        for reason, n in sorted(reasons.items()):
+            fam.add_metric([reason], n)
+        yield fam
+        for name, doc, key in (
+            (
+                "kvfence_engine_quota_rejected",
+                "Requests refused because they can never fit the tenant's KV-block quota",
+                "quota_rejected",
+            ),
+            (
+                "kvfence_engine_quota_held_back",
+                "Scheduling steps in which a request waited for its tenant's KV-block quota",
+                "quota_held_back",
+            ),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=["tenant"])
+            for tenant, n in sorted((s.get(key) or {}).items()):
+                fam.add_metric([tenant], n)
+            yield fam
+        ev = s.get("evictions") or {}
+        fam = CounterMetricFamily(
+            "kvfence_engine_kv_evictions",
+            "Cached blocks evicted, by whether the evicting tenant was the owner (own) or not (cross)",
+            labels=["kind"],
+        )
+        for kind in ("own", "cross"):
+            fam.add_metric([kind], ev.get(kind, 0))
+        yield fam
+        blocks = s.get("blocks") or {}
+        for name, doc, key in (
+            ("kvfence_engine_kv_blocks_total", "KV blocks in vLLM's pool (without the null block)", "total"),
+            ("kvfence_engine_kv_blocks_free", "KV blocks free and holding no cache entry", "free"),
+            ("kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the prefix cache", "cached"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=blocks.get(key, 0))
+        usage = GaugeMetricFamily(
+            "kvfence_engine_tenant_kv_blocks",
+            "KV blocks charged to a tenant: active (in use), cached (cold, evictable), reserved "
+            "(what its admitted requests may reach)",
+            labels=["tenant", "state"],
+        )
+        limits = GaugeMetricFamily(
+            "kvfence_engine_tenant_kv_blocks_limit",
+            "A tenant's KV-block quota: max (absent: the pool) and guaranteed",
+            labels=["tenant", "kind"],
+        )
+        for tenant, t in sorted((s.get("tenants") or {}).items()):
+            for state in ("active", "cached", "reserved"):
+                usage.add_metric([tenant, state], t.get(state, 0))
+            if t.get("max") is not None:
+                limits.add_metric([tenant, "max"], t["max"])
+            limits.add_metric([tenant, "guaranteed"], t.get("guaranteed", 0))
+        yield usage
+        yield limits

@@ -1,0 +1,24 @@
+"""The vLLM lane: tests that drive vLLM's own scheduler, KV-cache manager and block pool in-process,
+with the kvfence scheduler plugged in. They run under the Python of the real vLLM install
+(``tests/vllm/install-vllm.sh``), never the project's venv; ``make test`` runs them as a second
+pytest lane::
+
+    $(tests/vllm/install-vllm.sh --print) -m pytest -o addopts="-ra --import-mode=importlib" tests/vllm_engine
+
+A Python without vLLM fails here loudly instead of collecting nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+try:
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise RuntimeError(
+        "tests/vllm_engine needs real vLLM: run it with the Python that tests/vllm/install-vllm.sh prints "
+        f"(make test does): {e}"
+    ) from None

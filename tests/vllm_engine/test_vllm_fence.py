@@ -1,0 +1,237 @@
+"""The kvfence scheduler inside vLLM's real scheduler, KV-cache manager and block pool (no model)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, salt_of, weak_hash
+
+from kvfence.contract import tenant_tag
+from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager
+
+PROMPT = list(range(100, 164))  # 4 full blocks of 16
+
+
+def test_vllm_builds_the_fenced_scheduler_from_its_flag(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    assert isinstance(h.sched, Scheduler)
+    assert isinstance(h.sched.kv_cache_manager, FencedKVCacheManager)
+    assert isinstance(h.pool, FencedBlockPool)
+    assert h.fence.usable_blocks == 63
+    h.check()
+
+
+def test_a_tenant_hits_its_own_prefix_and_another_tenant_does_not(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    a = h.add("alice", [*PROMPT, 1])
+    h.run()
+    assert h.finished[a.request_id] == "length"
+    a2 = h.add("alice", [*PROMPT, 2])
+    assert h.hits(h.step(), a2.request_id) == 64
+    b = h.add("bob", [*PROMPT, 3])
+    assert h.hits(h.step(), b.request_id) == 0
+    h.run()
+    h.check()
+    c = h.fence.counters
+    assert (c.hash_collision, c.cross_access_rejected, c.stale_reference) == (0, 0, 0)
+
+
+def test_forced_collisions_are_misses_and_counted(tmp_path: Path) -> None:
+    h = Harness(tmp_path, hash_fn=weak_hash)
+    h.add("alice", [*PROMPT, 1])
+    h.run()
+    # Other tokens (in each block's second half), same tenant: the weak hash finds alice's first
+    # block, verification refuses it.
+    other = [t + 1000 if i % 16 >= 8 else t for i, t in enumerate(PROMPT)]
+    a2 = h.add("alice", [*other, 1])
+    assert h.hits(h.step(), a2.request_id) == 0
+    assert h.fence.counters.hash_collision >= 1
+    h.run()
+    # Same tokens, another tenant: the weak hash ignores the salt's difference; refused as cross access.
+    before = h.fence.counters.cross_access_rejected
+    b = h.add("bob", [*PROMPT, 1])
+    assert h.hits(h.step(), b.request_id) == 0
+    assert h.fence.counters.cross_access_rejected == before + 1
+    h.run()
+    h.check()
+
+
+def test_refused_hit_ends_the_hit_at_the_first_bad_block(tmp_path: Path) -> None:
+    h = Harness(tmp_path, hash_fn=weak_hash)
+    h.add("alice", [*PROMPT, 1])
+    h.run()
+    # Same first two blocks, different third: the hit is exactly two blocks.
+    changed = PROMPT[:40] + [t + 1000 for t in PROMPT[40:]]
+    a2 = h.add("alice", [*changed, 1])
+    hits = h.hits(h.step(), a2.request_id)
+    assert hits == 32
+    h.run()
+    h.check()
+
+
+def test_duplicate_copies_of_a_prefix_verify(tmp_path: Path) -> None:
+    # vLLM never de-duplicates: a prompt that is exactly the cached prefix hits all but its last block
+    # (the last token is always recomputed) and caches a second copy of that block.
+    h = Harness(tmp_path)
+    h.add("alice", [*PROMPT, 1])
+    h.run()
+    exact = h.add("alice", PROMPT)
+    assert h.hits(h.step(), exact.request_id) == 48
+    h.run()
+    copies = [b for b in h.pool.blocks if h.fence.records[b.block_id] is not None]
+    assert len(copies) == 5  # 4 blocks of the prefix plus the second copy of the fourth
+    r3 = h.add("alice", [*PROMPT, 9])
+    assert h.hits(h.step(), r3.request_id) == 64
+    assert h.fence.counters.hash_collision == 0
+    h.run()
+    h.check()
+
+
+def test_requests_without_a_verified_tenant_are_refused(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    none = h.add(None, PROMPT, salt=salt_of("alice"), xargs={})
+    forged = h.add("alice", PROMPT, tag="forged")
+    # bob's tag on alice's salt: a tag binds tenant and salt.
+    swapped = h.add(
+        "alice", PROMPT, salt=salt_of("bob"), tag=tenant_tag(KEY, TRUST_CLASS, "bob", salt_of("bob"))
+    )
+    ok = h.add("alice", PROMPT)
+    h.run()
+    for r in (none, forged, swapped):
+        assert h.finished[r.request_id] == "error"
+        assert h.outputs[r.request_id] == []
+    assert h.finished[ok.request_id] == "length"
+    assert h.fence.counters.identity_rejected == {"MissingTenant": 1, "BadTenantTag": 2}
+    h.check()
+
+
+def test_a_tenant_at_its_maximum_waits_while_others_are_served(tmp_path: Path) -> None:
+    # alice may hold 6 blocks: one request of 64+16 tokens reaches 5 blocks, so only one runs at once.
+    h = Harness(tmp_path, quotas={"alice": {"maxBlocks": 6}})
+    a = [h.add("alice", [t + 200 * i for t in PROMPT], max_tokens=16) for i in range(3)]
+    b = [h.add("bob", [t + 5000 + 200 * i for t in PROMPT], max_tokens=16) for i in range(3)]
+    out = h.step()
+    scheduled = set(out.num_scheduled_tokens)
+    assert a[0].request_id in scheduled
+    assert a[1].request_id not in scheduled and a[2].request_id not in scheduled
+    assert {r.request_id for r in b} <= scheduled  # bob is not stuck behind alice's waiting requests
+    assert h.fence.counters.quota_held_back["alice"] >= 1
+    peak = 0
+    for _ in range(300):
+        if not h.sched.has_requests():
+            break
+        h.step()
+        h.check()
+        peak = max(peak, h.fence.book.accounts["alice"].active if "alice" in h.fence.book.accounts else 0)
+    assert peak <= 6
+    assert all(h.finished[r.request_id] == "length" for r in a + b)
+    assert all(len(h.outputs[r.request_id]) == 16 for r in a + b)
+
+
+def test_a_request_larger_than_the_maximum_is_cut_or_refused(tmp_path: Path) -> None:
+    h = Harness(tmp_path, quotas={"alice": {"maxBlocks": 5}})
+    cut = h.add("alice", PROMPT, max_tokens=100)  # 64 + 100 tokens > 5 blocks of 16
+    too_big = h.add("alice", list(range(100)))  # 100 prompt tokens > 80
+    h.run()
+    assert h.finished[cut.request_id] == "length" and len(h.outputs[cut.request_id]) == 80 - 64
+    assert h.finished[too_big.request_id] == "error"
+    assert h.fence.counters.quota_rejected == {"alice": 1}
+    h.check()
+
+
+def test_guaranteed_blocks_are_never_reclaimed_by_others(tmp_path: Path) -> None:
+    # 24 usable blocks; bob is guaranteed 8 and caches 5 (4 full prompt blocks + 1).
+    h = Harness(tmp_path, num_blocks=25, quotas={"bob": {"guaranteedBlocks": 8}})
+    h.add("bob", PROMPT + list(range(10)), max_tokens=2)
+    h.run()
+    bob = h.fence.book.accounts["bob"]
+    cached = len(bob.cold)
+    assert cached >= 4
+    # alice wants everything that is obtainable: 24 - bob's 8 (his cached ones count toward them).
+    assert h.fence.obtainable("alice") == 24 - 8
+    for i in range(4):
+        h.add("alice", [7000 + 100 * i + t for t in range(60)], max_tokens=4)
+        h.run()
+        h.check()
+    assert len(bob.cold) == cached  # none of bob's cached blocks was evicted
+    assert h.fence.counters.evictions_cross == 0
+    b2 = h.add("bob", PROMPT + list(range(10)), max_tokens=2)
+    assert h.hits(h.step(), b2.request_id) == 64
+    h.run()
+
+
+def test_cold_blocks_beyond_a_guarantee_are_reclaimed_and_counted_cross(tmp_path: Path) -> None:
+    h = Harness(tmp_path, num_blocks=17, quotas={"bob": {"guaranteedBlocks": 2}})
+    h.add("bob", PROMPT + list(range(10)), max_tokens=2)
+    h.run()
+    bob = h.fence.book.accounts["bob"]
+    assert len(bob.cold) >= 4
+    h.add("alice", [7000 + t for t in range(200)], max_tokens=4)  # 13 blocks of 16 usable
+    h.run()
+    h.check()
+    assert h.fence.counters.evictions_cross >= 1
+    assert bob.usage >= 2  # never below the guarantee
+
+
+def test_a_stale_lookup_is_refused_and_counted(tmp_path: Path) -> None:
+    h = Harness(tmp_path, num_blocks=9)
+    h.add("alice", [*PROMPT, 1], max_tokens=1)
+    h.run()
+    mgr = h.sched.kv_cache_manager
+    req = h.make("alice", [*PROMPT, 2])
+    blocks, n, _ = mgr.get_computed_blocks(req)
+    assert n == 64
+    # Between lookup and use, another allocation evicts and reuses the looked-up blocks.
+    h.add("bob", [9000 + t for t in range(120)], max_tokens=1)
+    h.run()
+    assert h.fence.generation(blocks.blocks[0][0].block_id) > 0
+    got = mgr.allocate_slots(req, req.num_tokens - n, n, blocks)
+    assert got is None
+    assert h.fence.counters.stale_reference == 1
+    h.check()
+
+
+def test_quota_changes_apply_without_a_restart(tmp_path: Path) -> None:
+    h = Harness(tmp_path, quotas={"alice": {"maxBlocks": 6}})
+    assert h.fence.book.accounts["alice"].max_blocks == 6
+    time.sleep(0.01)
+    h.write_quotas({"alice": {"maxBlocks": 9, "guaranteedBlocks": 2}})
+    h.sched._next_reload = 0
+    h.step()
+    acct = h.fence.book.accounts["alice"]
+    assert (acct.max_blocks, acct.guaranteed) == (9, 2)
+    # An impossible config (guarantees beyond the pool) is refused; the last one stays.
+    h.write_quotas({"alice": {"maxBlocks": 9, "guaranteedBlocks": 200}})
+    h.sched._next_reload = 0
+    h.step()
+    assert h.fence.book.accounts["alice"].guaranteed == 2
+
+
+def test_the_stats_file_carries_the_counters(tmp_path: Path) -> None:
+    h = Harness(tmp_path, hash_fn=weak_hash)
+    h.add("alice", [*PROMPT, 1])
+    h.run()
+    h.add("alice", [t + 1000 if i % 16 >= 8 else t for i, t in enumerate(PROMPT)])
+    h.run()
+    h.sched.stats.write()
+    data = json.loads(h.stats_path.read_text())
+    assert data["hash_collision"] >= 1
+    assert data["tenants"]["alice"]["cached"] >= 4
+    assert data["blocks"]["total"] == 63
+
+
+@pytest.mark.parametrize("scope", ["TrustClass"])
+def test_a_class_wide_scope_shares_between_tenants(tmp_path: Path, scope: str) -> None:
+    h = Harness(tmp_path)
+    salt = salt_of("ignored", scope)
+    h.add("alice", [*PROMPT, 1], salt=salt)
+    h.run()
+    b = h.add("bob", [*PROMPT, 2], salt=salt)
+    assert h.hits(h.step(), b.request_id) == 64
+    h.run()
+    h.check()
+    assert h.fence.counters.cross_access_rejected == 0
