@@ -5,8 +5,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER_DIR ?= .cluster
 BIN_DIR = $(shell tests/cluster/build-components.sh --print)
+# The Python of the pinned vLLM for CPU (engine-image/vllm.env), in its own cached venv (`make vllm`).
+VLLM_PY = $(shell tests/vllm/install-vllm.sh --print)
+# The vLLM lane runs under that Python, on tests/vllm_engine only (the main lane ignores it: see
+# pyproject's addopts, which this replaces).
+VLLM_LANE_ADDOPTS = -ra --strict-markers --import-mode=importlib -p no:cacheprovider
 
-.PHONY: help venv components host-deps up down test lint typecheck unit crds bench clean
+.PHONY: help venv components host-deps vllm up down test lint typecheck crds clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -25,6 +30,10 @@ components: host-deps ## Build (or reuse the cached) kube-apiserver, etcd, kwok,
 host-deps: ## Install the Debian packages the real node and the image build need (containerd, podman, ...)
 	tests/cluster/install-host-deps.sh
 
+vllm: ## Install real vLLM for CPU (cached) and build the tiny test model
+	tests/vllm/install-vllm.sh
+	$(VLLM_PY) tests/vllm/tinymodel.py
+
 up: venv components ## The whole system on a local cluster with a real node; prints how to send a request
 	$(PY) tests/cluster/localcluster.py up --real-node --dir $(CLUSTER_DIR) --bin-dir $(BIN_DIR)
 	PATH=$(BIN_DIR):$$PATH $(PY) e2e/bringup.py --dir $(CLUSTER_DIR)
@@ -42,8 +51,10 @@ typecheck: venv ## mypy (strict)
 crds: venv ## Regenerate crds/ from the API models (tests/operator fails when they drift)
 	$(VENV)/bin/kvfence-crdgen
 
-test: venv components lint typecheck ## Install, build, lint, type-check, run every test, then e2e on a real node
-	KVFENCE_BIN_DIR=$(BIN_DIR) $(VENV)/bin/pytest
+test: venv components vllm lint typecheck ## Install, build, lint, type-check, run every test, then e2e on a real node
+	KVFENCE_BIN_DIR=$(BIN_DIR) KVFENCE_VLLM_PYTHON=$(VLLM_PY) $(VENV)/bin/pytest
+	KVFENCE_VLLM_PYTHON=$(VLLM_PY) VLLM_TARGET_DEVICE=cpu \
+	  $(VLLM_PY) -m pytest -o addopts="$(VLLM_LANE_ADDOPTS)" tests/vllm_engine
 	e2e/run-on-local-cluster.sh
 
 clean: down

@@ -12,8 +12,9 @@
 # 3. Images, built with --network none from that context: nothing is downloaded during the build.
 #      kvfence/control-plane:<version>     kvfence-operator and kvfence-router (the Helm chart's image)
 #      kvfence/engine-reference:<version>  the CPU reference engine
-#      kvfence/engine-vllm:<version>       vLLM + the kvfence middleware: needs the vllm/vllm-openai
-#                                          base pulled beforehand (VLLM_IMAGE), so never built offline
+#      kvfence/engine-vllm:<version>       vLLM + the kvfence middleware and scheduler: needs the
+#                                          vllm/vllm-openai base pulled beforehand (VLLM_IMAGE), so
+#                                          never built offline
 # 4. Smoke test of each image (its entry point runs as non-root on a read-only root filesystem), and
 #    an archive per image in $OUT, kvfence-<image>-<version>.oci.tar (an OCI archive with podman, a
 #    docker archive with docker; `kind load image-archive` and `ctr images import` read both).
@@ -34,7 +35,7 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 SUITE=bookworm
 LOCAL_BASE="localhost/kvfence/debian-base:$SUITE"
-VLLM_IMAGE="${VLLM_IMAGE:-vllm/vllm-openai:v0.33.0}"
+VLLM_IMAGE="${VLLM_IMAGE:-vllm/vllm-openai:v0.32.0}"  # engine-image/vllm.env (tests/vllm/test_vllm_pins.py)
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -1)"
 IMAGES=("$@")
 PULL_NEVER=()

@@ -103,8 +103,10 @@ def test_the_vllm_example_renders_the_args_the_issue_asks_for() -> None:
         "--enable-lora",
         "--lora-modules support-bot=/adapters/support-bot",
         "--middleware kvfence.vllm.middleware.KvfenceMiddleware",
+        "--scheduler-cls kvfence.vllm.scheduler.FencedScheduler",
     ):
         assert want in joined, want
+    assert args[0] == "Qwen/Qwen2.5-7B-Instruct" and "--model" not in args
 
 
 def test_examples_directory_lists_what_it_holds() -> None:

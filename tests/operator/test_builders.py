@@ -12,6 +12,7 @@ from kvfence.api.common import TenantQuotas
 from kvfence.contract import key_id
 from kvfence.engine.config import EngineConfig
 from kvfence.operator import builders as B
+from kvfence.vllm.stats import ENV_STATS_FILE
 
 OPTS = B.OperatorOptions()
 KEY1, KEY2, KEY3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
@@ -139,6 +140,23 @@ def test_reference_engine_config_is_a_valid_engine_config(make_tc: Any) -> None:
     assert B.config_hash(cfg) != B.config_hash(B.engine_config(make_tc(engine={"numBlocks": 256}), None))
     c = B.deployment(tc, B.config_hash(cfg), "k", OPTS)["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][:3] == ["kvfence-engine", "--config", f"{B.CONFIG_DIR}/{B.CONFIG_KEY}"]
+    assert B.VLLM_STATS_FILE_ENV not in {e["name"] for e in c["env"]}
+
+
+def test_block_size_unset_is_16_on_the_reference_engine_and_vllms_choice_on_vllm(make_tc: Any) -> None:
+    ref = make_tc()
+    assert ref.spec.engine.block_size is None
+    cfg = B.engine_config(ref)
+    assert cfg["blockSize"] == 16 == EngineConfig.model_validate(cfg).block_size
+    # the same config (and restart hash) as a class that spells out the old default
+    assert cfg == B.engine_config(make_tc(engine={"blockSize": 16}))
+    assert B.engine_config(make_tc(engine={"blockSize": 32}))["blockSize"] == 32
+    vllm = make_tc(engine={"runtime": "vllm"})
+    assert "blockSize" not in B.engine_config(vllm) and "--block-size" not in B.vllm_args(vllm)
+    vllm32 = make_tc(engine={"runtime": "vllm", "blockSize": 32})
+    assert B.engine_config(vllm32)["blockSize"] == 32
+    args = B.vllm_args(vllm32)
+    assert args[args.index("--block-size") + 1] == "32"
 
 
 def test_vllm_args(make_tc: Any) -> None:
@@ -157,6 +175,8 @@ def test_vllm_args(make_tc: Any) -> None:
     )
     args = B.vllm_args(tc)
     joined = " ".join(args)
+    # the model is vLLM's positional argument, first (vLLM 0.32 warns that --model will be removed)
+    assert args[0] == "org/model" and "--model" not in args
     for frag in (
         "--enable-prefix-caching --prefix-caching-hash-algo sha256",
         "--block-size 32",
@@ -165,6 +185,7 @@ def test_vllm_args(make_tc: Any) -> None:
         "--enable-lora",
         "--lora-modules a1=org/a1",
         "--middleware kvfence.vllm.middleware.KvfenceMiddleware",
+        "--scheduler-cls kvfence.vllm.scheduler.FencedScheduler",
         "--max-model-len 8192",
         "--quantization awq",
     ):
@@ -172,8 +193,17 @@ def test_vllm_args(make_tc: Any) -> None:
     assert args[-1] == "--enforce-eager"
     c = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == args and "command" not in c
+    # the scheduler (engine-core process) hands its counters to the middleware (API server) in /tmp
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["KVFENCE_VLLM_STATS_FILE"] == "/tmp/kvfence-vllm-stats.json"
+    assert B.VLLM_STATS_FILE_ENV == ENV_STATS_FILE  # the name the plugin reads
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts[B.TMP_DIR] == "tmp" and env["KVFENCE_VLLM_STATS_FILE"].startswith(B.TMP_DIR + "/")
+    # the fenced scheduler holds the quotas, so it is on with prefix caching off too
     off = B.vllm_args(make_tc(engine={"runtime": "vllm"}, prefixCache={"enabled": False}))
     assert "--no-enable-prefix-caching" in off and "--enable-prefix-caching" not in off
+    assert off[off.index("--scheduler-cls") + 1] == "kvfence.vllm.scheduler.FencedScheduler"
+    assert off[off.index("--middleware") + 1] == "kvfence.vllm.middleware.KvfenceMiddleware"
 
 
 def test_signing_key_is_kept_created_and_rotated() -> None:

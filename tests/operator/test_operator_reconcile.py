@@ -109,6 +109,7 @@ def test_gpu_engines_land_on_gpu_nodes_with_the_right_resource_names(
     args = " ".join(vllm["spec"]["containers"][0]["args"])
     assert "--tensor-parallel-size 2" in args and "--prefix-caching-hash-algo sha256" in args
     assert "--middleware kvfence.vllm.middleware.KvfenceMiddleware" in args
+    assert "--scheduler-cls kvfence.vllm.scheduler.FencedScheduler" in args
     assert vllm["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     h100 = pods(kv, "kvf-gpu-h100")
     assert len(h100) == 2

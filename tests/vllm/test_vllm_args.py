@@ -1,8 +1,10 @@
 """The vLLM arguments the operator renders (``kvfence.operator.builders.vllm_args``), checked by vLLM's
 own argument parser, and the middleware checked by vLLM's own middleware loader and request models.
 
-Collected only where a Python with vLLM exists (see conftest.py); it runs that Python in a subprocess
-(tests/vllm/vllm_probe.py) because vLLM is not, and must not become, a project dependency.
+Always runs, against the vLLM release pinned in engine-image/vllm.env (the CPU install of
+tests/vllm/install-vllm.sh; see conftest.py, which fails these tests when there is none). It runs
+that Python in a subprocess (tests/vllm/vllm_probe.py) because vLLM is not, and must not become, a
+project dependency.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def trust_class(**engine: Any) -> TrustClass:
             "spec": {
                 "engine": {
                     "runtime": "vllm",
-                    "image": "vllm/vllm-openai:v0.33.0",
+                    "image": "vllm/vllm-openai:v0.32.0",
                     "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"},
                     **engine,
                 },
@@ -70,22 +72,14 @@ CLASSES = {
 }
 
 
-def vllm_python() -> str:
-    """Same rule as conftest.py (which collected this file only if there is one)."""
-    import importlib.util
-    import sys
-
-    env = os.environ.get("KVFENCE_VLLM_PYTHON")
-    if env:
-        return env
-    spec = importlib.util.find_spec("vllm")
-    assert spec is not None and spec.origin is not None
-    return sys.executable
+def pinned_vllm_version() -> str:
+    for line in (ROOT / "engine-image" / "vllm.env").read_text().splitlines():
+        if line.startswith("VLLM_VERSION="):
+            return line.partition("=")[2].strip()
+    raise AssertionError("engine-image/vllm.env has no VLLM_VERSION")
 
 
-def probe(request: dict[str, Any]) -> dict[str, Any]:
-    py = vllm_python()
-    assert py, "collected without a vLLM python"
+def probe(py: str, request: dict[str, Any]) -> dict[str, Any]:
     env = {
         **os.environ,
         "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
@@ -102,18 +96,58 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
     )
     assert res.returncode == 0, res.stderr[-4000:]
     answer: dict[str, Any] = json.loads(res.stdout)
+    # The vLLM these tests ask is the release the GPU image is built on (engine-image/vllm.env).
+    assert answer["vllm_version"].split("+")[0] == pinned_vllm_version(), (py, answer["vllm_version"])
     return answer
 
 
+class Parsed:
+    """vLLM's parse of every class's rendered args: one probe, run by the first test that asks (in its
+    body, so that a missing vLLM fails the tests instead of erroring their setup)."""
+
+    def __init__(self, vllm_python: Any) -> None:
+        self.vllm_python = vllm_python
+        self.answer: dict[str, dict[str, Any]] | None = None
+        self.failed: str | None = None  # a probe that failed once is not run again for every test
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if self.failed is not None:
+            pytest.fail(f"the probe failed (see the first test that asked): {self.failed}", pytrace=False)
+        if self.answer is None:
+            names = list(CLASSES)
+            request = {"argv": [vllm_args(CLASSES[n]) for n in names]}
+            try:
+                argv = probe(self.vllm_python.require(), request)["argv"]
+            except (AssertionError, subprocess.SubprocessError, json.JSONDecodeError) as e:
+                self.failed = str(e).splitlines()[0][:500] if str(e) else type(e).__name__
+                raise
+            self.answer = dict(zip(names, argv, strict=True))
+        return self.answer[name]
+
+
 @pytest.fixture(scope="module")
-def parsed() -> dict[str, dict[str, Any]]:
-    names = list(CLASSES)
-    answer = probe({"argv": [vllm_args(CLASSES[n]) for n in names]})
-    return dict(zip(names, answer["argv"], strict=True))
+def parsed(vllm_python: Any) -> Parsed:
+    return Parsed(vllm_python)
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_the_model_is_the_positional_argument_and_the_kvfence_scheduler_is_on(
+    parsed: Parsed, name: str
+) -> None:
+    args = vllm_args(CLASSES[name])
+    assert "--model" not in args and not any(a.startswith("--model=") for a in args)
+    p = parsed[name]
+    assert p["ok"], p
+    model = CLASSES[name].spec.engine.model.name
+    assert args[0] == model and p["model_tag"] == model and p["model"] == model
+    # vLLM 0.32 warns that --model will be removed; the rendered args draw no warning about it
+    assert not [w for w in p["warnings"] if "--model" in w], p["warnings"]
+    assert p["scheduler_cls"] == "kvfence.vllm.scheduler.FencedScheduler"
+    assert p["middleware"] == ["kvfence.vllm.middleware.KvfenceMiddleware"]
 
 
 def test_default_class_parses_with_sha256_prefix_caching_and_the_middleware(
-    parsed: dict[str, dict[str, Any]],
+    parsed: Parsed,
 ) -> None:
     p = parsed["default"]
     assert p["ok"], p
@@ -121,11 +155,16 @@ def test_default_class_parses_with_sha256_prefix_caching_and_the_middleware(
     assert p["enable_prefix_caching"] is True
     assert p["prefix_caching_hash_algo"] == "sha256"
     assert p["middleware"] == ["kvfence.vllm.middleware.KvfenceMiddleware"]
+    assert p["scheduler_cls"] == "kvfence.vllm.scheduler.FencedScheduler"
     assert p["port"] == CLASSES["default"].spec.engine.port and p["host"] == "0.0.0.0"  # noqa: S104
     assert p["enable_lora"] in (None, False)
+    # no blockSize in the class: no --block-size, vLLM's attention backend chooses (its CPU backend
+    # refuses 16)
+    assert CLASSES["default"].spec.engine.block_size is None
+    assert p["block_size"] is None
 
 
-def test_big_class_parses_with_tp_block_size_lora_and_extra_args(parsed: dict[str, dict[str, Any]]) -> None:
+def test_big_class_parses_with_tp_block_size_lora_and_extra_args(parsed: Parsed) -> None:
     p = parsed["big"]
     assert p["ok"], p
     assert p["served_model_name"] == ["llama-70b"]
@@ -144,7 +183,7 @@ def test_big_class_parses_with_tp_block_size_lora_and_extra_args(parsed: dict[st
     assert p["prefix_caching_hash_algo"] == "sha256"
 
 
-def test_the_gpu_example_parses(parsed: dict[str, dict[str, Any]]) -> None:
+def test_the_gpu_example_parses(parsed: Parsed) -> None:
     p = parsed["example"]
     assert p["ok"], p
     assert p["served_model_name"] == ["qwen-7b"] and p["tensor_parallel_size"] == 2
@@ -153,13 +192,15 @@ def test_the_gpu_example_parses(parsed: dict[str, dict[str, Any]]) -> None:
     assert p["middleware"] == ["kvfence.vllm.middleware.KvfenceMiddleware"]
 
 
-def test_prefix_caching_off_parses(parsed: dict[str, dict[str, Any]]) -> None:
+def test_prefix_caching_off_parses(parsed: Parsed) -> None:
     p = parsed["no-prefix-cache"]
     assert p["ok"], p
     assert p["enable_prefix_caching"] is False
+    # the fenced scheduler holds the tenants' KV quotas, with or without prefix caching
+    assert p["scheduler_cls"] == "kvfence.vllm.scheduler.FencedScheduler"
 
 
-def test_bodies_the_middleware_produces_are_valid_vllm_requests() -> None:
+def test_bodies_the_middleware_produces_are_valid_vllm_requests(vllm_python: Any) -> None:
     salt = derive_cache_salt(KEY, "gold", cache_namespace("gold", "alice", "Tenant"))
     bodies = {
         "/v1/completions": {"model": "m", "prompt": "hello", "max_tokens": 4, "cache_salt": salt},
@@ -171,14 +212,14 @@ def test_bodies_the_middleware_produces_are_valid_vllm_requests() -> None:
         },
         "/v1/responses": {"model": "m", "input": "hi", "cache_salt": salt},
     }
-    answer = probe({"bodies": bodies})["bodies"]
+    answer = probe(vllm_python.require(), {"bodies": bodies})["bodies"]
     for path in bodies:
         assert answer[path]["ok"], answer[path]
         assert answer[path]["cache_salt"] == salt
 
 
 def test_vllm_loads_the_middleware_and_it_guards_the_app(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    vllm_python: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "current").write_bytes(KEY)
     alice = Identity("alice", "gold", cache_namespace("gold", "alice", "Tenant"))
@@ -187,7 +228,7 @@ def test_vllm_loads_the_middleware_and_it_guards_the_app(
     signed = sign(KEY, alice, "POST", "/v1/completions", clean, now=time.time())
     request = {
         "middleware": {
-            "argv": ["--model", "m", "--middleware", "kvfence.vllm.middleware.KvfenceMiddleware"],
+            "argv": ["m", "--middleware", "kvfence.vllm.middleware.KvfenceMiddleware"],
             "requests": [
                 {"method": "POST", "path": "/v1/completions", "body": body.decode(), "headers": {}},
                 {"method": "POST", "path": "/v1/completions", "body": clean.decode(), "headers": signed},
@@ -197,7 +238,7 @@ def test_vllm_loads_the_middleware_and_it_guards_the_app(
     }
     monkeypatch.setenv("KVFENCE_TRUST_CLASS", "gold")
     monkeypatch.setenv("KVFENCE_SIGNING_KEY_DIR", str(tmp_path))
-    answer = probe(request)["middleware"]
+    answer = probe(vllm_python.require(), request)["middleware"]
     statuses = [r["status"] for r in answer["results"]]
     assert statuses == [401, 200, 200], answer
     assert answer["seen"] == [derive_cache_salt(KEY, "gold", alice.namespace)]

@@ -1,9 +1,14 @@
 """Runs under a Python that has vLLM installed (never the project's venv): asks vLLM's own code about
 what kvfence renders. Reads a JSON request on stdin, writes a JSON answer on stdout.
 
-* ``argv``: lists of ``vllm serve`` arguments (as the operator renders them). Each is parsed with the
-  OpenAI server's parser (``make_arg_parser``), checked with ``validate_parsed_serve_args`` and turned
-  into ``AsyncEngineArgs``; the answer holds the parsed values or the parser's error.
+* ``argv``: lists of ``vllm serve`` arguments (as the operator renders them; the image's entrypoint is
+  ``vllm serve``). Each is parsed the way ``vllm serve`` parses it: vLLM's top-level CLI parser with
+  the ``serve`` subcommand (``ServeSubcommand``, whose parser is
+  ``vllm.entrypoints.launchers.cli_args.make_arg_parser``), checked with the subcommand's ``validate``
+  (``validate_parsed_serve_args``), the positional model applied as ``ServeSubcommand.cmd`` applies
+  it, and turned into ``AsyncEngineArgs``; the answer holds the parsed values (the positional
+  ``model_tag``, the ``scheduler_cls`` of the engine args, the warnings vLLM logged while parsing) or
+  the parser's error.
 * ``bodies``: request bodies as the middleware hands them to vLLM, validated with vLLM's own request
   models for the three salted endpoints.
 * ``middleware``: vLLM's own middleware registration (``init_entrypoints_middleware``) applied to a
@@ -12,28 +17,52 @@ what kvfence renders. Reads a JSON request on stdin, writes a JSON answer on std
 
 CPU-only machines: vLLM cannot infer a device without an accelerator, so the caller sets
 ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own switch); argument parsing does not depend on the device.
+Written for vLLM 0.32 (engine-image/vllm.env), where the server's argument parser lives in
+``vllm.entrypoints.launchers.cli_args``.
 """
 
 import contextlib
 import io
 import json
+import logging
 import sys
 from typing import Any
 
 
+class _Warnings(logging.Handler):
+    """Collects what vLLM's loggers warn about (e.g. the deprecated ``--model`` option)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def parse_all(argvs: list[list[str]]) -> list[dict[str, Any]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # What vllm.entrypoints.cli.main.main builds for `vllm serve ...` (the other subcommands left out).
+    cli = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand()
+    serve.subparser_init(cli.add_subparsers(required=False, dest="subparser"))
+    warned = _Warnings()
+    logging.getLogger("vllm").addHandler(warned)
 
     out = []
     for argv in argvs:
-        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        warned.messages.clear()
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):
-                args = parser.parse_args(argv)
-            validate_parsed_serve_args(args)
+                args = cli.parse_args(["serve", *argv])
+            serve.validate(args)
+            model_tag = args.model_tag
+            if model_tag is not None:  # ServeSubcommand.cmd: the positional model takes precedence
+                args.model = model_tag
             eng = AsyncEngineArgs.from_cli_args(args)
         except SystemExit:
             out.append({"ok": False, "error": err.getvalue().strip().splitlines()[-1:]})
@@ -45,6 +74,7 @@ def parse_all(argvs: list[list[str]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "ok": True,
+                "model_tag": model_tag,
                 "model": eng.model,
                 "revision": eng.revision,
                 "served_model_name": eng.served_model_name,
@@ -62,9 +92,14 @@ def parse_all(argvs: list[list[str]]) -> list[dict[str, Any]]:
                 "max_loras": eng.max_loras,
                 "lora_modules": lora,
                 "middleware": list(args.middleware),
+                "scheduler_cls": eng.scheduler_cls
+                if isinstance(eng.scheduler_cls, str | None)
+                else repr(eng.scheduler_cls),
                 "max_num_seqs": eng.max_num_seqs,
+                "warnings": list(warned.messages),
             }
         )
+    logging.getLogger("vllm").removeHandler(warned)
     return out
 
 
@@ -92,7 +127,7 @@ def run_middleware(spec: dict[str, Any]) -> dict[str, Any]:
     """vLLM's middleware loader around a FastAPI app, driven with Starlette's TestClient."""
     from fastapi import FastAPI, Request
     from starlette.testclient import TestClient
-    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

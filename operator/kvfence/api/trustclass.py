@@ -111,7 +111,15 @@ class EngineSpec(KubeModel):
         le=1,
         description="Fraction of GPU memory the runtime may use (vllm).",
     )
-    block_size: int = Field(16, alias="blockSize", ge=1, le=256, description="Tokens per KV-cache block.")
+    block_size: int | None = Field(
+        None,
+        alias="blockSize",
+        ge=1,
+        le=256,
+        description="Tokens per KV-cache block. Unset: the runtime's default (16 on the reference "
+        "engine; vllm keeps its attention backend's choice). Set on vllm, it must be a size that backend "
+        "supports (vLLM's CPU backend needs a multiple of 32).",
+    )
     num_blocks: int = Field(
         1024,
         alias="numBlocks",

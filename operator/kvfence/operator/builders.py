@@ -51,6 +51,16 @@ RUN_AS_USER = 65532
 TMP_DIR = "/tmp"  # noqa: S108 - an emptyDir of the pod
 SHM_DIR = "/dev/shm"  # noqa: S108 - a memory emptyDir for NCCL
 DEFAULT_MAX_MODEL_LEN = 2048
+#: The reference engine's block size when the TrustClass sets none (vLLM keeps its backend's choice).
+DEFAULT_BLOCK_SIZE = 16
+
+# --- the vLLM runtime -------------------------------------------------------------------------
+VLLM_MIDDLEWARE = "kvfence.vllm.middleware.KvfenceMiddleware"
+VLLM_SCHEDULER = "kvfence.vllm.scheduler.FencedScheduler"
+#: Where the kvfence scheduler (in vLLM's engine-core process) writes its counters and the middleware
+#: (in the API-server process) reads them for /metrics: a file in the pod's /tmp emptyDir.
+VLLM_STATS_FILE_ENV = "KVFENCE_VLLM_STATS_FILE"
+VLLM_STATS_FILE = f"{TMP_DIR}/kvfence-vllm-stats.json"
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,6 @@ def engine_config(tc: TrustClass, tenant_quotas: dict[str, TenantQuotas] | None 
         "model": model,
         "adapters": [a.name for a in eng.adapters],
         "quantization": eng.quantization or "none",
-        "blockSize": eng.block_size,
         "numBlocks": eng.num_blocks,
         "tensorParallelSize": eng.tensor_parallel_size,
         "maxModelLen": eng.max_model_len or DEFAULT_MAX_MODEL_LEN,
@@ -194,6 +203,9 @@ def engine_config(tc: TrustClass, tenant_quotas: dict[str, TenantQuotas] | None 
     }
     if eng.dtype != "auto":
         data["dtype"] = eng.dtype
+    if eng.block_size is not None or eng.runtime == "reference":
+        # Unset on vllm: vLLM's attention backend chooses, so the file names no size it may not use.
+        data["blockSize"] = eng.block_size or DEFAULT_BLOCK_SIZE
     # The engine's own model is the judge of what it accepts: fail here, not in a crash-looping pod.
     EngineConfig.model_validate(data)
     return data
@@ -224,19 +236,27 @@ def config_map(tc: TrustClass, cfg: Obj, opts: OperatorOptions, owner: Obj | Non
 
 
 def vllm_args(tc: TrustClass) -> list[str]:
-    """Command-line arguments of the vLLM OpenAI server for this class."""
+    """Arguments of ``vllm serve`` (the image's entrypoint) for this class.
+
+    The model comes first, as vLLM's positional argument (vLLM 0.32 warns that ``--model`` will be
+    removed). ``--block-size`` only when the class sets one: otherwise vLLM keeps its attention
+    backend's choice (its CPU backend refuses 16, for one). The kvfence scheduler (per-tenant KV quotas,
+    verified prefix hits, tenant-partitioned eviction) is always on: quotas apply with or without
+    prefix caching.
+    """
     eng, pc = tc.spec.engine, tc.spec.prefix_cache
     args = [
-        "--model", eng.model.name,
+        eng.model.name,
         "--revision", eng.model.revision,
         "--served-model-name", eng.model.public_name,
         "--host", "0.0.0.0",  # noqa: S104
         "--port", str(eng.port),
         "--tensor-parallel-size", str(eng.tensor_parallel_size),
-        "--block-size", str(eng.block_size),
         "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
         "--dtype", eng.dtype,
     ]  # fmt: skip
+    if eng.block_size is not None:
+        args += ["--block-size", str(eng.block_size)]
     if eng.max_model_len:
         args += ["--max-model-len", str(eng.max_model_len)]
     if eng.quantization:
@@ -249,7 +269,7 @@ def vllm_args(tc: TrustClass) -> list[str]:
     if eng.adapters:
         args += ["--enable-lora", "--max-loras", str(len(eng.adapters)), "--lora-modules"]
         args += [f"{a.name}={a.source}" for a in eng.adapters]
-    args += ["--middleware", "kvfence.vllm.middleware.KvfenceMiddleware"]
+    args += ["--middleware", VLLM_MIDDLEWARE, "--scheduler-cls", VLLM_SCHEDULER]
     return args + list(eng.extra_args)
 
 
@@ -402,7 +422,10 @@ def deployment(
     ]
     if vllm:
         container["args"] = vllm_args(tc)
-        container["env"].append({"name": "HF_HOME", "value": "/cache/huggingface"})
+        container["env"] += [
+            {"name": "HF_HOME", "value": "/cache/huggingface"},
+            {"name": VLLM_STATS_FILE_ENV, "value": VLLM_STATS_FILE},
+        ]
         container["volumeMounts"] += [
             {"name": "cache", "mountPath": "/cache"},
             {"name": "dshm", "mountPath": SHM_DIR},
