@@ -1,0 +1,405 @@
+"""The router in front of a real ``vllm serve`` started exactly as the operator renders it for a
+``runtime: vllm`` TrustClass (tiny model on CPU; the kvfence middleware and scheduler loaded by vLLM
+from the rendered flags; see vllmserve.py).
+
+* **context bleed** (the seeds' reproduction, with an oracle): two tenants send >= 100 concurrent
+  mixed requests that share a system prompt longer than a block; every greedy answer must equal that
+  request's answer computed alone on a server with prefix caching off, token ids and logprobs;
+* **no cross-tenant hits**: a prefix one tenant warmed is never a hit for the other, whatever the other
+  sends to choose a cache namespace (salt, identity headers, ``vllm_xargs``), by vLLM's own counters;
+* **timing**: the other tenant's first request on a warmed prefix does the full prefill, like a cold
+  one; the owner's repeat does not (the medians are reported, not asserted: tests never assert
+  wall-clock times; what they assert is the cause, vLLM's cached-token count);
+* **KV quotas**: a tenant over its ``maxKVBlocks`` is held back while the other is served; a request
+  that cannot fit is cut or refused with an OpenAI error; a quota change applies without a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from router.support import Proc, auth, b64, request, start_router, write_table
+
+from kvfence.api.common import TenantQuotas
+from kvfence.api.routing import hash_api_key
+from kvfence.contract import (
+    METRIC_CROSS_ACCESS_REJECTED,
+    METRIC_HASH_COLLISION,
+    METRIC_STALE_REFERENCE,
+    cache_namespace,
+    derive_cache_salt,
+)
+
+from .vllmserve import VllmServer, free_port, start_vllm, tiny_model, trust_class
+
+KEY = bytes(range(32))
+KEYS = {"alice": "sk-vllm-alice-0001", "bob": "sk-vllm-bob-0001", "carol": "sk-vllm-carol-0001"}
+#: carol's maxKVBlocks, in blocks of 128 tokens (vLLM's CPU block size); alice and bob have no maximum.
+CAROL_MAX_BLOCKS = 2
+WORDS = [
+    "kernel",
+    "scheduler",
+    "paging",
+    "isolation",
+    "tenant",
+    "prefix",
+    "cache",
+    "block",
+    "verify",
+    "token",
+    "router",
+    "salt",
+    "engine",
+    "quota",
+    "eviction",
+    "fence",
+    "generation",
+    "signature",
+    "replay",
+    "namespace",
+    "class",
+    "binding",
+    "operator",
+    "cluster",
+]
+
+
+def text(seed: int, n_words: int) -> str:
+    """Words drawn from a seeded generator: one seed, one text; different seeds, different texts."""
+    return " ".join(random.Random(seed).choices(WORDS, k=n_words))
+
+
+#: About 300 tokens for the tiny model's tokenizer (about two tokens a word): over two blocks of 128.
+SYSTEM = "You are a helpful assistant of the kvfence project. " + text(1, 140)
+
+
+@dataclass
+class Stack:
+    server: VllmServer
+    router: Proc
+
+    def post(
+        self, tenant: str, path: str, body: dict[str, Any], **headers: str
+    ) -> tuple[int, dict[str, Any]]:
+        status, _, data = request(
+            "POST", self.router.url + path, body, headers={**auth(KEYS[tenant]), **headers}, timeout=300
+        )
+        return status, json.loads(data)
+
+
+def routing_table(engine_url: str) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "trustClasses": {
+            "gold": {
+                "endpoint": engine_url,
+                "runtime": "vllm",
+                "servedModels": ["tiny"],
+                "cacheScope": "Tenant",
+                "signingKeys": [b64(KEY)],
+            }
+        },
+        "tenants": {t: {"trustClass": "gold", "apiKeyHashes": [hash_api_key(k)]} for t, k in KEYS.items()},
+    }
+
+
+def start_stack(python: str, tmp: Path, *, prefix_cache: bool, quotas: dict[str, TenantQuotas]) -> Stack:
+    model = tiny_model(python)
+    tc = trust_class(
+        model,
+        free_port(),
+        prefix_cache=prefix_cache,
+        extraArgs=["--max-num-seqs", "16", "--enable-prompt-tokens-details"],
+    )
+    tmp.mkdir(parents=True, exist_ok=True)
+    server = start_vllm(python, tc, KEY, tmp, quotas)
+    table = tmp / "routing.json"
+    write_table(table, routing_table(server.url))
+    try:
+        router = start_router(tmp, table, "--request-timeout", "300")
+    except Exception:
+        server.stop()
+        raise
+    return Stack(server, router)
+
+
+# --- the oracle's requests ------------------------------------------------------------------------
+def oracle_requests() -> list[tuple[str, str, dict[str, Any]]]:
+    """(tenant, path, body): both tenants, completions and chat, shared system prompt, repeated and
+    cross-tenant-identical user parts, greedy, with token ids and logprobs."""
+    out = []
+    for i in range(120):
+        tenant = "alice" if i % 2 == 0 else "bob"
+        user = text(100 + i % 15, 12 + i % 9)  # 15 distinct user parts, each sent by both tenants
+        max_tokens = 6 + i % 11
+        if i % 3 == 2:
+            body: dict[str, Any] = {
+                "model": "tiny",
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 1,
+                "return_token_ids": True,
+            }
+            out.append((tenant, "/v1/chat/completions", body))
+        else:
+            body = {
+                "model": "tiny",
+                "prompt": SYSTEM + "\n" + user,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": 1,
+                "return_token_ids": True,
+            }
+            out.append((tenant, "/v1/completions", body))
+    return out
+
+
+def answer(path: str, doc: dict[str, Any]) -> tuple[list[int], list[float]]:
+    choice = doc["choices"][0]
+    ids = list(choice["token_ids"])
+    if path == "/v1/chat/completions":
+        lps = [c["logprob"] for c in choice["logprobs"]["content"]]
+    else:
+        lps = list(choice["logprobs"]["token_logprobs"])
+    return ids, lps
+
+
+@pytest.fixture(scope="module")
+def solo_answers(
+    vllm_python: Any, tmp_path_factory: pytest.TempPathFactory
+) -> list[tuple[list[int], list[float]]]:
+    """Each oracle request alone, one at a time, on a server with prefix caching off."""
+    stack = start_stack(vllm_python.require(), tmp_path_factory.mktemp("cold"), prefix_cache=False, quotas={})
+    try:
+        out = []
+        for tenant, path, body in oracle_requests():
+            status, doc = stack.post(tenant, path, body)
+            assert status == 200, doc
+            out.append(answer(path, doc))
+        return out
+    finally:
+        stack.router.stop()
+        stack.server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_python: Any, tmp_path_factory: pytest.TempPathFactory, solo_answers: Any) -> Iterator[Stack]:
+    quotas = {"carol": TenantQuotas.model_validate({"maxKVBlocks": CAROL_MAX_BLOCKS})}
+    s = start_stack(
+        vllm_python.require(), tmp_path_factory.mktemp("fenced"), prefix_cache=True, quotas=quotas
+    )
+    try:
+        yield s
+    finally:
+        s.router.stop()
+        s.server.stop()
+
+
+def counters(server: VllmServer) -> tuple[float, float, float]:
+    return (
+        server.metric(METRIC_HASH_COLLISION),
+        server.metric(METRIC_CROSS_ACCESS_REJECTED),
+        server.metric(METRIC_STALE_REFERENCE),
+    )
+
+
+def eventually(check: Any, timeout: float = 10.0) -> None:
+    """The fence's counters reach /metrics through a file the engine core writes 4 times a second."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.1)
+
+
+def cached_tokens(doc: dict[str, Any]) -> int:
+    return int((doc["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+# --- tests ----------------------------------------------------------------------------------------
+def test_vllm_runs_the_rendered_flags_with_the_kvfence_scheduler_and_middleware(stack: Stack) -> None:
+    log = stack.server.output()
+    assert "kvfence: fenced scheduler for trust class 'gold'" in log
+    assert "kvfence.vllm.scheduler.FencedScheduler" in log
+    m = stack.server.metrics()
+    for name in (METRIC_HASH_COLLISION, METRIC_CROSS_ACCESS_REJECTED, METRIC_STALE_REFERENCE):
+        assert name in m
+    assert m['kvfence_engine_tenant_kv_blocks_limit{kind="max",tenant="carol"}'] == CAROL_MAX_BLOCKS
+    # Unsigned requests never reach vLLM, and the refusal is in vLLM's log.
+    status, _, body = request("POST", stack.server.url + "/v1/completions", {"model": "tiny", "prompt": "x"})
+    assert status == 401, body
+    deadline = time.monotonic() + 10
+    while "kvfence: refused POST /v1/completions" not in stack.server.output():
+        assert time.monotonic() < deadline, stack.server.output()[-3000:]
+        time.sleep(0.2)
+
+
+def test_concurrent_mixed_tenants_get_exactly_their_solo_answers(
+    stack: Stack, solo_answers: list[tuple[list[int], list[float]]]
+) -> None:
+    reqs = oracle_requests()
+    hits_before = stack.server.metric("vllm:prefix_cache_hits_total")
+    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+        results = list(pool.map(lambda r: stack.post(r[0], r[1], r[2]), reqs))
+    mismatches = []
+    for i, ((status, doc), (tenant, path, _), (want_ids, want_lps)) in enumerate(
+        zip(results, reqs, solo_answers, strict=True)
+    ):
+        assert status == 200, doc
+        ids, lps = answer(path, doc)
+        if ids != want_ids or any(abs(a - b) > 1e-3 for a, b in zip(lps, want_lps, strict=True)):
+            mismatches.append((i, tenant, path, ids, want_ids, lps, want_lps))
+    assert not mismatches, mismatches[:3]
+    assert len({tuple(a[0]) for a in solo_answers}) > 20  # the oracle tells the answers apart
+    # The shared prefix was reused within each tenant (the fence did not simply turn caching off) ...
+    assert stack.server.metric("vllm:prefix_cache_hits_total") > hits_before
+    # ... and nothing was refused as a collision, a cross-namespace hit or a stale reference.
+    assert counters(stack.server) == (0, 0, 0)
+
+
+SPOOFS: list[tuple[str, dict[str, Any], dict[str, str]]] = [
+    ("plain", {}, {}),
+    (
+        "alice's salt",
+        {"cache_salt": derive_cache_salt(KEY, "gold", cache_namespace("gold", "alice", "Tenant"))},
+        {},
+    ),
+    ("identity headers", {}, {"X-Kvfence-Tenant": "alice", "X-Tenant-ID": "alice", "X-Cache-Salt": "x"}),
+    ("vllm_xargs", {"vllm_xargs": {"kvfence_tenant": "alice", "kvfence_tenant_tag": "forged"}}, {}),
+    ("kv_transfer_params", {"kv_transfer_params": {"do_remote_prefill": True}}, {}),
+]
+
+
+def test_a_prefix_warmed_by_one_tenant_is_never_a_hit_for_the_other(stack: Stack) -> None:
+    for i, (name, extra, headers) in enumerate(SPOOFS):
+        # A prefix of ~4 blocks neither tenant has sent before, warmed by alice.
+        body = {"model": "tiny", "prompt": f"{i} " + text(900 + i, 260), "max_tokens": 2, "temperature": 0}
+        assert stack.post("alice", "/v1/completions", body)[0] == 200
+        status, doc = stack.post("alice", "/v1/completions", body)
+        warm = cached_tokens(doc)
+        assert warm >= 3 * 128, doc["usage"]
+        hits = stack.server.metric("vllm:prefix_cache_hits_total")
+        status, doc = stack.post("bob", "/v1/completions", {**body, **extra}, **headers)
+        assert status == 200, (name, doc)
+        assert cached_tokens(doc) == 0, (name, doc["usage"])
+        assert stack.server.metric("vllm:prefix_cache_hits_total") == hits, name
+        status, doc = stack.post("alice", "/v1/completions", body)
+        assert cached_tokens(doc) == warm, name
+
+
+def test_timing_another_tenants_first_request_is_a_cold_prefill(stack: Stack, record_property: Any) -> None:
+    times: dict[str, list[float]] = {"cold": [], "other tenant": [], "owner repeat": []}
+    for i in range(5):
+        prompt = f"{i} " + text(2000 + i, 340)  # ~690 tokens (5 blocks) no tenant has sent before
+
+        def timed(tenant: str, p: str, kind: str) -> int:
+            t0 = time.perf_counter()
+            status, doc = stack.post(
+                tenant, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 1}
+            )
+            times[kind].append(time.perf_counter() - t0)
+            assert status == 200, doc
+            return cached_tokens(doc)
+
+        assert timed("alice", prompt, "cold") == 0
+        assert timed("bob", prompt, "other tenant") == 0
+        assert timed("alice", prompt, "owner repeat") >= 4 * 128
+    medians = {k: round(statistics.median(v) * 1000, 2) for k, v in times.items()}
+    record_property("ttft_median_ms", medians)
+    print(f"time to first token, medians over 5 prompts of ~5 blocks (ms): {medians}")
+
+
+def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack) -> None:
+    # Each carol request reaches 2 blocks (prompt + max_tokens <= 256): carol runs one at a time.
+    carol_body = {"model": "tiny", "prompt": text(3000, 90), "max_tokens": 60, "temperature": 0}
+    alice_body = {"model": "tiny", "prompt": text(4000, 90), "max_tokens": 20, "temperature": 0}
+    held = stack.server.metric("kvfence_engine_quota_held_back_total")
+    peak = 0.0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            m = stack.server.metrics()
+            peak = max(peak, m.get('kvfence_engine_tenant_kv_blocks{state="active",tenant="carol"}', 0.0))
+            time.sleep(0.05)
+
+    finished: list[tuple[str, float]] = []
+
+    def send(tenant: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        status, doc = stack.post(tenant, "/v1/completions", body)
+        finished.append((tenant, time.monotonic()))
+        return status, doc
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            futs = [
+                pool.submit(send, "carol", {**carol_body, "prompt": f"{i} " + carol_body["prompt"]})
+                for i in range(5)
+            ]
+            time.sleep(0.2)
+            futs += [
+                pool.submit(send, "alice", {**alice_body, "prompt": f"{i} " + alice_body["prompt"]})
+                for i in range(5)
+            ]
+            results = [f.result() for f in futs]
+    finally:
+        done.set()
+        watcher.join()
+    for status, doc in results:
+        assert status == 200, doc
+        assert doc["choices"][0]["finish_reason"] == "length"
+    eventually(lambda: stack.server.metric("kvfence_engine_quota_held_back_total") > held)
+    assert peak <= CAROL_MAX_BLOCKS
+    # alice was not stuck behind carol's waiting requests: all hers finished before carol's last one.
+    last_carol = max(t for who, t in finished if who == "carol")
+    t0 = min(t for _, t in finished)
+    timeline = [(who, round(t - t0, 3)) for who, t in finished]
+    assert all(t < last_carol for who, t in finished if who == "alice"), timeline
+
+
+def test_a_request_beyond_the_kv_quota_is_cut_or_refused_with_an_openai_error(stack: Stack) -> None:
+    status, doc = stack.post(
+        "carol", "/v1/completions", {"model": "tiny", "prompt": text(5000, 60), "max_tokens": 400}
+    )
+    assert status == 200, doc
+    usage = doc["usage"]
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == CAROL_MAX_BLOCKS * 128
+    rejected = stack.server.metric("kvfence_engine_quota_rejected_total")
+    status, doc = stack.post(
+        "carol", "/v1/completions", {"model": "tiny", "prompt": text(6000, 150), "max_tokens": 4}
+    )
+    assert status >= 400 and set(doc["error"]) >= {"message", "type", "code"}, doc
+    eventually(lambda: stack.server.metric("kvfence_engine_quota_rejected_total") == rejected + 1)
+    assert "exceed the tenant's KV quota" in stack.server.output()
+
+
+def test_a_quota_change_reaches_running_vllm_without_a_restart(stack: Stack) -> None:
+    pid = stack.server.popen.pid if stack.server.popen else None
+    stack.server.set_quotas({"carol": {"maxBlocks": 5, "guaranteedBlocks": 1}})
+    deadline = time.monotonic() + 15
+    key = 'kvfence_engine_tenant_kv_blocks_limit{kind="max",tenant="carol"}'
+    while stack.server.metrics().get(key) != 5:
+        # The scheduler re-reads the file on its next step; keep it stepping.
+        stack.post("alice", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert time.monotonic() < deadline, "quota change not applied"
+        time.sleep(0.3)
+    assert "KV quotas reloaded" in stack.server.output()
+    assert (
+        stack.server.popen is not None and stack.server.popen.pid == pid and stack.server.popen.poll() is None
+    )
+    stack.server.set_quotas({"carol": {"maxBlocks": CAROL_MAX_BLOCKS}})

@@ -1,0 +1,212 @@
+"""Runs real ``vllm serve`` exactly as the operator renders it for a ``runtime: vllm`` TrustClass.
+
+:func:`rendered` takes the engine Deployment the operator builds (``kvfence.operator.builders``) and
+returns its container's arguments and environment, with only what a pod has and a test process does
+not swapped in: the model is the tiny model built offline (``tinymodel.py``), the mounted files (engine
+config, signing keys, ``/tmp``, the Hugging Face cache) are files in a test directory, and the device is
+the CPU (``VLLM_TARGET_DEVICE=cpu`` and vLLM's CPU KV-cache size). The kvfence plugin is imported from
+this source tree (``PYTHONPATH``), as the engine image installs it.
+
+:class:`VllmServer` starts it with the pinned vLLM (``tests/vllm/install-vllm.sh``), waits for
+``/health`` (30-90 s: vLLM compiles the model; the compile cache is kept under ``~/.cache/kvfence``),
+and stops it with SIGTERM (vLLM's processes leave nothing behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router.support import Proc, free_port, request
+
+from kvfence.api.common import TenantQuotas
+from kvfence.api.trustclass import TrustClass
+from kvfence.contract import key_id
+from kvfence.operator import builders
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CACHE = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
+
+#: What a pod of the class has, here: the CPU device and its KV-cache size (GiB).
+DEVICE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+def tiny_model(python: str) -> Path:
+    """The tiny model's directory (built once, cached)."""
+    res = subprocess.run(
+        [python, str(HERE / "tinymodel.py")], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return Path(res.stdout.strip().splitlines()[-1])
+
+
+def trust_class(model: Path, port: int, *, prefix_cache: bool = True, **engine: Any) -> TrustClass:
+    """A ``runtime: vllm`` class serving the tiny model as ``tiny``, as a user would write it."""
+    return TrustClass.model_validate(
+        {
+            "apiVersion": "kvfence.dev/v1alpha1",
+            "kind": "TrustClass",
+            "metadata": {"name": "gold"},
+            "spec": {
+                "engine": {
+                    "runtime": "vllm",
+                    "image": "kvfence/engine-vllm:test",
+                    "model": {"name": str(model), "revision": "main", "servedName": "tiny"},
+                    "port": port,
+                    "dtype": "float32",
+                    "maxModelLen": 1024,
+                    **engine,
+                },
+                "resources": {"gpu": {"count": 0}},
+                "prefixCache": {"enabled": prefix_cache, "scope": "Tenant", "hashAlgorithm": "sha256"},
+            },
+        }
+    )
+
+
+def rendered(
+    tc: TrustClass, key: bytes, workdir: Path, tenant_quotas: dict[str, TenantQuotas] | None = None
+) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    """(``vllm serve`` arguments, environment, engine config) of the class's engine pod, with the
+    pod's mounts swapped for files under ``workdir``."""
+    cfg = builders.engine_config(tc, tenant_quotas)
+    dep = builders.deployment(tc, builders.config_hash(cfg), key_id(key), builders.OperatorOptions())
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    args = list(container["args"])
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    mounts = {m["mountPath"]: workdir / m["name"] for m in container["volumeMounts"]}
+    for d in mounts.values():
+        d.mkdir(parents=True, exist_ok=True)
+    key_dir = mounts[builders.KEY_DIR]
+    (key_dir / builders.SIGNING_KEY_CURRENT).write_bytes(key)
+    cfg["signingKeyDir"] = str(key_dir)
+
+    def local(path: str) -> str:
+        for mount, d in mounts.items():
+            if path == mount or path.startswith(mount + "/"):
+                return str(d / path[len(mount) :].lstrip("/"))
+        return path
+
+    env = {k: local(v) for k, v in env.items()}
+    Path(env["KVFENCE_ENGINE_CONFIG"]).write_text(json.dumps(cfg))
+    return args, env, cfg
+
+
+@dataclass
+class VllmServer:
+    python: str
+    args: list[str]
+    env: dict[str, str]
+    port: int
+    log: Path
+    config_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 420.0) -> VllmServer:
+        exe = str(Path(self.python).parent / "vllm")
+        env = {
+            **os.environ,
+            **self.env,
+            **DEVICE_ENV,
+            "PYTHONPATH": str(ROOT / "engine-image"),
+            "VLLM_CACHE_ROOT": str(CACHE / "vllm-compile"),
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        out = open(self.log, "wb")  # noqa: SIM115 - lives as long as the process
+        self.popen = subprocess.Popen(
+            [exe, "serve", *self.args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.popen.returncode}): {self.output()[-6000:]}")
+            try:
+                status, _, _ = request("GET", self.url + "/health", timeout=2)
+                if status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve not ready after {timeout} s: {self.output()[-6000:]}")
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics, keyed by its full name with labels."""
+        status, _, data = request("GET", self.url + "/metrics", timeout=10)
+        assert status == 200
+        out: dict[str, float] = {}
+        for line in data.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, name: str) -> float:
+        """Sum of every sample of ``name`` (all label sets)."""
+        total = 0.0
+        for k, v in self.metrics().items():
+            if k == name or k.startswith(name + "{"):
+                total += v
+        return total
+
+    def set_quotas(self, tenants: dict[str, dict[str, int]]) -> None:
+        """Rewrite the mounted engine config's per-tenant quotas (what the operator does on a change)."""
+        cfg = json.loads(self.config_path.read_text())
+        cfg["quotas"]["tenants"] = tenants
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cfg))
+        os.replace(tmp, self.config_path)
+
+
+def start_vllm(
+    python: str,
+    tc: TrustClass,
+    key: bytes,
+    workdir: Path,
+    tenant_quotas: dict[str, TenantQuotas] | None = None,
+) -> VllmServer:
+    args, env, _ = rendered(tc, key, workdir, tenant_quotas)
+    server = VllmServer(
+        python,
+        args,
+        env,
+        tc.spec.engine.port,
+        workdir / "vllm.log",
+        Path(env["KVFENCE_ENGINE_CONFIG"]),
+    )
+    return server.start()
+
+
+__all__ = ["Proc", "VllmServer", "free_port", "rendered", "start_vllm", "tiny_model", "trust_class"]
