@@ -44,8 +44,9 @@ SCHEDULER_CLS = "kvfence.vllm.scheduler.FencedScheduler"
 
 
 @functools.cache
-def base_config() -> Any:
-    """One VllmConfig around the tiny model (built offline, see tests/vllm/tinymodel.py)."""
+def base_config(max_model_len: int = 1024, max_num_seqs: int = 16, max_num_batched_tokens: int = 4096) -> Any:
+    """One VllmConfig around the tiny model (built offline, see tests/vllm/tinymodel.py); the
+    arguments let bench/bench_vllm.py size the scheduler like a GPU engine's."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))
@@ -55,10 +56,10 @@ def base_config() -> Any:
     args = EngineArgs(
         model=str(tinymodel.ensure()),
         dtype="float32",
-        max_model_len=1024,
+        max_model_len=max_model_len,
         enable_prefix_caching=True,
-        max_num_seqs=16,
-        max_num_batched_tokens=4096,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         scheduler_cls=SCHEDULER_CLS,
     )
     return args.create_engine_config()
@@ -88,6 +89,11 @@ class Harness:
     _ids: Any = field(default_factory=lambda: itertools.count())
     outputs: dict[str, list[int]] = field(default_factory=dict)
     finished: dict[str, str | None] = field(default_factory=dict)
+    #: the VllmConfig to build from (default: base_config())
+    config: Any = None
+    #: build vLLM's own scheduler (of the kind the fenced one would extend) instead: the peer of
+    #: bench/bench_vllm.py; ``fence`` is then None
+    stock: bool = False
 
     def __post_init__(self) -> None:
         keys = self.dir / "keys"
@@ -100,7 +106,7 @@ class Harness:
         os.environ["KVFENCE_VLLM_STATS_FILE"] = str(self.stats_path)
         os.environ.pop("KVFENCE_TRUST_CLASS", None)
         os.environ.pop("KVFENCE_SIGNING_KEY_DIR", None)
-        cfg = copy.copy(base_config())
+        cfg = copy.copy(self.config if self.config is not None else base_config())
         cfg.cache_config = copy.copy(cfg.cache_config)
         cfg.cache_config.num_gpu_blocks = self.num_blocks
         spec = FullAttentionSpec(
@@ -114,6 +120,11 @@ class Harness:
         init_none_hash(self.hash_fn)
         self.hasher = get_request_block_hasher(self.block_size, self.hash_fn)
         cls = cfg.scheduler_config.get_scheduler_cls()
+        if self.stock:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            cls = AsyncScheduler if cfg.scheduler_config.async_scheduling else Scheduler
         self.sched = cls(
             vllm_config=cfg,
             kv_cache_config=kv,
@@ -121,7 +132,7 @@ class Harness:
             block_size=self.block_size,
             log_stats=True,
         )
-        self.fence = self.sched.fence
+        self.fence: Any = getattr(self.sched, "fence", None)
         self.pool = self.sched.kv_cache_manager.block_pool
 
     def write_quotas(self, tenants: dict[str, Any], default: dict[str, Any] | None = None) -> None:
@@ -148,8 +159,9 @@ class Harness:
         tag: str | None = None,
         xargs: dict[str, Any] | None = None,
         lora: Any = None,
+        request_id: str | None = None,
     ) -> Request:
-        rid = f"{tenant}-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"{tenant}-{next(self._ids)}"
         if salt is None and tenant is not None:
             salt = salt_of(tenant)
         if xargs is None:
