@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -235,3 +236,23 @@ def test_a_class_wide_scope_shares_between_tenants(tmp_path: Path, scope: str) -
     h.run()
     h.check()
     assert h.fence.counters.cross_access_rejected == 0
+
+
+def test_a_fence_refusal_vllm_did_not_expect_never_crashes_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # get_num_free_blocks() and take() agree by construction; if they ever did not, vLLM would raise in
+    # the middle of a step and its engine core would die. The pool hands blocks out anyway and says so.
+    from kvfence.engine.quotas import PoolExhausted
+
+    h = Harness(tmp_path)
+
+    def refuse(tenant: str, n: int) -> Any:
+        raise PoolExhausted(tenant, n, 0)
+
+    monkeypatch.setattr(h.fence, "take", refuse)
+    r = h.add("alice", [*PROMPT, 1])
+    h.run()
+    assert h.finished[r.request_id] == "length"
+    assert "handed out without the quota check" in caplog.text
+    h.check()

@@ -234,6 +234,33 @@ class TenantFence:
         self.version += 1
         return [b.block_id for b in out], [b.block_id for b in evicted]
 
+    def take_any(self, tenant: str, n: int) -> tuple[list[int], list[int]]:
+        """Hand out ``n`` blocks ignoring quotas and guarantees: clean ones first, then any tenant's
+        cold ones. Only for the case :meth:`take` refuses although vLLM already counted the blocks as
+        obtainable (a bug): keeping vLLM's engine alive beats enforcing a quota by crashing it."""
+        acct = self.book.account(tenant)
+        picked: list[KVBlock] = []
+        evicted: list[KVBlock] = []
+        while len(picked) < n and len(self.pool.free):
+            picked.append(self.pool.free.popleft())
+        for other in list(self.book.accounts.values()):
+            while len(picked) < n and len(other.cold):
+                b = take_cold(other)
+                self.book.add_usage(other, -1)
+                b.owner = None
+                self.records[b.block_id] = None
+                evicted.append(b)
+                picked.append(b)
+        if len(picked) < n:
+            raise FenceError(f"{n} blocks asked, {len(picked)} free or cached")
+        for b in picked:
+            b.generation += 1
+            b.state = BlockState.ACTIVE
+            b.owner = tenant
+        self.book.add_usage(acct, len(picked))
+        self.version += 1
+        return [b.block_id for b in picked], [b.block_id for b in evicted]
+
     def revive(self, block_id: int) -> None:
         """A cold block was taken by a prefix hit: it leaves its owner's cold list, still charged."""
         b = self.pool.blocks[block_id]
