@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, salt_of, weak_hash
+from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, base_config, salt_of, weak_hash
 
 from kvfence.contract import tenant_tag
 from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager
@@ -256,3 +257,37 @@ def test_a_fence_refusal_vllm_did_not_expect_never_crashes_the_engine(
     assert h.finished[r.request_id] == "length"
     assert "handed out without the quota check" in caplog.text
     h.check()
+
+
+def async_config() -> Any:
+    """vLLM's default on GPUs: the async scheduler (CPU engines run the synchronous one)."""
+    cfg = copy.copy(base_config())
+    cfg.scheduler_config = copy.copy(cfg.scheduler_config)
+    cfg.scheduler_config.async_scheduling = True
+    return cfg
+
+
+def test_vllms_async_scheduler_is_fenced_the_same_way(tmp_path: Path) -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    h = Harness(tmp_path, config=async_config(), quotas={"alice": {"maxBlocks": 6}})
+    assert isinstance(h.sched, AsyncScheduler)
+    assert isinstance(h.sched.kv_cache_manager, FencedKVCacheManager)
+    h.add("alice", [*PROMPT, 1])
+    h.run()
+    again = h.add("alice", [*PROMPT, 2])
+    other = h.add("bob", [*PROMPT, 3])
+    out = h.step()
+    assert h.hits(out, again.request_id) == 64 and h.hits(out, other.request_id) == 0
+    h.run()
+    a = [h.add("alice", [t + 200 * i for t in PROMPT], max_tokens=16) for i in range(3)]
+    b = h.add("bob", [t + 5000 for t in PROMPT], max_tokens=16)
+    scheduled = set(h.step().num_scheduled_tokens)
+    assert a[0].request_id in scheduled and b.request_id in scheduled
+    assert a[1].request_id not in scheduled
+    for _ in range(300):
+        if not h.sched.has_requests():
+            break
+        h.step()
+        h.check()
+    assert all(h.finished[r.request_id] == "length" for r in [*a, b])
