@@ -224,6 +224,7 @@ def test_the_stats_file_carries_the_counters(tmp_path: Path) -> None:
     assert data["hash_collision"] >= 1
     assert data["tenants"]["alice"]["cached"] >= 4
     assert data["blocks"]["total"] == 63
+    assert data["blocks"]["active"] + data["blocks"]["cached"] + data["blocks"]["free"] == 63
 
 
 @pytest.mark.parametrize("scope", ["TrustClass"])

@@ -399,6 +399,7 @@ class TenantFence:
             "blocks": {
                 "total": self.usable_blocks,
                 "free": len(self.pool.free),
+                "active": sum(t["active"] for t in tenants.values()),
                 "cached": sum(t["cached"] for t in tenants.values()),
             },
             "tenants": tenants,

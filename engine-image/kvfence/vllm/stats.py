@@ -17,7 +17,9 @@ treat a vLLM class like a reference one:
   ``kvfence_engine_kv_evictions_total{kind="own"|"cross"}``;
 * ``kvfence_engine_tenant_kv_blocks{tenant,state="active"|"cached"|"reserved"}``,
   ``kvfence_engine_tenant_kv_blocks_limit{tenant,kind="max"|"guaranteed"}``,
-  ``kvfence_engine_kv_blocks_total``, ``kvfence_engine_kv_blocks_free``, ``kvfence_engine_kv_blocks_cached``.
+  ``kvfence_engine_kv_blocks_total``, ``kvfence_engine_kv_blocks_free``, ``kvfence_engine_kv_blocks_active``,
+  ``kvfence_engine_kv_blocks_cached`` (the reference engine's names, so the chart's dashboard shows
+  both runtimes).
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ class FenceCollector:
         for name, doc, key in (
             ("kvfence_engine_kv_blocks_total", "KV blocks in vLLM's pool (without the null block)", "total"),
             ("kvfence_engine_kv_blocks_free", "KV blocks free and holding no cache entry", "free"),
+            ("kvfence_engine_kv_blocks_active", "KV blocks referenced by running requests", "active"),
             ("kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the prefix cache", "cached"),
         ):
             yield GaugeMetricFamily(name, doc, value=blocks.get(key, 0))
