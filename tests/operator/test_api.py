@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvfence.api import crdgen
+from kvfence.api import trustclass as T
 from kvfence.api.common import LabelSelector, TenantQuotas
 from kvfence.api.trustclass import TrustClass
 
@@ -127,3 +128,66 @@ def test_quota_merge_and_limits() -> None:
     limits = TenantQuotas.model_validate({"maxKVBlocks": 150})
     assert over.exceeds(limits) == ["maxKVBlocks"]
     assert defaults.exceeds(limits) == []
+
+
+def test_runtime_only_engine_fields_have_no_default_and_are_refused_on_the_other_runtime() -> None:
+    schema = crdgen.trustclass_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+    engine = spec["properties"]["engine"]
+    # unset means the runtime's own default; the API server writes nothing into stored objects
+    assert "default" not in engine["properties"]["numBlocks"]
+    assert "default" not in engine["properties"]["gpuMemoryUtilization"]
+    rules = {r["fieldPath"]: r for r in engine["x-kubernetes-validations"]}
+    assert rules[".numBlocks"] == {
+        "rule": "self.runtime != 'vllm' || !has(self.numBlocks)",
+        "message": T.NUM_BLOCKS_ON_VLLM,
+        "fieldPath": ".numBlocks",
+        "reason": "FieldValueForbidden",
+    }
+    assert rules[".gpuMemoryUtilization"] == {
+        "rule": "self.runtime != 'reference' || !has(self.gpuMemoryUtilization)",
+        "message": T.GPU_MEMORY_UTILIZATION_ON_REFERENCE,
+        "fieldPath": ".gpuMemoryUtilization",
+        "reason": "FieldValueForbidden",
+    }
+    # the class's KV limit is checked against the reference pool, its default when numBlocks is unset
+    (pool_rule,) = [
+        r for r in spec["x-kubernetes-validations"] if r["fieldPath"] == ".quotas.limits.maxKVBlocks"
+    ]
+    assert "has(self.engine.numBlocks) ? self.engine.numBlocks : 1024" in pool_rule["rule"]
+    assert T.DEFAULT_NUM_BLOCKS == 1024
+
+
+def test_the_models_refuse_runtime_only_engine_fields_on_the_other_runtime(make_tc: Any) -> None:
+    ref, vllm = make_tc(), make_tc(engine={"runtime": "vllm"})
+    for tc in (ref, vllm):
+        assert tc.spec.engine.num_blocks is None and tc.spec.engine.gpu_memory_utilization is None
+        assert tc.spec.engine.kv_block_budget == 1024
+        assert not {"numBlocks", "gpuMemoryUtilization"} & set(tc.wire()["spec"]["engine"])
+    assert make_tc(engine={"numBlocks": 2048}).spec.engine.kv_block_budget == 2048
+    assert (
+        make_tc(engine={"runtime": "vllm", "gpuMemoryUtilization": 0.8}).spec.engine.gpu_memory_utilization
+        == 0.8
+    )
+    with pytest.raises(ValidationError, match="numBlocks applies to the reference runtime only"):
+        make_tc(engine={"runtime": "vllm", "numBlocks": 2048})
+    with pytest.raises(ValidationError, match="gpuMemoryUtilization applies to the vllm runtime only"):
+        make_tc(engine={"gpuMemoryUtilization": 0.5})
+    with pytest.raises(ValidationError, match="gpuMemoryUtilization applies to the vllm runtime only"):
+        make_tc(engine={"runtime": "reference", "gpuMemoryUtilization": 1.0})
+
+
+def test_defaults_stored_by_the_old_crd_read_as_unset_on_the_runtime_that_ignores_them(make_tc: Any) -> None:
+    # The 0.1.0 CRD defaulted numBlocks: 1024 and gpuMemoryUtilization: 0.9 onto every class; the
+    # operator must keep reading those objects (the API server refuses both values on every new write).
+    legacy = {"numBlocks": 1024, "gpuMemoryUtilization": 0.9}
+    ref = make_tc(engine=legacy)
+    assert ref.spec.engine.num_blocks == 1024 and ref.spec.engine.gpu_memory_utilization is None
+    vllm = make_tc(engine={"runtime": "vllm", **legacy})
+    assert vllm.spec.engine.num_blocks is None and vllm.spec.engine.gpu_memory_utilization == 0.9
+    assert "numBlocks" not in vllm.wire()["spec"]["engine"]
+    # any other value was set by someone, and is refused
+    with pytest.raises(ValidationError, match="numBlocks applies to the reference runtime only"):
+        make_tc(engine={"runtime": "vllm", "numBlocks": 1023})
+    with pytest.raises(ValidationError, match="gpuMemoryUtilization applies to the vllm runtime only"):
+        make_tc(engine={"gpuMemoryUtilization": 0.95})

@@ -159,6 +159,49 @@ def test_block_size_unset_is_16_on_the_reference_engine_and_vllms_choice_on_vllm
     assert args[args.index("--block-size") + 1] == "32"
 
 
+def test_num_blocks_unset_is_1024_on_the_reference_engine(make_tc: Any) -> None:
+    ref = make_tc()
+    cfg = B.engine_config(ref)
+    assert cfg["numBlocks"] == 1024 == EngineConfig.model_validate(cfg).num_blocks
+    # byte for byte the config (and restart hash) of a class that spells out the old CRD default, so
+    # upgrading restarts no reference engine; the stale gpuMemoryUtilization the old CRD stored is unset
+    legacy = make_tc(engine={"numBlocks": 1024, "gpuMemoryUtilization": 0.9})
+    assert B.config_json(cfg) == B.config_json(B.engine_config(legacy))
+    assert B.config_hash(cfg) == B.config_hash(B.engine_config(legacy))
+    assert B.deployment(ref, "h", "k", OPTS) == B.deployment(legacy, "h", "k", OPTS)
+    assert B.engine_config(make_tc(engine={"numBlocks": 4096}))["numBlocks"] == 4096
+
+
+def test_gpu_memory_utilization_is_rendered_only_when_set(make_tc: Any) -> None:
+    vllm = make_tc(engine={"runtime": "vllm"})
+    # unset: vLLM's own default (vLLM sizes its KV pool from it)
+    assert "--gpu-memory-utilization" not in B.vllm_args(vllm)
+    args = B.vllm_args(make_tc(engine={"runtime": "vllm", "gpuMemoryUtilization": 0.85}))
+    i = args.index("--gpu-memory-utilization")
+    assert args[i + 1] == "0.85"
+    # where it was rendered before it became optional: pods of classes that set it do not change
+    assert args[i - 2] == "--tensor-parallel-size" and args[i + 2] == "--dtype"
+    # a class stored by the old CRD carries its default 0.9: still rendered, so its pods do not change
+    legacy = make_tc(engine={"runtime": "vllm", "numBlocks": 1024, "gpuMemoryUtilization": 0.9})
+    assert B.vllm_args(legacy) == B.vllm_args(
+        make_tc(engine={"runtime": "vllm", "gpuMemoryUtilization": 0.9})
+    )
+    assert "--gpu-memory-utilization 0.9" in " ".join(B.vllm_args(legacy))
+    assert not any("num-blocks" in a or "num_gpu_blocks" in a for a in B.vllm_args(legacy))
+
+
+def test_vllm_engine_config_carries_the_operators_guarantee_budget(make_tc: Any) -> None:
+    # vLLM's scheduler plugin reads only the quotas (and keys) from the file and fences vLLM's own
+    # pool; numBlocks there is the budget the operator admits guarantees against, checked by the model
+    vllm = make_tc(engine={"runtime": "vllm"})
+    cfg = B.engine_config(vllm)
+    assert cfg["numBlocks"] == 1024 == vllm.spec.engine.kv_block_budget
+    assert B.engine_config(make_tc(engine={"runtime": "vllm", "numBlocks": 1024})) == cfg
+    tq = {"t": TenantQuotas.model_validate({"guaranteedKVBlocks": 1025})}
+    with pytest.raises(ValueError, match="guaranteedBlocks add up to 1025"):
+        B.engine_config(vllm, tq)
+
+
 def test_vllm_args(make_tc: Any) -> None:
     tc = make_tc(
         engine={

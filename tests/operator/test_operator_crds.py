@@ -3,10 +3,16 @@ manifests are rejected with messages that name the field."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster.manifests import tenant_binding, trust_class
+import yaml
+from cluster.manifests import ENGINE, tenant_binding, trust_class
+from cluster.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
 
@@ -60,9 +66,38 @@ pytestmark = pytest.mark.cluster
         ({"prefixCache": {"scope": "Global"}}, "spec.prefixCache.scope", 'Unsupported value: "Global"'),
         ({"replicas": -1}, "spec.replicas", "should be greater than or equal to 0"),
         (
-            {"engine": {"image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0}},
+            {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0}},
             "spec.engine.gpuMemoryUtilization",
             "greater than 0",
+        ),
+        (
+            {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "numBlocks": 4096}},
+            "spec.engine.numBlocks",
+            "Forbidden: engine.numBlocks applies to the reference runtime only: vLLM sizes its KV pool",
+        ),
+        (
+            # the value the old CRD defaulted is no exception for a new write
+            {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "numBlocks": 1024}},
+            "spec.engine.numBlocks",
+            "applies to the reference runtime only",
+        ),
+        (
+            {"engine": {"image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0.5}},
+            "spec.engine.gpuMemoryUtilization",
+            "Forbidden: engine.gpuMemoryUtilization applies to the vllm runtime only: the reference engine",
+        ),
+        (
+            {"quotas": {"limits": {"maxKVBlocks": 1025}}},
+            "spec.quotas.limits.maxKVBlocks",
+            "must not exceed engine.numBlocks (1024 when unset)",
+        ),
+        (
+            {
+                "engine": {"image": "x", "model": {"name": "m"}, "numBlocks": 512},
+                "quotas": {"limits": {"maxKVBlocks": 513}},
+            },
+            "spec.quotas.limits.maxKVBlocks",
+            "must not exceed engine.numBlocks",
         ),
     ],
 )
@@ -90,6 +125,124 @@ def test_trustclass_name_length_and_immutable_namespace(installed: Any, kv: Any)
         assert got["spec"]["engine"]["runtime"] == "reference"
     finally:
         kv("delete", "trustclass", "crd-immutable", "--ignore-not-found", "--wait=false")
+
+
+def test_runtime_only_engine_fields_are_accepted_on_their_runtime_and_never_defaulted(
+    installed: Any, kv: Any
+) -> None:
+    classes = {
+        "crd-vllm": {
+            "engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0.8}
+        },
+        "crd-vllm-bare": {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}}},
+        "crd-ref": {
+            "engine": {"image": "x", "model": {"name": "m"}, "numBlocks": 2048},
+            "quotas": {"limits": {"maxKVBlocks": 2048}},
+        },
+        "crd-ref-bare": {"quotas": {"limits": {"maxKVBlocks": 1024}}},
+    }
+    try:
+        res = kv.apply(*(trust_class(name, replicas=0, **spec) for name, spec in classes.items()))
+        assert res.returncode == 0, res.stderr
+        engines = {name: kv.json("get", "trustclass", name)["spec"]["engine"] for name in classes}
+        assert engines["crd-vllm"]["gpuMemoryUtilization"] == 0.8 and "numBlocks" not in engines["crd-vllm"]
+        assert engines["crd-ref"]["numBlocks"] == 2048 and "gpuMemoryUtilization" not in engines["crd-ref"]
+        for name in ("crd-vllm-bare", "crd-ref-bare"):
+            assert not {"numBlocks", "gpuMemoryUtilization"} & set(engines[name]), engines[name]
+    finally:
+        kv("delete", "trustclass", *classes, "--ignore-not-found", "--wait=false")
+
+
+def _legacy_crd() -> dict[str, Any]:
+    """The TrustClass CRD as kvfence 0.1.0 shipped it in these respects: both runtime-only fields
+    defaulted onto every class, and no rule about which runtime they belong to."""
+    crd = yaml.safe_load((ROOT / "crds" / "kvfence.dev_trustclasses.yaml").read_text())
+    engine = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "engine"
+    ]
+    engine["properties"]["numBlocks"]["default"] = 1024
+    engine["properties"]["gpuMemoryUtilization"]["default"] = 0.9
+    del engine["x-kubernetes-validations"]
+    return crd
+
+
+def _install_crd(kv: Any, crd: dict[str, Any]) -> None:
+    kv(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=kvfence-tests",
+        "-f",
+        "-",
+        input=json.dumps(crd),
+    )
+
+
+def _dry_run(kv: Any, obj: dict[str, Any]) -> dict[str, Any] | str:
+    """The object the API server would store, or its refusal."""
+    res = kv(
+        "apply", "--server-side", "--dry-run=server", "--field-manager=tests", "-o", "json", "-f", "-",
+        input=json.dumps(obj),
+        check=False,
+    )  # fmt: skip
+    return json.loads(res.stdout) if res.returncode == 0 else res.stderr
+
+
+def test_classes_stored_by_the_old_crd_stay_updatable_until_their_engine_changes(
+    installed: Any, kv: Any
+) -> None:
+    """Objects stored while the CRD defaulted numBlocks and gpuMemoryUtilization carry both, whatever
+    their runtime. The rules sit on spec.engine, so CRD validation ratcheting admits every update that
+    leaves the engine alone (the operator's status writes included); changing the engine means
+    dropping the field that runtime ignores, and the API server says why."""
+    vllm_engine = {"runtime": "vllm", "image": "x", "model": {"name": "m"}}
+    legacy = {
+        "crd-legacy-vllm": ("numBlocks", vllm_engine),
+        "crd-legacy-ref": ("gpuMemoryUtilization", ENGINE),
+    }
+    current = yaml.safe_load((ROOT / "crds" / "kvfence.dev_trustclasses.yaml").read_text())
+
+    def old_crd_in_force() -> bool:
+        got = _dry_run(kv, trust_class("crd-legacy-probe", engine=vllm_engine))
+        return isinstance(got, dict) and got["spec"]["engine"].get("numBlocks") == 1024
+
+    def new_crd_in_force() -> bool:
+        got = _dry_run(kv, trust_class("crd-legacy-probe", engine={**vllm_engine, "numBlocks": 8}))
+        return isinstance(got, str) and "applies to the reference runtime only" in got
+
+    try:
+        _install_crd(kv, _legacy_crd())
+        wait_until(old_crd_in_force, "the old CRD in force", timeout=60)
+        res = kv.apply(*(trust_class(name, engine=eng, replicas=0) for name, (_, eng) in legacy.items()))
+        assert res.returncode == 0, res.stderr
+        for name in legacy:
+            stored = kv.json("get", "trustclass", name)["spec"]["engine"]
+            assert stored["numBlocks"] == 1024 and stored["gpuMemoryUtilization"] == 0.9, stored
+        _install_crd(kv, current)
+        wait_until(new_crd_in_force, "the new CRD in force", timeout=60)
+        for name, (field, eng) in legacy.items():
+            # the rest of the spec, and the status, stay writable
+            res = kv.apply(trust_class(name, engine=eng, replicas=1))
+            assert res.returncode == 0, res.stderr
+            status = '{"status": {"replicas": 0}}'
+            res = kv(
+                "patch", "trustclass", name, "--subresource=status", "--type=merge", "-p", status, check=False
+            )
+            assert res.returncode == 0, res.stderr
+            # an engine change must drop the stale field
+            res = kv.apply(trust_class(name, engine={**eng, "image": "y"}, replicas=1))
+            assert res.returncode != 0 and f"spec.engine.{field}: Forbidden" in res.stderr, res.stderr
+            patch = [
+                {"op": "remove", "path": f"/spec/engine/{field}"},
+                {"op": "replace", "path": "/spec/engine/image", "value": "y"},
+            ]
+            res = kv("patch", "trustclass", name, "--type=json", "-p", json.dumps(patch), check=False)
+            assert res.returncode == 0, res.stderr
+            assert field not in kv.json("get", "trustclass", name)["spec"]["engine"]
+    finally:
+        _install_crd(kv, current)  # and in force before the next test
+        wait_until(new_crd_in_force, "the new CRD in force", timeout=60)
+        kv("delete", "trustclass", *legacy, "--ignore-not-found", "--wait=false")
 
 
 def test_bad_tenantbinding_is_rejected_with_the_field_named(installed: Any, kv: Any) -> None:

@@ -115,6 +115,28 @@ def test_denied_bindings_never_route(make_tc: Any, make_tb: Any) -> None:
             assert not (set(lk.hashes) - {hash_api_key("k-first")}) & routed_hashes
 
 
+def test_guarantees_are_budgeted_against_the_reference_pool_or_1024_on_vllm(
+    make_tc: Any, make_tb: Any
+) -> None:
+    def decide(tc: Any) -> dict[str, R.Decision]:
+        tbs = [
+            make_tb("a", "a", quotas={"guaranteedKVBlocks": 600}, created="2026-01-01T00:00:00Z"),
+            make_tb("b", "b", quotas={"guaranteedKVBlocks": 600}, created="2026-01-02T00:00:00Z"),
+        ]
+        lookups = keys(("team-a/a", "k-a"), ("team-a/b", "k-b"))
+        return R.decide({"gold": R.ClassState(tc, (KEY,))}, tbs, NS, lookups, OPTS).decisions
+
+    # numBlocks unset on the reference engine: its default pool of 1024
+    d = decide(make_tc())
+    assert d["team-a/a"].bound and d["team-a/b"].reason == R.REASON_KV_OVERCOMMITTED
+    assert "overcommit the 1024 blocks" in d["team-a/b"].message
+    assert all(x.bound for x in decide(make_tc(engine={"numBlocks": 1200})).values())
+    # vllm sizes its pool at start, out of the operator's sight: the same fixed budget, and it says so
+    d = decide(make_tc(engine={"runtime": "vllm"}))
+    assert d["team-a/a"].bound and d["team-a/b"].reason == R.REASON_KV_OVERCOMMITTED
+    assert "1024 guaranteed blocks the operator admits on vllm TrustClass" in d["team-a/b"].message
+
+
 def test_unset_selector_admits_none_and_empty_admits_all(make_tc: Any, make_tb: Any) -> None:
     tb = make_tb("acme", "acme", namespace="rogue")
     lk = keys(("rogue/acme", "k"))

@@ -162,6 +162,11 @@ def test_default_class_parses_with_sha256_prefix_caching_and_the_middleware(
     # refuses 16)
     assert CLASSES["default"].spec.engine.block_size is None
     assert p["block_size"] is None
+    # no gpuMemoryUtilization in the class: no flag, and vLLM sizes its KV pool from its own default
+    # (0.92 in the pinned vLLM 0.32)
+    assert CLASSES["default"].spec.engine.gpu_memory_utilization is None
+    assert "--gpu-memory-utilization" not in vllm_args(CLASSES["default"])
+    assert p["gpu_memory_utilization"] == pytest.approx(0.92)
 
 
 def test_big_class_parses_with_tp_block_size_lora_and_extra_args(parsed: Parsed) -> None:
@@ -187,6 +192,7 @@ def test_the_gpu_example_parses(parsed: Parsed) -> None:
     p = parsed["example"]
     assert p["ok"], p
     assert p["served_model_name"] == ["qwen-7b"] and p["tensor_parallel_size"] == 2
+    assert p["gpu_memory_utilization"] == pytest.approx(0.9)
     assert p["enable_prefix_caching"] is True and p["prefix_caching_hash_algo"] == "sha256"
     assert p["lora_modules"] == [{"name": "support-bot", "path": "/adapters/support-bot"}]
     assert p["middleware"] == ["kvfence.vllm.middleware.KvfenceMiddleware"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from kvfence.api.common import (
     DNS_LABEL,
@@ -30,6 +30,23 @@ MAX_NAME_LENGTH = 63 - len(NAMESPACE_PREFIX)
 
 Runtime = Literal["vllm", "reference"]
 HashAlgorithm = Literal["sha256", "blake2b"]
+
+#: The reference engine's KV pool when ``engine.numBlocks`` is unset.
+DEFAULT_NUM_BLOCKS = 1024
+#: What the CRD of kvfence 0.1.0 defaulted onto *every* stored TrustClass, whatever its runtime. Objects
+#: stored then still carry them; read on the runtime that has no use for them, they mean "unset" (see
+#: ``EngineSpec._runtime_fields``). The API server refuses both fields on that runtime for every new write.
+LEGACY_DEFAULT_NUM_BLOCKS = 1024
+LEGACY_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+NUM_BLOCKS_ON_VLLM = (
+    "engine.numBlocks applies to the reference runtime only: vLLM sizes its KV pool from GPU memory "
+    "(engine.gpuMemoryUtilization)"
+)
+GPU_MEMORY_UTILIZATION_ON_REFERENCE = (
+    "engine.gpuMemoryUtilization applies to the vllm runtime only: the reference engine runs on CPU "
+    "and sizes its KV pool from engine.numBlocks"
+)
 
 
 class ModelSpec(KubeModel):
@@ -74,6 +91,27 @@ class AdapterSpec(KubeModel):
 class EngineSpec(KubeModel):
     """The inference engine of the trust class."""
 
+    # On the engine, not the spec: CRD validation ratcheting then lets an object stored by an older CRD
+    # (which defaulted both fields onto every class) be updated while its engine section is unchanged.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.runtime != 'vllm' || !has(self.numBlocks)",
+                    "message": NUM_BLOCKS_ON_VLLM,
+                    "fieldPath": ".numBlocks",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.runtime != 'reference' || !has(self.gpuMemoryUtilization)",
+                    "message": GPU_MEMORY_UTILIZATION_ON_REFERENCE,
+                    "fieldPath": ".gpuMemoryUtilization",
+                    "reason": "FieldValueForbidden",
+                },
+            ]
+        }
+    )
+
     runtime: Runtime = Field(
         "reference",
         description="vllm (stock vLLM with the kvfence middleware) or reference (the kvfence CPU engine).",
@@ -104,12 +142,14 @@ class EngineSpec(KubeModel):
     max_model_len: int | None = Field(
         None, alias="maxModelLen", ge=1, description="Maximum context length (prompt plus output tokens)."
     )
-    gpu_memory_utilization: float = Field(
-        0.9,
+    gpu_memory_utilization: float | None = Field(
+        None,
         alias="gpuMemoryUtilization",
         gt=0,
         le=1,
-        description="Fraction of GPU memory the runtime may use (vllm).",
+        description="Fraction of GPU memory vLLM may use (weights, activations and the KV pool, which "
+        "vLLM sizes from it). vllm only; unset: vLLM's own default. Refused on the reference runtime, "
+        "which runs on CPU (its pool is numBlocks).",
     )
     block_size: int | None = Field(
         None,
@@ -120,11 +160,12 @@ class EngineSpec(KubeModel):
         "engine; vllm keeps its attention backend's choice). Set on vllm, it must be a size that backend "
         "supports (vLLM's CPU backend needs a multiple of 32).",
     )
-    num_blocks: int = Field(
-        1024,
+    num_blocks: int | None = Field(
+        None,
         alias="numBlocks",
         ge=1,
-        description="KV-cache blocks in the pool (reference runtime; vllm sizes its pool from GPU memory).",
+        description=f"KV-cache blocks in the reference engine's pool; unset: {DEFAULT_NUM_BLOCKS}. "
+        "Reference only: refused on vllm, which sizes its pool from GPU memory (gpuMemoryUtilization).",
     )
     port: int = Field(8000, ge=1, le=65535, description="Port the engine serves HTTP on.")
     extra_args: list[str] = Field(
@@ -133,6 +174,38 @@ class EngineSpec(KubeModel):
         max_length=128,
         description="Extra command-line arguments appended to the runtime's own.",
     )
+
+    @model_validator(mode="after")
+    def _runtime_fields(self) -> EngineSpec:
+        """The CRD's rules on the runtime-only fields, for what the operator reads.
+
+        Exception: the values the 0.1.0 CRD defaulted onto every stored object read as unset on the
+        runtime that ignores them, so that existing classes keep working after an upgrade (the API
+        server refuses them there on every new write, those values included).
+        """
+        if self.runtime == "vllm" and self.num_blocks == LEGACY_DEFAULT_NUM_BLOCKS:
+            self.num_blocks = None
+        if (
+            self.runtime == "reference"
+            and self.gpu_memory_utilization == LEGACY_DEFAULT_GPU_MEMORY_UTILIZATION
+        ):
+            self.gpu_memory_utilization = None
+        if self.runtime == "vllm" and self.num_blocks is not None:
+            raise ValueError(NUM_BLOCKS_ON_VLLM)
+        if self.runtime == "reference" and self.gpu_memory_utilization is not None:
+            raise ValueError(GPU_MEMORY_UTILIZATION_ON_REFERENCE)
+        return self
+
+    @property
+    def kv_block_budget(self) -> int:
+        """The KV blocks the operator counts the tenants' guaranteed blocks against.
+
+        The reference engine's pool: numBlocks, or its default. vLLM sizes its pool from GPU memory when
+        it starts, so the operator cannot see it; it budgets the same fixed number on vllm (what
+        numBlocks defaulted to while it was accepted there), and vLLM's fence checks the guarantees
+        against its real pool as well.
+        """
+        return self.num_blocks if self.num_blocks is not None else DEFAULT_NUM_BLOCKS
 
 
 class GPUResources(KubeModel):
@@ -282,8 +355,10 @@ class TrustClassSpec(KubeModel):
                 },
                 {
                     "rule": "!has(self.quotas.limits.maxKVBlocks) || self.engine.runtime != 'reference' "
-                    "|| self.quotas.limits.maxKVBlocks <= self.engine.numBlocks",
-                    "message": "quotas.limits.maxKVBlocks must not exceed engine.numBlocks",
+                    "|| self.quotas.limits.maxKVBlocks <= "
+                    f"(has(self.engine.numBlocks) ? self.engine.numBlocks : {DEFAULT_NUM_BLOCKS})",
+                    "message": "quotas.limits.maxKVBlocks must not exceed engine.numBlocks "
+                    f"({DEFAULT_NUM_BLOCKS} when unset)",
                     "fieldPath": ".quotas.limits.maxKVBlocks",
                     "reason": "FieldValueInvalid",
                 },

@@ -185,7 +185,10 @@ def engine_config(tc: TrustClass, tenant_quotas: dict[str, TenantQuotas] | None 
         "model": model,
         "adapters": [a.name for a in eng.adapters],
         "quantization": eng.quantization or "none",
-        "numBlocks": eng.num_blocks,
+        # The reference engine's pool. On vllm the engine's scheduler plugin sizes nothing from it (it
+        # fences vLLM's own pool); it is the operator's budget for guaranteed blocks, which the config
+        # model checks the quotas against here as on the reference engine (EngineSpec.kv_block_budget).
+        "numBlocks": eng.kv_block_budget,
         "tensorParallelSize": eng.tensor_parallel_size,
         "maxModelLen": eng.max_model_len or DEFAULT_MAX_MODEL_LEN,
         "prefixCache": {
@@ -240,9 +243,9 @@ def vllm_args(tc: TrustClass) -> list[str]:
 
     The model comes first, as vLLM's positional argument (vLLM 0.32 warns that ``--model`` will be
     removed). ``--block-size`` only when the class sets one: otherwise vLLM keeps its attention
-    backend's choice (its CPU backend refuses 16, for one). The kvfence scheduler (per-tenant KV quotas,
-    verified prefix hits, tenant-partitioned eviction) is always on: quotas apply with or without
-    prefix caching.
+    backend's choice (its CPU backend refuses 16, for one); ``--gpu-memory-utilization`` likewise
+    (unset: vLLM's own default). The kvfence scheduler (per-tenant KV quotas, verified prefix hits,
+    tenant-partitioned eviction) is always on: quotas apply with or without prefix caching.
     """
     eng, pc = tc.spec.engine, tc.spec.prefix_cache
     args = [
@@ -252,9 +255,11 @@ def vllm_args(tc: TrustClass) -> list[str]:
         "--host", "0.0.0.0",  # noqa: S104
         "--port", str(eng.port),
         "--tensor-parallel-size", str(eng.tensor_parallel_size),
-        "--gpu-memory-utilization", str(eng.gpu_memory_utilization),
-        "--dtype", eng.dtype,
     ]  # fmt: skip
+    if eng.gpu_memory_utilization is not None:
+        # Where it always was: a class stored with it set keeps byte-identical pods.
+        args += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+    args += ["--dtype", eng.dtype]
     if eng.block_size is not None:
         args += ["--block-size", str(eng.block_size)]
     if eng.max_model_len:

@@ -181,12 +181,17 @@ def decide(
             continue
         guaranteed = effective.guaranteed_kv_blocks or 0
         used = guaranteed_used.get(cname, 0)
-        if guaranteed and used + guaranteed > cs.tc.spec.engine.num_blocks:
-            out.decisions[b.key] = _deny(
-                REASON_KV_OVERCOMMITTED,
-                f"guaranteedKVBlocks {guaranteed} would overcommit the {cs.tc.spec.engine.num_blocks} blocks "
-                f"of TrustClass {cname!r} ({used} already guaranteed)",
+        budget = cs.tc.spec.engine.kv_block_budget
+        if guaranteed and used + guaranteed > budget:
+            message = (
+                f"guaranteedKVBlocks {guaranteed} would exceed the {budget} guaranteed blocks the "
+                f"operator admits on vllm TrustClass {cname!r} ({used} already guaranteed; vLLM sizes "
+                "its pool from GPU memory when it starts, and its fence checks them against that pool too)"
+                if cs.tc.spec.engine.runtime == "vllm"
+                else f"guaranteedKVBlocks {guaranteed} would overcommit the {budget} blocks "
+                f"of TrustClass {cname!r} ({used} already guaranteed)"
             )
+            out.decisions[b.key] = _deny(REASON_KV_OVERCOMMITTED, message)
             continue
         if cname not in routes:
             out.decisions[b.key] = Decision(
