@@ -190,7 +190,7 @@ class Harness:
         sampled = []
         for rid in ids:
             req = self.sched.requests[rid]
-            done = req.num_computed_tokens + out.num_scheduled_tokens[rid]
+            done = req.num_computed_tokens  # schedule() has already counted this step's tokens
             # A token only when the prefill is complete (as the model runner does).
             sampled.append([1000 + (done % 97)] if done >= req.num_tokens else [])
         mro = ModelRunnerOutput(

@@ -1,0 +1,667 @@
+"""What the kvfence scheduler plugin costs inside vLLM, next to stock vLLM (a benchmark, not a test).
+
+    VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
+        [--quick] [--rounds 5] [--profile] [--async-scheduling] [--variants "no quotas,quotas"]
+
+Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
+``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
+``Harness`` over the same VllmConfig and KVCacheConfig, sized like a GPU engine (block size 16, 4096
+blocks, max_num_seqs 128, max_num_batched_tokens 8192, chunked prefill, prefix caching with sha256
+block hashes; the synchronous scheduler, or with ``--async-scheduling`` vLLM's AsyncScheduler, its GPU
+default), and driven with fake model outputs (one sampled token per request whose prefill is
+complete; no model runs). What is timed is the scheduler's own work per engine step:
+``schedule()`` + ``update_from_output()``. Building requests (block hashing belongs to vLLM's input
+processing, not to the scheduler) and the fake model output are not timed; ``add_request`` (where the
+plugin checks the tenant tag) is timed apart.
+
+Workload (seeded; both schedulers see the identical request stream): 8 tenants, each with its own
+system prompt of 32-96 blocks (512-1536 tokens) that every request of the tenant starts with, then a
+unique suffix of 16-240 tokens; max_tokens 16-256. Each tenant is a closed loop of concurrent users
+(48, 32, 24, 20, 16, 16, 16, 16: a skewed mix), so the engine is saturated (more requests than
+max_num_seqs, a waiting queue every step, the pool full of cached blocks and evicting) and a heavy
+tenant's backlog stays bounded. Requests carry the cache salt and the ``vllm_xargs`` (tenant + tag)
+the kvfence middleware sets; stock vLLM ignores the extra args and partitions its prefix cache by the
+same salt, so per-tenant hit rates must agree.
+
+Variants:
+
+* ``no quotas``: the plugin without quotas in its engine config (every tenant unlimited): verified
+  hits, stale checks, shadow pool, tenant-partitioned eviction and admission bookkeeping, but no limit
+  ever binds. The schedule must be step-for-step identical to stock vLLM's ("same schedule"); the
+  per-step times are then paired, and a least-squares fit splits the plugin's cost into a part per
+  scheduled request, per new request (prefix lookup + verification + admission) and per finished one.
+* ``quotas``: every tenant ``maxBlocks`` 2048 / ``guaranteedBlocks`` 256 in the engine config the
+  plugin reads (KVFENCE_ENGINE_CONFIG). The heaviest tenant's requests are held back at its maximum
+  (admission reserves prompt + max_tokens per request), so the fenced schedule differs (more steps,
+  fewer requests per step): per scheduled request is the comparable figure there.
+
+Rounds interleave the two (stock, fenced, stock, fenced, ...), each from a fresh scheduler, after one
+untimed warm-up of each; every figure is the median over the rounds. Step times are wall clock; the
+same steps in the thread's CPU time ("CPU") are shown too, as a check that preemption of the benchmark
+by other work on the machine did not make the ratio. When fenced/stock of the mean step time exceeds
+1.05 (or with ``--profile``), one more run of each is made under cProfile (enabled only around the
+timed calls) and the plugin's top costs are printed. The result goes to bench/results/vllm-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import gc
+import hashlib
+import json
+import os
+import platform
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / p) for p in ("operator", "engine-image", "tests")]
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import vllm  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm_engine.vllmsched import Harness, base_config  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4096
+MAX_NUM_SEQS = 128
+MAX_BATCHED_TOKENS = 8192
+MAX_MODEL_LEN = 4096
+VOCAB = 4096  # the tiny model's
+TENANTS = [f"t{i}" for i in range(8)]
+CONCURRENCY = [48, 32, 24, 20, 16, 16, 16, 16]  # concurrent users per tenant (closed loop)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "no quotas": {},
+    "quotas": {t: {"maxBlocks": 2048, "guaranteedBlocks": 256} for t in TENANTS},
+}
+SAMPLED = 7  # the fake model's token
+TARGET = 1.05
+KINDS = ("stock", "fenced")
+COST_TERMS = ("per_sched_req", "per_new_req", "per_finished_req")
+
+
+@dataclass(frozen=True)
+class Spec:
+    tenant: str
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+
+
+def workload(requests_per_user: int, seed: int) -> dict[str, list[Spec]]:
+    """Per tenant, the requests its users send, in order."""
+    rng = random.Random(seed)
+    out: dict[str, list[Spec]] = {}
+    for t, users in zip(TENANTS, CONCURRENCY, strict=True):
+        system = [rng.randrange(VOCAB) for _ in range(rng.randint(32, 96) * BLOCK_SIZE)]
+        specs = []
+        for k in range(users * requests_per_user):
+            suffix = [rng.randrange(VOCAB) for _ in range(rng.randint(16, 240))]
+            specs.append(Spec(t, f"{t}-{k}", system + suffix, rng.randint(16, 256)))
+        out[t] = specs
+    return out
+
+
+@dataclass
+class Run:
+    """One scheduler's pass over the whole workload."""
+
+    kind: str
+    step_ns: list[int] = field(default_factory=list)
+    #: the same steps in this thread's CPU time (immune to the scheduler thread being preempted)
+    cpu_ns: list[int] = field(default_factory=list)
+    #: per step: requests scheduled, new requests scheduled, requests finished
+    shape: list[tuple[int, int, int]] = field(default_factory=list)
+    schedule_ns: int = 0
+    update_ns: int = 0
+    add_ns: int = 0
+    added: int = 0
+    scheduled_reqs: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    vllm_queries: int = 0
+    vllm_hits: int = 0
+    preempted: int = 0
+    finish: dict[str, int] = field(default_factory=dict)
+    fingerprint: str = ""
+    fence: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float]:
+        s = sorted(self.step_ns)
+        total = sum(s)
+        return {
+            "steps": len(s),
+            "mean_us": total / len(s) / 1e3,
+            "p50_us": s[len(s) // 2] / 1e3,
+            "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] / 1e3,
+            "cpu_mean_us": sum(self.cpu_ns) / len(s) / 1e3,
+            "total_ms": total / 1e6,
+            "schedule_ms": self.schedule_ns / 1e6,
+            "update_ms": self.update_ns / 1e6,
+            "us_per_sched_req": total / self.scheduled_reqs / 1e3,
+            "reqs_per_step": self.scheduled_reqs / len(s),
+            "add_us_per_req": self.add_ns / self.added / 1e3,
+        }
+
+
+def drive(
+    kind: str,
+    streams: dict[str, list[Spec]],
+    quotas: dict[str, Any],
+    config: Any,
+    prof: cProfile.Profile | None = None,
+) -> Run:
+    """Runs the whole workload through a fresh scheduler of ``kind`` (stock or fenced)."""
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-vllm-") as tmp:
+        h = Harness(
+            Path(tmp),
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            quotas=quotas,
+            config=config,
+            stock=kind == "stock",
+        )
+        sched = h.sched
+        requests = sched.requests
+        run = Run(kind)
+        nxt = dict.fromkeys(TENANTS, 0)
+        users = dict(zip(TENANTS, CONCURRENCY, strict=True))
+        open_ = dict.fromkeys(TENANTS, 0)
+        tenant_of: dict[str, str] = {}
+        seen: set[str] = set()
+        digest = hashlib.sha256()
+        pc = time.perf_counter_ns
+        tt = time.thread_time_ns
+        on: Callable[[], None] = prof.enable if prof is not None else (lambda: None)
+        off: Callable[[], None] = prof.disable if prof is not None else (lambda: None)
+        gc.collect()
+        try:
+            while True:
+                for t in TENANTS:  # every user with nothing outstanding sends its next request
+                    stream = streams[t]
+                    while open_[t] < users[t] and nxt[t] < len(stream):
+                        spec = stream[nxt[t]]
+                        nxt[t] += 1
+                        req = h.make(t, spec.prompt, spec.max_tokens, request_id=spec.rid)
+                        tenant_of[spec.rid] = t
+                        on()
+                        t0 = pc()
+                        sched.add_request(req)
+                        run.add_ns += pc() - t0
+                        off()
+                        run.added += 1
+                        open_[t] += 1
+                if not sched.has_requests():
+                    break
+                on()
+                c0 = tt()
+                t0 = pc()
+                out = sched.schedule()
+                t1 = pc()
+                c1 = tt()
+                off()
+                # The model's part (not timed): one token for every request whose prompt is complete
+                # (schedule() has already advanced num_computed_tokens by what it scheduled).
+                ids = list(out.num_scheduled_tokens)
+                sampled = []
+                for rid in ids:
+                    r = requests[rid]
+                    sampled.append([SAMPLED] if r.num_computed_tokens >= r.num_tokens else [])
+                mro = ModelRunnerOutput(
+                    req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+                )
+                on()
+                c2 = tt()
+                t2 = pc()
+                ecos = sched.update_from_output(out, mro)
+                t3 = pc()
+                c3 = tt()
+                off()
+                run.step_ns.append(t1 - t0 + t3 - t2)
+                run.cpu_ns.append(c1 - c0 + c3 - c2)
+                run.schedule_ns += t1 - t0
+                run.update_ns += t3 - t2
+                run.scheduled_reqs += len(ids)
+                digest.update(repr(sorted(out.num_scheduled_tokens.items())).encode())
+                new = 0
+                for nr in out.scheduled_new_reqs:
+                    if nr.req_id in seen:  # resumed after preemption
+                        continue
+                    seen.add(nr.req_id)
+                    new += 1
+                    t = tenant_of[nr.req_id]
+                    run.hit_tokens[t] = run.hit_tokens.get(t, 0) + nr.num_computed_tokens
+                    run.prompt_tokens[t] = run.prompt_tokens.get(t, 0) + len(nr.prompt_token_ids or ())
+                run.preempted += len(out.preempted_req_ids or ())
+                finished = 0
+                for eco in ecos.values():
+                    st = eco.scheduler_stats
+                    if st is not None and st.prefix_cache_stats is not None:
+                        run.vllm_queries += st.prefix_cache_stats.queries
+                        run.vllm_hits += st.prefix_cache_stats.hits
+                    for o in eco.outputs:
+                        if o.finish_reason is not None:
+                            reason = str(o.finish_reason)
+                            run.finish[reason] = run.finish.get(reason, 0) + 1
+                            open_[tenant_of[o.request_id]] -= 1
+                            finished += 1
+                run.shape.append((len(ids), new, finished))
+            run.fingerprint = digest.hexdigest()[:16]
+            if h.fence is not None:
+                h.check()  # the shadow still agrees with vLLM's pool (not timed)
+                c = h.fence.counters
+                run.fence = {
+                    "hash_collision": c.hash_collision,
+                    "cross_access_rejected": c.cross_access_rejected,
+                    "stale_reference": c.stale_reference,
+                    "evictions_own": c.evictions_own,
+                    "evictions_cross": c.evictions_cross,
+                    "quota_held_back": dict(c.quota_held_back),
+                    "quota_rejected": dict(c.quota_rejected),
+                    "identity_rejected": dict(c.identity_rejected),
+                }
+        finally:
+            sched.shutdown()
+    assert run.added == sum(len(s) for s in streams.values()), "not every request was sent"
+    assert sum(run.finish.values()) == run.added, f"not every request finished: {run.finish}"
+    return run
+
+
+def cost_model(stock: list[Run], fenced: list[Run]) -> dict[str, float]:
+    """Least-squares fit of the per-step CPU time (median over rounds; CPU time, so that a step in
+    which the benchmark was preempted does not skew the fit) to b * requests scheduled + c * new
+    requests + d * requests finished, for stock and for the paired difference fenced - stock. Only
+    meaningful when both scheduled identically (the same steps, the same requests in each). No
+    intercept: nearly every step schedules max_num_seqs requests, so a per-step constant could not be
+    told apart from the per-request term (it is folded into it)."""
+    shape = np.array(stock[0].shape, dtype=float)
+    s = np.median(np.array([r.cpu_ns for r in stock], dtype=float), axis=0) / 1e3
+    f = np.median(np.array([r.cpu_ns for r in fenced], dtype=float), axis=0) / 1e3
+    out: dict[str, float] = {}
+    for label, y in (("stock", s), ("extra", f - s)):
+        coef = np.linalg.lstsq(shape, y, rcond=None)[0]
+        for name, c in zip(COST_TERMS, coef, strict=True):
+            out[f"{label}_{name}_us"] = float(c)
+    means = shape.mean(axis=0)
+    out["mean_sched_reqs"], out["mean_new_reqs"], out["mean_finished_reqs"] = (float(x) for x in means)
+    return out
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
+
+
+#: the plugin's overrides and the fence calls they make (for the inclusive-time table)
+ENTRY_POINTS = {
+    "schedule",
+    "_hold_back",
+    "_maybe_reload",
+    "update_from_output",
+    "_free_request",
+    "add_request",
+    "_identify",
+    "get_computed_blocks",
+    "verify",
+    "allocate_slots",
+    "free",
+    "get_num_free_blocks",
+    "obtainable",
+    "get_new_blocks",
+    "take",
+    "touch",
+    "revive",
+    "free_blocks",
+    "released",
+    "cache_full_blocks",
+    "intern",
+}
+
+
+def profile(streams: dict[str, list[Spec]], quotas: dict[str, Any], config: Any) -> dict[str, Any]:
+    """cProfile of one stock and one fenced run (the timed calls only): where the fenced run's extra
+    time goes. cProfile inflates Python call overhead, so shares are indicative, not exact."""
+    stats: dict[str, Any] = {}
+    for kind in KINDS:
+        prof = cProfile.Profile()
+        drive(kind, streams, quotas, config, prof)
+        stats[kind] = pstats.Stats(prof)
+    stock_total: float = stats["stock"].total_tt
+    fenced_total: float = stats["fenced"].total_tt
+    raw: dict[Any, Any] = stats["fenced"].stats
+    stock_raw: dict[Any, Any] = stats["stock"].stats
+    plugin_root = str(ROOT / "engine-image" / "kvfence")
+
+    def name(fn: tuple[str, int, str]) -> str:
+        path, line, func = fn
+        short = "/".join(Path(path).parts[-3:]) if os.sep in path else path
+        return f"{short}:{line}({func})"
+
+    def is_plugin(fn: tuple[str, int, str]) -> bool:
+        return fn[0].startswith(plugin_root)
+
+    # Self time of kvfence code (kvfence.vllm.* and the kvfence.engine.* it calls).
+    own = sorted(((fn, v[2], v[1]) for fn, v in raw.items() if is_plugin(fn)), key=lambda x: -x[1])
+    plugin_self = sum(x[1] for x in own)
+    # Self time that grew against the stock run, any code (vLLM code that runs more, builtins the
+    # plugin calls).
+    none = (0, 0, 0.0, 0.0)
+    delta = sorted(
+        ((fn, v[2] - stock_raw.get(fn, none)[2], v[1] - stock_raw.get(fn, none)[1]) for fn, v in raw.items()),
+        key=lambda x: -x[1],
+    )
+    entry = sorted(
+        (
+            (fn, v[3], v[1])
+            for fn, v in raw.items()
+            if is_plugin(fn) and fn[2] in ENTRY_POINTS and f"{os.sep}vllm{os.sep}" in fn[0]
+        ),
+        key=lambda x: -x[1],
+    )
+    return {
+        "stock_total_s": stock_total,
+        "fenced_total_s": fenced_total,
+        "profiled_ratio": fenced_total / stock_total,
+        "plugin_self_s": plugin_self,
+        "plugin_self_share": plugin_self / fenced_total,
+        "top_plugin_self": [
+            {"function": name(fn), "self_s": tt, "share": tt / fenced_total, "calls": n}
+            for fn, tt, n in own[:15]
+        ],
+        "top_extra_vs_stock": [
+            {"function": name(fn), "extra_self_s": d, "share": d / fenced_total, "extra_calls": n}
+            for fn, d, n in delta[:15]
+        ],
+        "plugin_inclusive": [
+            {"function": name(fn), "cum_s": ct, "share": ct / fenced_total, "calls": n} for fn, ct, n in entry
+        ],
+    }
+
+
+def print_profile(label: str, p: dict[str, Any]) -> None:
+    print(
+        f"\nProfile [{label}] (cProfile around the timed calls only): stock {p['stock_total_s']:.3f} s, "
+        f"fenced {p['fenced_total_s']:.3f} s (x{p['profiled_ratio']:.2f} under the profiler); self time "
+        f"in kvfence code {p['plugin_self_s']:.3f} s = {100 * p['plugin_self_share']:.1f}% of the fenced run"
+    )
+    table(
+        f"[{label}] Self time in kvfence code (share of the fenced run's profiled time)",
+        ["function", "calls", "self s", "share"],
+        [
+            [x["function"], f"{x['calls']:,}", f"{x['self_s']:.4f}", f"{100 * x['share']:.2f}%"]
+            for x in p["top_plugin_self"]
+        ],
+    )
+    table(
+        f"[{label}] Plugin overrides and fence calls, inclusive (with the vLLM code they wrap)",
+        ["function", "calls", "cum s", "share"],
+        [
+            [x["function"], f"{x['calls']:,}", f"{x['cum_s']:.4f}", f"{100 * x['share']:.2f}%"]
+            for x in p["plugin_inclusive"]
+        ],
+    )
+    table(
+        f"[{label}] Self time added against the stock run, any code",
+        ["function", "extra calls", "extra self s", "share"],
+        [
+            [x["function"], f"{x['extra_calls']:,}", f"{x['extra_self_s']:.4f}", f"{100 * x['share']:.2f}%"]
+            for x in p["top_extra_vs_stock"]
+        ],
+    )
+
+
+def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
+    stock, fenced = got["stock"], got["fenced"]
+    for kind in KINDS:  # deterministic: every round schedules alike
+        assert len({r.fingerprint for r in got[kind]}) == 1, f"{label}/{kind}: rounds scheduled differently"
+    pairs = list(zip(stock, fenced, strict=True))
+    ratio_step = [f.summary()["mean_us"] / s.summary()["mean_us"] for s, f in pairs]
+    ratio_req = [f.summary()["us_per_sched_req"] / s.summary()["us_per_sched_req"] for s, f in pairs]
+    ratio_cpu = [f.summary()["cpu_mean_us"] / s.summary()["cpu_mean_us"] for s, f in pairs]
+    same = stock[0].fingerprint == fenced[0].fingerprint
+    res: dict[str, Any] = {
+        "quotas": VARIANTS[label],
+        "same_schedule": same,
+        "ratio_mean_step": statistics.median(ratio_step),
+        "ratio_mean_step_per_round": ratio_step,
+        "ratio_per_sched_req": statistics.median(ratio_req),
+        "ratio_per_sched_req_per_round": ratio_req,
+        "ratio_cpu_mean_step": statistics.median(ratio_cpu),
+        "ratio_cpu_mean_step_per_round": ratio_cpu,
+        "cost_model": cost_model(stock, fenced) if same else None,
+        # Identical schedules: each step's fastest of the rounds, summed (the least disturbed estimate).
+        "ratio_min_per_step": (
+            float(
+                np.min(np.array([r.step_ns for r in fenced]), axis=0).sum()
+                / np.min(np.array([r.step_ns for r in stock]), axis=0).sum()
+            )
+            if same
+            else None
+        ),
+    }
+    for kind, runs in got.items():
+        first = runs[0]  # counts are the same in every round (checked above)
+        prompt = sum(first.prompt_tokens.values())
+        res[kind] = {
+            **{k: statistics.median(r.summary()[k] for r in runs) for k in first.summary()},
+            "rounds": [r.summary() for r in runs],
+            "hit_rate": sum(first.hit_tokens.values()) / max(1, prompt),
+            "hit_rate_by_tenant": {
+                t: first.hit_tokens.get(t, 0) / max(1, first.prompt_tokens.get(t, 0)) for t in TENANTS
+            },
+            "vllm_prefix_cache_stats": {"queries": first.vllm_queries, "hits": first.vllm_hits},
+            "preempted": first.preempted,
+            "finish": first.finish,
+            "fence": first.fence,
+        }
+    return res
+
+
+def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
+    rows = []
+    for label, res in results.items():
+        for kind in KINDS:
+            x = res[kind]
+            fenced = kind == "fenced"
+            rows.append(
+                [
+                    label,
+                    kind,
+                    f"{x['steps']:,.0f}",
+                    f"{x['reqs_per_step']:.1f}",
+                    f"{x['mean_us']:.0f}",
+                    f"{x['p50_us']:.0f}",
+                    f"{x['p99_us']:.0f}",
+                    f"{x['cpu_mean_us']:.0f}",
+                    f"{x['us_per_sched_req']:.2f}",
+                    f"{x['add_us_per_req']:.1f}",
+                    f"{res['ratio_mean_step']:.3f}" if fenced else "",
+                    f"{res['ratio_cpu_mean_step']:.3f}" if fenced else "",
+                    f"{res['ratio_per_sched_req']:.3f}" if fenced else "",
+                    ("yes" if res["same_schedule"] else "no") if fenced else "",
+                    f"{100 * x['hit_rate']:.1f}%",
+                ]
+            )
+    table(
+        f"Scheduler step = schedule() + update_from_output(); medians of {rounds} interleaved rounds "
+        f"({n_req} requests, {NUM_BLOCKS} blocks of {BLOCK_SIZE}, max_num_seqs {MAX_NUM_SEQS}, "
+        f"max_num_batched_tokens {MAX_BATCHED_TOKENS}; vLLM {vllm.__version__})",
+        [
+            "variant",
+            "scheduler",
+            "steps",
+            "reqs/step",
+            "mean us",
+            "p50 us",
+            "p99 us",
+            "CPU mean us",
+            "us/sched req",
+            "add_request us",
+            "fenced/stock step",
+            "fenced/stock CPU",
+            "fenced/stock per req",
+            "same schedule",
+            "hit rate",
+        ],
+        rows,
+    )
+    hrows = []
+    for label, res in results.items():
+        for t in TENANTS:
+            s, f = res["stock"]["hit_rate_by_tenant"][t], res["fenced"]["hit_rate_by_tenant"][t]
+            hrows.append([label, t, f"{100 * s:.2f}%", f"{100 * f:.2f}%", f"{100 * (f - s):+.2f}"])
+    table(
+        "Prefix-cache hit rate per tenant (prompt tokens served from the cache when first scheduled)",
+        ["variant", "tenant", "stock", "fenced", "fenced - stock (pp)"],
+        hrows,
+    )
+    for label, res in results.items():
+        cm = res["cost_model"]
+        if cm is None:
+            continue
+        table(
+            f"[{label}] Per-step cost model (CPU time, least squares over {res['stock']['steps']:.0f} "
+            "paired steps; "
+            f"a step has on average {cm['mean_sched_reqs']:.1f} scheduled, {cm['mean_new_reqs']:.2f} new "
+            f"and {cm['mean_finished_reqs']:.2f} finished requests)",
+            ["term", "stock us", "added by the plugin us", "added %"],
+            [
+                [
+                    term.replace("_", " "),
+                    f"{cm[f'stock_{term}_us']:.2f}",
+                    f"{cm[f'extra_{term}_us']:.2f}",
+                    f"{100 * cm[f'extra_{term}_us'] / cm[f'stock_{term}_us']:+.0f}%",
+                ]
+                for term in COST_TERMS
+            ],
+        )
+    print()
+    for label, res in results.items():
+        print(
+            f"[{label}] fence counters {json.dumps(res['fenced']['fence'])}; preempted: stock "
+            f"{res['stock']['preempted']}, fenced {res['fenced']['preempted']}; vLLM PrefixCacheStats: stock "
+            f"{res['stock']['vllm_prefix_cache_stats']}, fenced {res['fenced']['vllm_prefix_cache_stats']}"
+        )
+    print()
+    for label, res in results.items():
+        r = res["ratio_mean_step"]
+        floor = res["ratio_min_per_step"]
+        print(
+            f"target [{label}]: fenced/stock mean step time <= {TARGET:.2f}: {r:.3f} "
+            f"({'met' if r <= TARGET else 'NOT met'}; in CPU time {res['ratio_cpu_mean_step']:.3f}; "
+            + (f"per-step minima over the rounds {floor:.3f}; " if floor is not None else "")
+            + f"per scheduled request {res['ratio_per_sched_req']:.3f})"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 3)")
+    ap.add_argument("--requests-per-user", type=int, default=None, help="default 8; quick 2")
+    ap.add_argument("--seed", type=int, default=20261201)
+    ap.add_argument("--profile", action="store_true", help="profile even when within the target")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's AsyncScheduler (its default on GPUs) for both, instead of the synchronous one",
+    )
+    a = ap.parse_args()
+    rounds = a.rounds or (3 if a.quick else 5)
+    per_user = a.requests_per_user or (2 if a.quick else 8)
+    chosen = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = set(chosen) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+
+    config = base_config(
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS
+    )
+    if a.async_scheduling:  # driven step by step all the same: each output comes back before the next step
+        config = copy.copy(config)
+        config.scheduler_config = copy.copy(config.scheduler_config)
+        config.scheduler_config.async_scheduling = True
+    sc = config.scheduler_config
+    streams = workload(per_user, a.seed)
+    n_req = sum(len(s) for s in streams.values())
+    load_before = os.getloadavg()[0]
+    print(
+        f"kvfence vLLM scheduler benchmark - vLLM {vllm.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores; {NUM_BLOCKS} blocks of {BLOCK_SIZE}, max_num_seqs "
+        f"{sc.max_num_seqs}, max_num_batched_tokens {sc.max_num_batched_tokens}, chunked prefill "
+        f"{sc.enable_chunked_prefill}, async scheduling {sc.async_scheduling}; {n_req} requests from "
+        f"{len(TENANTS)} tenants ({sum(CONCURRENCY)} concurrent users); {rounds} rounds",
+        file=sys.stderr,
+    )
+    results: dict[str, Any] = {}
+    for label in chosen:
+        quotas = VARIANTS[label]
+        for kind in KINDS:  # warm-up (imports, caches), not counted
+            drive(kind, workload(1, a.seed + 1), quotas, config)
+        got: dict[str, list[Run]] = {k: [] for k in KINDS}
+        for rnd in range(rounds):
+            for kind in KINDS:
+                r = drive(kind, streams, quotas, config)
+                got[kind].append(r)
+                s = r.summary()
+                print(
+                    f"  [{label}] round {rnd + 1}/{rounds} {kind:>6}: {s['steps']} steps, mean step "
+                    f"{s['mean_us']:.0f} us, {s['us_per_sched_req']:.2f} us per scheduled request",
+                    file=sys.stderr,
+                )
+        results[label] = summarize(label, got)
+    report(results, rounds, n_req)
+
+    profiles: dict[str, Any] = {}
+    for label, res in results.items():
+        if a.profile or res["ratio_mean_step"] > TARGET:
+            profiles[label] = profile(streams, VARIANTS[label], config)
+            print_profile(label, profiles[label])
+
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"vllm-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    setup = {
+        "vllm": vllm.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cores": os.cpu_count(),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "rounds": rounds,
+        "requests": n_req,
+        "requests_per_user": per_user,
+        "seed": a.seed,
+        "users_per_tenant": dict(zip(TENANTS, CONCURRENCY, strict=True)),
+        "num_blocks": NUM_BLOCKS,
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "max_model_len": MAX_MODEL_LEN,
+        "chunked_prefill": sc.enable_chunked_prefill,
+        "async_scheduling": sc.async_scheduling,
+        "target_ratio": TARGET,
+    }
+    doc = {"setup": setup, "variants": results, "profiles": profiles}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()
