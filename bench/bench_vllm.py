@@ -186,7 +186,10 @@ def drive(
         tt = time.thread_time_ns
         on: Callable[[], None] = prof.enable if prof is not None else (lambda: None)
         off: Callable[[], None] = prof.disable if prof is not None else (lambda: None)
+        # As vLLM's engine core does once its scheduler is built (vllm.utils.gc_utils.freeze_gc_heap):
+        # the startup heap, the scheduler's structures included, is frozen out of the collector.
         gc.collect()
+        gc.freeze()
         try:
             while True:
                 for t in TENANTS:  # every user with nothing outstanding sends its next request
@@ -273,6 +276,7 @@ def drive(
                     "identity_rejected": dict(c.identity_rejected),
                 }
         finally:
+            gc.unfreeze()
             sched.shutdown()
     assert run.added == sum(len(s) for s in streams.values()), "not every request was sent"
     assert sum(run.finish.values()) == run.added, f"not every request finished: {run.finish}"

@@ -349,12 +349,16 @@ def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with ThreadPoolExecutor(max_workers=10) as pool:
+        with ThreadPoolExecutor(max_workers=17) as pool:
             futs = [
                 pool.submit(send, "carol", {**carol_body, "prompt": f"{i} " + carol_body["prompt"]})
-                for i in range(5)
+                for i in range(12)
             ]
-            time.sleep(0.2)
+            # alice starts once carol's first request is done and eleven of hers still wait in line.
+            deadline = time.monotonic() + 120
+            while not finished:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             futs += [
                 pool.submit(send, "alice", {**alice_body, "prompt": f"{i} " + alice_body["prompt"]})
                 for i in range(5)

@@ -245,6 +245,9 @@ class Harness:
             if acct.limited:
                 assert acct.usage <= acct.max_blocks or acct.active <= acct.max_blocks
                 assert acct.active <= acct.max_blocks, (tenant, acct.active, acct.max_blocks)
+        if fence.has_guarantees:  # the running total obtainable() answers from
+            total = sum(a.reclaimable_by_others for a in fence.book.accounts.values())
+            assert fence.total_reclaimable == total
         assert len(fence.pool.free) == sum(
             1 for b in self.pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is None
         )

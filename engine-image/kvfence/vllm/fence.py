@@ -21,24 +21,28 @@ id, and applies the reference engine's own quota book and eviction planner to it
 * **generations**: every time a block is handed out for new content its generation moves; a prefix
   hit is remembered as (block id, generation) at lookup and refused as *stale* if the generation moved
   before the request took the block.
-* **verified hits**: each cached block has an interned :class:`Record` (its token ids, the record of
-  the block before it, and at the root the cache namespace: salt and adapter). Interning makes two
-  blocks with the same content and the same prefix share one record, so a hit chain is verified by
-  one tuple comparison and one identity check per block; a candidate that fails is a miss, counted as
-  a collision, or as a cross-namespace access when its chain starts in another namespace.
+* **verified hits**: each cached block has a :class:`Record`: its token ids, the record of the block
+  before it, and at the root the cache namespace (salt and adapter). A hit chain verifies when each
+  block's tokens are the request's and its parent record is the previous block's (the same object, or
+  failing that the same content: vLLM keeps duplicate copies of a block); a candidate that fails is a
+  miss, counted as a collision, or as a cross-namespace access when its chain starts in another
+  namespace.
+
+Cost: vLLM asks the pool for its free-block count for every scheduled request of every step, so that
+answer is O(1) (:meth:`TenantFence.obtainable`): without any quota it is vLLM's own count; with
+guarantees, the blocks other tenants may lose are kept as a running total.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.engine.blocks import BlockPool, BlockState, KVBlock
 from kvfence.engine.config import QuotasConfig
-from kvfence.engine.eviction import EvictionPlan, plan_allocation, take_cold
+from kvfence.engine.eviction import plan_allocation, take_cold
 from kvfence.engine.quotas import AllocationError, QuotaBook, TenantAccount
 
 #: The account of blocks allocated outside any request's context (vLLM internals); never expected.
@@ -46,19 +50,17 @@ UNATTRIBUTED = ""
 
 Namespace = tuple[Any, ...]
 
+FREE, ACTIVE, COLD = BlockState.FREE, BlockState.ACTIVE, BlockState.COLD
+
 
 class FenceError(Exception):
     """The fence was asked to do something its bookkeeping says is impossible (a bug, never input)."""
 
 
 class Record:
-    """What a cached block holds: its tokens, after which block, in which namespace (root only).
+    """What a cached block holds: its tokens, after which block, in which namespace (root only)."""
 
-    Records are interned (:meth:`TenantFence.intern`): equal content after an equal prefix is the
-    same object, so ``a is b`` compares whole chains.
-    """
-
-    __slots__ = ("__weakref__", "namespace", "parent", "tokens")
+    __slots__ = ("namespace", "parent", "tokens")
 
     def __init__(self, parent: Record | None, tokens: tuple[int, ...], namespace: Namespace | None) -> None:
         self.parent = parent
@@ -70,6 +72,16 @@ class Record:
         while r.parent is not None:
             r = r.parent
         return r.namespace
+
+
+def same_chain(a: Record | None, b: Record | None) -> bool:
+    """Whether two records hold the same content after the same prefix (identity first, then content:
+    the walk stops where the chains meet)."""
+    while a is not b:
+        if a is None or b is None or a.tokens != b.tokens or a.namespace != b.namespace:
+            return False
+        a, b = a.parent, b.parent
+    return True
 
 
 @dataclass(slots=True)
@@ -107,18 +119,20 @@ class TenantFence:
         # vLLM's null block (id 0) is never handed out.
         null = self.pool.blocks[0]
         self.pool.free.remove(null)
-        null.state = BlockState.ACTIVE
+        null.state = ACTIVE
         self.usable_blocks = num_blocks - 1
         self._check_guarantees(quotas)
         self.book = QuotaBook(quotas, self.usable_blocks)
         self.counters = FenceCounters()
         self.records: list[Record | None] = [None] * num_blocks
-        self._interned: weakref.WeakValueDictionary[tuple[int, tuple[int, ...], Any], Record] = (
-            weakref.WeakValueDictionary()
-        )
-        #: request id -> (tenant account, blocks reserved) for admitted requests of limited tenants
+        #: request id -> (tenant account, blocks reserved) for admitted requests
         self._admitted: dict[str, tuple[TenantAccount, int]] = {}
         self._reserved: dict[str, int] = {}
+        #: per account, the cold blocks other tenants may take (``reclaimable_by_others``) as last
+        #: counted, and their total: kept current by :meth:`_recount` wherever usage or cold changes
+        self._reclaimable: dict[str, int] = {}
+        self.total_reclaimable = 0
+        self._set_flags(quotas)
         #: bumped on every change the stats export shows
         self.version = 0
         self.lock = threading.Lock()
@@ -132,30 +146,55 @@ class TenantFence:
                 "KV blocks this vLLM engine has"
             )
 
+    def _set_flags(self, quotas: QuotasConfig) -> None:
+        qs = [quotas.default, *quotas.tenants.values()]
+        #: some tenant has a maxBlocks (admission and the per-tenant cap matter)
+        self.has_limits = any(q.max_blocks is not None for q in qs)
+        #: some tenant has a guaranteedBlocks (reservations and protected cold blocks matter)
+        self.has_guarantees = any(q.guaranteed_blocks > 0 for q in qs)
+
     def set_quotas(self, quotas: QuotasConfig) -> None:
         """Apply new limits in place (blocks and usage are kept; see QuotaBook.set_quotas)."""
         self._check_guarantees(quotas)
         self.book.set_quotas(quotas)
+        self._set_flags(quotas)
+        self._reclaimable.clear()
+        self.total_reclaimable = 0
+        for acct in self.book.accounts.values():
+            self._recount(acct)
         self.version += 1
 
     def account(self, tenant: str) -> TenantAccount:
-        return self.book.account(tenant)
+        acct = self.book.accounts.get(tenant)
+        return acct if acct is not None else self.book.account(tenant)
+
+    def _recount(self, acct: TenantAccount) -> None:
+        new = acct.reclaimable_by_others
+        old = self._reclaimable.get(acct.tenant, 0)
+        if new != old:
+            self.total_reclaimable += new - old
+            self._reclaimable[acct.tenant] = new
+
+    def _forget_if_idle(self, acct: TenantAccount) -> None:
+        self.book.forget_if_idle(acct)
+        if acct.tenant not in self.book.accounts:
+            self.total_reclaimable -= self._reclaimable.pop(acct.tenant, 0)
 
     # --- admission ----------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def fits_alone(self, tenant: str, num_tokens: int) -> bool:
-        acct = self.book.account(tenant)
+        acct = self.account(tenant)
         ok = not acct.limited or self.blocks_for(num_tokens) <= acct.max_blocks
-        self.book.forget_if_idle(acct)
+        self._forget_if_idle(acct)
         return ok
 
     def can_admit(self, tenant: str, num_tokens: int, pending: int = 0) -> int | None:
         """The blocks a new request of ``tenant`` reaching ``num_tokens`` tokens would reserve, if it
         fits next to the tenant's admitted requests (and ``pending`` blocks of requests admitted ahead
         of it in this step); None if it must wait. Unlimited tenants reserve nothing."""
-        acct = self.book.account(tenant)
+        acct = self.account(tenant)
         if not acct.limited:
             return 0
         need = self.blocks_for(num_tokens)
@@ -169,7 +208,7 @@ class TenantFence:
     def admit(self, request_id: str, tenant: str, blocks: int) -> None:
         if request_id in self._admitted:
             return
-        acct = self.book.account(tenant)
+        acct = self.account(tenant)
         acct.open_sequences += 1
         self._admitted[request_id] = (acct, blocks)
         if blocks:
@@ -180,67 +219,156 @@ class TenantFence:
         if entry is None:
             return
         acct, blocks = entry
-        left = self._reserved.get(acct.tenant, 0) - blocks
-        if left > 0:
-            self._reserved[acct.tenant] = left
-        else:
-            self._reserved.pop(acct.tenant, None)
+        if blocks:
+            left = self._reserved.get(acct.tenant, 0) - blocks
+            if left > 0:
+                self._reserved[acct.tenant] = left
+            else:
+                self._reserved.pop(acct.tenant, None)
         acct.open_sequences -= 1
-        self.book.forget_if_idle(acct)
+        self._forget_if_idle(acct)
 
     # --- the pool -----------------------------------------------------------------------------------
-    def obtainable(self, tenant: str) -> int:
-        """How many new blocks ``tenant`` can get right now (quota and other tenants' shares)."""
-        acct = self.book.account(tenant)
+    def obtainable(self, tenant: str, vllm_free: int) -> int:
+        """How many new blocks ``tenant`` can get right now (its maximum, others' guarantees), given
+        ``vllm_free``, vLLM's own count of free blocks (clean and cold). O(1)."""
+        if not self.has_limits and not self.has_guarantees:
+            return vllm_free  # nothing is reserved, every cold block may go, no tenant is capped
+        acct = self.account(tenant)
         cap = acct.max_blocks - acct.active
-        usable_free = max(0, len(self.pool.free) - self.book.reserved_for_others(acct))
-        have = usable_free + len(acct.cold)
-        if have < cap:
-            for other in self.book.accounts.values():
-                if other is not acct:
-                    have += other.reclaimable_by_others
-                    if have >= cap:
-                        break
-        self.book.forget_if_idle(acct)
-        return max(0, min(cap, have))
+        if not self.has_guarantees:
+            have = vllm_free
+        else:
+            book = self.book
+            reserved = book.total_unused_reservation - acct.unused_reservation
+            usable_free = len(self.pool.free) - reserved
+            others = self.total_reclaimable - self._reclaimable.get(tenant, 0)
+            have = max(0, usable_free) + len(acct.cold) + others
+        self._forget_if_idle(acct)
+        return max(0, min(cap, have, vllm_free))
 
-    def take(self, tenant: str, n: int) -> tuple[list[int], list[int]]:
-        """Hand ``n`` blocks to ``tenant`` (all or nothing, :class:`AllocationError` otherwise).
-
-        Returns (block ids in order, those among them that were cold cached blocks, which the caller
-        must take out of vLLM's prefix cache). Every block's generation moves.
-        """
-        acct = self.book.account(tenant)
-        plan: EvictionPlan = plan_allocation(self.pool, self.book, acct, n)
-        evicted: list[KVBlock] = [take_cold(acct) for _ in range(plan.own_evictions)]
-        self.counters.evictions_own += plan.own_evictions
-        for other, k in plan.cross_evictions:
-            evicted.extend(take_cold(other) for _ in range(k))
-            self.counters.evictions_cross += k
-        for b in evicted:
-            assert b.owner is not None
-            self.book.add_usage(self.book.accounts[b.owner], -1)
-            b.owner = None
-            self.records[b.block_id] = None
-        for other, _ in plan.cross_evictions:
-            self.book.forget_if_idle(other)
-        fresh = [self.pool.free.popleft() for _ in range(plan.from_free)]
-        out = evicted + fresh
+    def take(self, tenant: str, n: int) -> list[int]:
+        """Hand ``n`` blocks to ``tenant`` (all or nothing, :class:`AllocationError` otherwise): clean
+        free blocks, then its own cold ones, then others' beyond their guarantee. Cold blocks handed
+        out lose their record (the caller takes them out of vLLM's prefix cache). Every block's
+        generation moves."""
+        acct = self.account(tenant)
+        free = self.pool.free
+        book = self.book
+        out: list[KVBlock]
+        if (
+            acct.usage + n <= acct.max_blocks
+            and len(free) - (book.total_unused_reservation - acct.unused_reservation) >= n
+        ):
+            # The common case, what plan_allocation decides too: clean blocks only.
+            out = [free.popleft() for _ in range(n)]
+        else:
+            plan = plan_allocation(self.pool, book, acct, n)
+            out = [take_cold(acct) for _ in range(plan.own_evictions)]
+            self.counters.evictions_own += plan.own_evictions
+            for other, k in plan.cross_evictions:
+                out.extend(take_cold(other) for _ in range(k))
+                self.counters.evictions_cross += k
+            for b in out:
+                assert b.owner is not None
+                owner = book.accounts[b.owner]
+                book.add_usage(owner, -1)
+                b.owner = None
+                self.records[b.block_id] = None
+            self._recount(acct)
+            for other, _ in plan.cross_evictions:
+                self._recount(other)
+                self._forget_if_idle(other)
+            out.extend(free.popleft() for _ in range(plan.from_free))
         for b in out:
             b.generation += 1
-            b.state = BlockState.ACTIVE
+            b.state = ACTIVE
             b.owner = tenant
-        self.book.add_usage(acct, len(out))
+        book.add_usage(acct, n)
+        if self.has_guarantees:
+            self._recount(acct)
         self.version += 1
-        return [b.block_id for b in out], [b.block_id for b in evicted]
+        return [b.block_id for b in out]
 
-    def take_any(self, tenant: str, n: int) -> tuple[list[int], list[int]]:
+    def clean_enough(self, tenant: str, n: int) -> bool:
+        """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what ``take`` would
+        decide): then vLLM may pop them itself (its free queue holds clean blocks before cold ones)
+        and :meth:`took_clean` records them."""
+        acct = self.account(tenant)
+        if acct.usage + n > acct.max_blocks:
+            return False
+        if not self.has_guarantees:
+            return len(self.pool.free) >= n
+        book = self.book
+        return len(self.pool.free) - (book.total_unused_reservation - acct.unused_reservation) >= n
+
+    def took(self, tenant: str, block_ids: Sequence[int]) -> int:
+        """Charge blocks vLLM popped from its free queue itself to ``tenant``. Clean ones are what
+        :meth:`clean_enough` promised; a cold one (never expected: vLLM's queue holds clean blocks
+        first) is accounted as an eviction. Returns how many were cold."""
+        blocks = self.pool.blocks
+        free = self.pool.free
+        book = self.book
+        cold = 0
+        for i in block_ids:
+            b = blocks[i]
+            if b.state is FREE:
+                free.remove(b)
+            elif b.state is COLD and b.owner is not None and b.in_list is not None:
+                owner = book.accounts[b.owner]
+                b.in_list.remove(b)
+                book.add_usage(owner, -1)
+                self.records[i] = None
+                if owner.tenant == tenant:
+                    self.counters.evictions_own += 1
+                else:
+                    self.counters.evictions_cross += 1
+                b.owner = None
+                self._recount(owner)
+                self._forget_if_idle(owner)
+                cold += 1
+            else:
+                raise FenceError(f"vLLM handed out block {i} in state {b.state.name}")
+            b.generation += 1
+            b.state = ACTIVE
+            b.owner = tenant
+        acct = self.account(tenant)
+        book.add_usage(acct, len(block_ids))
+        if self.has_guarantees:
+            self._recount(acct)
+        self.version += 1
+        return cold
+
+    def release_many(self, released: Sequence[tuple[int, bool]]) -> None:
+        """:meth:`released` for several blocks: (block id, holds a cache entry)."""
+        blocks = self.pool.blocks
+        accounts = self.book.accounts
+        touched: set[str] = set()
+        for block_id, cached in released:
+            b = blocks[block_id]
+            owner = b.owner
+            if b.state is not ACTIVE or owner is None:
+                raise FenceError(f"block {block_id} released from state {b.state.name}")
+            acct = accounts[owner]
+            if cached:
+                b.state = COLD
+                acct.cold.append(b)
+                touched.add(owner)
+            else:
+                self._to_free(b, acct)
+        if self.has_guarantees:
+            for owner in touched:
+                acct_ = accounts.get(owner)
+                if acct_ is not None:
+                    self._recount(acct_)
+        self.version += 1
+
+    def take_any(self, tenant: str, n: int) -> list[int]:
         """Hand out ``n`` blocks ignoring quotas and guarantees: clean ones first, then any tenant's
         cold ones. Only for the case :meth:`take` refuses although vLLM already counted the blocks as
         obtainable (a bug): keeping vLLM's engine alive beats enforcing a quota by crashing it."""
-        acct = self.book.account(tenant)
+        acct = self.account(tenant)
         picked: list[KVBlock] = []
-        evicted: list[KVBlock] = []
         while len(picked) < n and len(self.pool.free):
             picked.append(self.pool.free.popleft())
         for other in list(self.book.accounts.values()):
@@ -249,59 +377,65 @@ class TenantFence:
                 self.book.add_usage(other, -1)
                 b.owner = None
                 self.records[b.block_id] = None
-                evicted.append(b)
                 picked.append(b)
+            self._recount(other)
         if len(picked) < n:
             raise FenceError(f"{n} blocks asked, {len(picked)} free or cached")
         for b in picked:
             b.generation += 1
-            b.state = BlockState.ACTIVE
+            b.state = ACTIVE
             b.owner = tenant
         self.book.add_usage(acct, len(picked))
+        self._recount(acct)
         self.version += 1
-        return [b.block_id for b in picked], [b.block_id for b in evicted]
+        return [b.block_id for b in picked]
 
     def revive(self, block_id: int) -> None:
         """A cold block was taken by a prefix hit: it leaves its owner's cold list, still charged."""
         b = self.pool.blocks[block_id]
-        if b.state is not BlockState.COLD or b.in_list is None:
+        if b.state is not COLD or b.in_list is None or b.owner is None:
             raise FenceError(f"block {block_id} revived from state {b.state.name}")
         b.in_list.remove(b)
-        b.state = BlockState.ACTIVE
+        b.state = ACTIVE
+        if self.has_guarantees:
+            self._recount(self.book.accounts[b.owner])
         self.version += 1
 
     def released(self, block_id: int, cached: bool) -> None:
         """vLLM dropped the last reference: a cached block turns cold, any other one clean."""
         b = self.pool.blocks[block_id]
-        if b.state is not BlockState.ACTIVE or b.owner is None:
+        if b.state is not ACTIVE or b.owner is None:
             raise FenceError(f"block {block_id} released from state {b.state.name}")
         acct = self.book.accounts[b.owner]
         if cached:
-            b.state = BlockState.COLD
+            b.state = COLD
             acct.cold.append(b)
+            if self.has_guarantees:
+                self._recount(acct)
         else:
             self._to_free(b, acct)
         self.version += 1
 
     def uncached(self, block_id: int) -> None:
-        """A cold block lost its prefix-cache entry (vLLM's evict_blocks): it becomes clean."""
+        """A block lost its prefix-cache entry (vLLM's evict_blocks): a cold one becomes clean."""
         b = self.pool.blocks[block_id]
-        if b.state is BlockState.COLD and b.owner is not None:
+        if b.state is COLD and b.owner is not None:
             acct = self.book.accounts[b.owner]
             assert b.in_list is acct.cold
             acct.cold.remove(b)
             self._to_free(b, acct)
             self.version += 1
-        elif b.state is BlockState.ACTIVE:
+        elif b.state is ACTIVE:
             self.records[block_id] = None
 
     def _to_free(self, b: KVBlock, acct: TenantAccount) -> None:
-        b.state = BlockState.FREE
+        b.state = FREE
         b.owner = None
         self.records[b.block_id] = None
         self.pool.free.append(b)
         self.book.add_usage(acct, -1)
-        self.book.forget_if_idle(acct)
+        self._recount(acct)
+        self._forget_if_idle(acct)
 
     def generation(self, block_id: int) -> int:
         return self.pool.blocks[block_id].generation
@@ -313,17 +447,6 @@ class TenantFence:
         return self.pool.blocks[block_id].owner
 
     # --- prefix-cache records -----------------------------------------------------------------------
-    def intern(self, parent: Record | None, tokens: tuple[int, ...], namespace: Namespace | None) -> Record:
-        key = (0 if parent is None else id(parent), tokens, namespace)
-        rec = self._interned.get(key)
-        if rec is None:
-            rec = Record(parent, tokens, namespace)
-            self._interned[key] = rec
-        return rec
-
-    def record(self, block_id: int, rec: Record) -> None:
-        self.records[block_id] = rec
-
     @staticmethod
     def block_namespace(i: int, tenant_ns: Namespace, extras: Sequence[Any] | None) -> Namespace | None:
         """What block ``i`` of a chain stores besides its tokens: the root holds the request's cache
@@ -333,6 +456,9 @@ class TenantFence:
         if i == 0:
             return (tenant_ns, extra)
         return None if extra is None else (extra,)
+
+    def record(self, block_id: int, rec: Record | None) -> None:
+        self.records[block_id] = rec
 
     def verify(
         self,
@@ -348,17 +474,21 @@ class TenantFence:
         namespace, otherwise as a hash collision.
         """
         bs = self.block_size
+        records = self.records
         parent: Record | None = None
+        root_ns = (tenant_ns, extras[0] if extras is not None else None)
         for i, bid in enumerate(block_ids):
-            rec = self.records[bid]
-            if (
-                rec is not None
-                and rec.parent is parent
-                and rec.namespace == self.block_namespace(i, tenant_ns, extras)
-                and rec.tokens == tuple(tokens[i * bs : (i + 1) * bs])
-            ):
-                parent = rec
-                continue
+            rec = records[bid]
+            if rec is not None and rec.tokens == tuple(tokens[i * bs : (i + 1) * bs]):
+                if i == 0:
+                    ok = rec.parent is None and rec.namespace == root_ns
+                else:
+                    ok = rec.namespace == (
+                        None if extras is None or extras[i] is None else (extras[i],)
+                    ) and (rec.parent is parent or same_chain(rec.parent, parent))
+                if ok:
+                    parent = rec
+                    continue
             root = rec.root_namespace() if rec is not None else None
             if root is not None and root[0] != tenant_ns:
                 self.counters.cross_access_rejected += 1
@@ -414,4 +544,5 @@ __all__ = [
     "Record",
     "TenantFence",
     "Verdict",
+    "same_chain",
 ]

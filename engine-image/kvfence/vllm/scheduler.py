@@ -33,18 +33,22 @@ with a message naming what is unsupported (never a silently unfenced engine).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import vllm.v1.core.kv_cache_coordinator as _coord_mod
+import vllm.v1.core.sched.scheduler as _sched_mod
 from kvfence.contract import XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.engine.blocks import BlockState
 from kvfence.engine.config import ConfigError, QuotasConfig, load_config
-from kvfence.vllm.fence import UNATTRIBUTED, AllocationError, FenceError, TenantFence, Verdict
+from kvfence.vllm.fence import ACTIVE, UNATTRIBUTED, AllocationError, FenceError, Record, TenantFence, Verdict
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import ENV_ENGINE_CONFIG, KeySource, KeySourceError
 from kvfence.vllm.stats import StatsWriter
@@ -67,42 +71,60 @@ REASON_BAD_TAG = "BadTenantTag"
 class FencedBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` whose allocation, release and caching go through the fence.
 
-    ``tenant`` is set by :class:`FencedKVCacheManager` while it allocates for a request."""
+    ``rid`` is the request :class:`FencedKVCacheManager` allocates for (set on every ``allocate_slots``,
+    the only path to ``get_num_free_blocks`` and ``get_new_blocks`` besides the pool's own, which use
+    the plain count); ``tenant_of`` maps it to its verified tenant."""
 
     fence: TenantFence
-    tenant: str | None
+    rid: str
+    tenant_of: dict[str, str]
 
     def get_num_free_blocks(self) -> int:
-        free: int = super().get_num_free_blocks()
-        if self.tenant is None:
-            return free
-        return min(free, self.fence.obtainable(self.tenant))
+        free: int = self.free_block_queue.num_free_blocks
+        fence = self.fence
+        if not fence.has_limits and not fence.has_guarantees:
+            return free  # what obtainable() would answer, without looking up the tenant
+        return fence.obtainable(self.tenant_of.get(self.rid, UNATTRIBUTED), free)
+
+    def get_usage(self) -> float:
+        total = self.num_gpu_blocks - 1
+        return 1.0 - (self.free_block_queue.num_free_blocks / total) if total else 0.0
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
-        tenant = UNATTRIBUTED if self.tenant is None else self.tenant
-        if self.tenant is None:
+        tenant = self.tenant_of.get(self.rid, UNATTRIBUTED)
+        if tenant == UNATTRIBUTED:
             log.error("kvfence: %d KV blocks allocated outside any request; charged to no tenant", num_blocks)
+        fence = self.fence
+        if fence.clean_enough(tenant, num_blocks):
+            # The common case: clean blocks only, which lead vLLM's free queue; vLLM pops them.
+            ret: list[Any] = super().get_new_blocks(num_blocks)
+            if fence.took(tenant, [b.block_id for b in ret]):
+                log.warning("kvfence: vLLM's free queue did not lead with clean blocks; evicted its choice")
+            return ret
         try:
-            ids, _evicted = self.fence.take(tenant, num_blocks)
+            ids = fence.take(tenant, num_blocks)
         except AllocationError as e:
             # vLLM asked get_num_free_blocks() first, which answers what take() grants: never expected.
             log.error("kvfence: %s; %d blocks handed out without the quota check", e, num_blocks)
             try:
-                ids, _evicted = self.fence.take_any(tenant, num_blocks)
+                ids = fence.take_any(tenant, num_blocks)
             except FenceError as e2:
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e2}") from None
         ret = [self.blocks[i] for i in ids]
+        queue = self.free_block_queue
         for block in ret:
-            self.free_block_queue.remove(block)
+            queue.remove(block)
         if self._reuse_watchers:
             self._notify_reuse(ret)
+        caching = self.enable_caching
+        collector = self.metrics_collector
         for block in ret:
-            if self.enable_caching:
+            if caching:
                 self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0
             block.ref_cnt += 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_allocated(block)
+            if collector:
+                collector.on_block_allocated(block)
         return ret
 
     def touch(self, blocks: Sequence[Any]) -> None:
@@ -114,12 +136,17 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)
-        seen: set[int] = set()
-        for block in blocks:
-            if block.is_null or block.pool is not self or block.ref_cnt != 0 or block.block_id in seen:
-                continue
-            seen.add(block.block_id)
-            self.fence.released(block.block_id, cached=self.enable_caching and block.block_hash is not None)
+        fence = self.fence
+        shadow = fence.pool.blocks
+        caching = self.enable_caching
+        released = {
+            block.block_id: caching and block.block_hash is not None
+            for block in blocks
+            # ACTIVE in the shadow: released once, even if vLLM listed a block twice.
+            if block.ref_cnt == 0 and block.pool is self and shadow[block.block_id].state is ACTIVE
+        }
+        if released:
+            fence.release_many(list(released.items()))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
@@ -128,6 +155,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 self.fence.uncached(bid)
 
     def reset_prefix_cache(self) -> bool:
+        self.rid = ""  # the pool's own count (no tenant) decides whether everything is free
         ok: bool = super().reset_prefix_cache()
         if ok:
             for block in self.blocks:
@@ -148,22 +176,27 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         super().cache_full_blocks(
             request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
         )
-        fence = self.fence
-        tokens = request.all_token_ids
-        ns = namespace_of(request)
+        records = self.fence.records
+        tokens = request._all_token_ids  # the list behind all_token_ids (its slices cost no Python call)
         extras = extra_keys_of(request, num_full_blocks, block_size)
+        ns = namespace_of(request) if num_cached_blocks == 0 or extras is not None else None
+        parent = records[blocks[num_cached_blocks - 1].block_id] if num_cached_blocks > 0 else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is None:
+                parent = None
                 continue
-            parent = None
-            if i > 0:
-                parent = fence.records[blocks[i - 1].block_id]
-                if parent is None:  # cannot happen with one full-attention group; fail safe: no entry
-                    log.warning("kvfence: block %d cached without its parent's record", block.block_id)
-                    continue
+            if i > 0 and parent is None:
+                # Cannot happen with one full-attention group; fail safe: an entry that never verifies.
+                log.warning("kvfence: block %d cached without its parent's record", block.block_id)
+                continue
             chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
-            fence.record(block.block_id, fence.intern(parent, chunk, fence.block_namespace(i, ns, extras)))
+            if i == 0 or extras is not None:
+                assert ns is not None
+                rec = Record(parent, chunk, TenantFence.block_namespace(i, ns, extras))
+            else:
+                rec = Record(parent, chunk, None)
+            records[block.block_id] = parent = rec
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
         super().move_block_hashes(src_block, dst_block)
@@ -202,6 +235,8 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
 
     fence: TenantFence
     fenced_pool: FencedBlockPool
+    #: request ids the fence admitted (the fence's own dict, read here on every allocation)
+    admitted: dict[str, Any]
     tenant_of: dict[str, str]
     reach_of: dict[str, int]
     lookups: dict[str, list[tuple[int, int]]]
@@ -217,7 +252,7 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         fence = self.fence
         ids = [b.block_id for b in hit]
         extras = extra_keys_of(request, len(ids), self.fence_block_size)
-        ok, verdict = fence.verify(ids, request.all_token_ids, namespace_of(request), extras)
+        ok, verdict = fence.verify(ids, request._all_token_ids, namespace_of(request), extras)
         if ok < len(ids):
             log.warning(
                 "kvfence: prefix hit of request %s refused at block %d of %d (%s)",
@@ -229,20 +264,33 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
             hit = hit[:ok]
             blocks = self.create_kv_cache_blocks((hit,))
             num_tokens, boundary = ok * self.fence_block_size, 0
-        self.lookups[rid] = [(bid, fence.generation(bid)) for bid in ids[:ok]]
+        blocks_ = fence.pool.blocks
+        self.lookups[rid] = [(bid, blocks_[bid].generation) for bid in ids[:ok]]
         return blocks, num_tokens, boundary
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
+        self.fenced_pool.rid = rid
+        if rid in self.admitted:
+            # A running request growing (every step of every request): the pool charges its tenant.
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        return self._admit(request, num_new_tokens, args, kwargs)
+
+    def _admit(self, request: Request, num_new_tokens: int, args: Any, kwargs: Any) -> Any:
+        """A request's first allocation (or after a preemption): its prefix hit still unmoved since
+        lookup, and room under its tenant's maximum for all it can reach."""
+        rid = request.request_id
         fence = self.fence
+        tenant = self.tenant_of.get(rid, UNATTRIBUTED)
         looked_up = self.lookups.pop(rid, None)
         new_computed = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
         if new_computed is not None and new_computed.blocks and new_computed.blocks[0]:
-            taken = [(b.block_id, fence.generation(b.block_id)) for b in new_computed.blocks[0]]
+            blocks = fence.pool.blocks
+            taken = [(b.block_id, blocks[b.block_id].generation) for b in new_computed.blocks[0]]
             if (
                 looked_up is None
                 or taken != looked_up[: len(taken)]
-                or any(fence.state(bid).name == "FREE" for bid, _ in taken)
+                or any(blocks[bid].state is BlockState.FREE for bid, _ in taken)
             ):
                 fence.counters.stale_reference += 1
                 fence.version += 1
@@ -250,27 +298,32 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
                     "kvfence: request %s would take prefix blocks that moved since lookup; refused", rid
                 )
                 return None
-        tenant = self.tenant_of.get(rid, UNATTRIBUTED)
-        reserve = 0
-        if not fence.is_admitted(rid):
-            need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
-            if need is None:
-                return None
-            reserve = need
-        pool = self.fenced_pool
-        pool.tenant = tenant
-        try:
-            out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
-        finally:
-            pool.tenant = None
-        if out is not None and not fence.is_admitted(rid):
-            fence.admit(rid, tenant, reserve)
+        need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
+        if need is None:
+            return None
+        out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if out is not None:
+            fence.admit(rid, tenant, need)
         return out
 
     def free(self, request: Request) -> None:
         super().free(request)
         self.fence.release(request.request_id)
         self.lookups.pop(request.request_id, None)
+
+
+@contextlib.contextmanager
+def _constructing_as(module: Any, name: str, cls: type) -> Iterator[None]:
+    """``module.name`` is ``cls`` for the duration (vLLM's engine core builds its scheduler on one
+    thread, before it serves)."""
+    original = getattr(module, name)
+    if not issubclass(cls, original):
+        raise FenceError(f"{cls.__name__} does not extend vLLM's {module.__name__}.{name}")
+    setattr(module, name, cls)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def _check_supported(sched: Scheduler) -> None:
@@ -300,7 +353,15 @@ class FenceMixin:
     block_size: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # vLLM builds its KV-cache manager and block pool inside Scheduler.__init__; they are built as
+        # the fenced subclasses (the names vLLM's modules construct them by, for the duration of the
+        # call). Constructing them, rather than re-classing vLLM's objects afterwards, keeps CPython's
+        # attribute-access specialisation intact on the pool's hot paths.
+        with (
+            _constructing_as(_sched_mod, "KVCacheManager", FencedKVCacheManager),
+            _constructing_as(_coord_mod, "BlockPool", FencedBlockPool),
+        ):
+            super().__init__(*args, **kwargs)
         ensure_handler()
         sched: Any = self
         _check_supported(sched)
@@ -312,12 +373,14 @@ class FenceMixin:
         quotas = self._load_quotas() or QuotasConfig()
         mgr = self.kv_cache_manager
         pool = mgr.block_pool
+        if not isinstance(mgr, FencedKVCacheManager) or not isinstance(pool, FencedBlockPool):
+            raise FenceError("vLLM did not build the fenced KV-cache manager and block pool")
         self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas)
-        pool.__class__ = FencedBlockPool
-        pool.fence, pool.tenant = self.fence, None
-        mgr.__class__ = FencedKVCacheManager
+        tenant_of: dict[str, str] = {}
+        pool.fence, pool.rid, pool.tenant_of = self.fence, "", tenant_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
-        mgr.tenant_of, mgr.reach_of, mgr.lookups = {}, {}, {}
+        mgr.admitted = self.fence._admitted
+        mgr.tenant_of, mgr.reach_of, mgr.lookups = tenant_of, {}, {}
         self._tenant_of: dict[str, str] = mgr.tenant_of
         self._reach_of: dict[str, int] = mgr.reach_of
         self._refused: dict[str, str] = {}
@@ -403,9 +466,9 @@ class FenceMixin:
         """Take out of the waiting queue, for this step, the requests that must not be scheduled: those
         refused (they finish in update_from_output) and those whose tenant is at its maximum, so vLLM's
         waiting loop (which stops at the first request it cannot allocate) never stalls on them."""
-        if not self.waiting:
-            return []
         fence = self.fence
+        if not self.waiting or (not fence.has_limits and not self._refused):
+            return []
         pending: dict[str, int] = {}
         held: list[Request] = []
         for request in self.waiting:
