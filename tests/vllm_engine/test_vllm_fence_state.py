@@ -24,10 +24,12 @@ TENANTS = ["alice", "bob", "carol"]
 
 
 class FencedScheduling(RuleBasedStateMachine):
+    quotas: dict[str, Any] = QUOTAS
+
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory()
-        self.h = Harness(Path(self.tmp.name), num_blocks=24, quotas=QUOTAS)
+        self.h = Harness(Path(self.tmp.name), num_blocks=24, quotas=self.quotas)
         self.rng = random.Random(0)
         #: request id -> (finish reason, output tokens) expected
         self.expected: dict[str, tuple[str, int]] = {}
@@ -68,7 +70,7 @@ class FencedScheduling(RuleBasedStateMachine):
         tokens = PREFIXES[prefix][:keep] + [self.rng.randrange(1, 4000) for _ in range(suffix)]
         req = self.h.add(tenant, tokens, max_tokens=max_tokens)
         expected = ("length", max_tokens)
-        if tenant == "alice":  # requests beyond her maximum are cut to fit it, or refused
+        if tenant == "alice" and self.quotas:  # requests beyond her maximum are cut to fit it, or refused
             room = ALICE_MAX * self.h.block_size - len(tokens)
             expected = ("error", 0) if room < 1 else ("length", min(max_tokens, room))
         self.expected[req.request_id] = expected
@@ -108,7 +110,7 @@ class FencedScheduling(RuleBasedStateMachine):
         c = self.h.fence.counters
         assert (c.hash_collision, c.cross_access_rejected, c.stale_reference) == (0, 0, 0)
         alice = self.h.fence.book.accounts.get("alice")
-        if alice is not None:
+        if alice is not None and self.quotas:
             assert alice.active <= ALICE_MAX
 
 
@@ -119,3 +121,14 @@ FencedScheduling.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestFencedScheduling = FencedScheduling.TestCase
+
+
+class FencedSchedulingWithoutQuotas(FencedScheduling):
+    """The same, with no quota at all: the fence's fast paths (vLLM pops clean blocks itself; a full
+    pool evicts the tenant's own cold blocks first) carry all the traffic."""
+
+    quotas: dict[str, Any] = {}
+
+
+FencedSchedulingWithoutQuotas.TestCase.settings = FencedScheduling.TestCase.settings
+TestFencedSchedulingWithoutQuotas = FencedSchedulingWithoutQuotas.TestCase

@@ -262,6 +262,25 @@ class TenantFence:
         ):
             # The common case, what plan_allocation decides too: clean blocks only.
             out = [free.popleft() for _ in range(n)]
+        elif not self.has_limits and not self.has_guarantees and len(free) + len(acct.cold) >= n:
+            # A full pool without quotas (what plan_allocation decides too): the clean blocks, then the
+            # tenant's own least recently used cold ones, which stay charged to it.
+            k = len(free)
+            own = [take_cold(acct) for _ in range(n - k)]
+            self.counters.evictions_own += n - k
+            records = self.records
+            for b in own:
+                records[b.block_id] = None
+                b.generation += 1
+                b.state = ACTIVE
+            out = [free.popleft() for _ in range(k)]
+            for b in out:
+                b.generation += 1
+                b.state = ACTIVE
+                b.owner = tenant
+            book.add_usage(acct, k)
+            self.version += 1
+            return [b.block_id for b in own] + [b.block_id for b in out]
         else:
             plan = plan_allocation(self.pool, book, acct, n)
             out = [take_cold(acct) for _ in range(plan.own_evictions)]
