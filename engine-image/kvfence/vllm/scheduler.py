@@ -230,6 +230,11 @@ def extra_keys_of(request: Request, num_blocks: int, block_size: int) -> list[An
     return out
 
 
+#: vLLM's own method, called directly (cheaper than super() on a path taken for every request of
+#: every step)
+_vllm_allocate_slots = KVCacheManager.allocate_slots
+
+
 class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
     """vLLM's ``KVCacheManager`` with verified lookups, stale checks and per-tenant allocation."""
 
@@ -268,22 +273,54 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         self.lookups[rid] = [(bid, blocks_[bid].generation) for bid in ids[:ok]]
         return blocks, num_tokens, boundary
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        **kwargs: Any,
+    ) -> Any:
+        # The first parameters spelled out as vLLM's own: a running request's call (every request of
+        # every step) passes through without packing them.
         rid = request.request_id
         self.fenced_pool.rid = rid
         if rid in self.admitted:
-            # A running request growing (every step of every request): the pool charges its tenant.
-            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
-        return self._admit(request, num_new_tokens, args, kwargs)
+            # A running request growing: the pool charges its tenant.
+            return _vllm_allocate_slots(
+                self,
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                **kwargs,
+            )
+        return self._admit(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            kwargs,
+        )
 
-    def _admit(self, request: Request, num_new_tokens: int, args: Any, kwargs: Any) -> Any:
+    def _admit(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+        kwargs: dict[str, Any],
+    ) -> Any:
         """A request's first allocation (or after a preemption): its prefix hit still unmoved since
         lookup, and room under its tenant's maximum for all it can reach."""
         rid = request.request_id
         fence = self.fence
         tenant = self.tenant_of.get(rid, UNATTRIBUTED)
         looked_up = self.lookups.pop(rid, None)
-        new_computed = kwargs.get("new_computed_blocks", args[1] if len(args) > 1 else None)
         if new_computed is not None and new_computed.blocks and new_computed.blocks[0]:
             blocks = fence.pool.blocks
             taken = [(b.block_id, blocks[b.block_id].generation) for b in new_computed.blocks[0]]
@@ -301,7 +338,15 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
         if need is None:
             return None
-        out = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        out = _vllm_allocate_slots(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed,
+            num_lookahead_tokens,
+            **kwargs,
+        )
         if out is not None:
             fence.admit(rid, tenant, need)
         return out
