@@ -260,7 +260,7 @@ class Harness:
                 if rec is None:
                     continue
                 bs = self.block_size
-                assert rec.tokens == tuple(req.all_token_ids[i * bs : (i + 1) * bs]), (req.request_id, i)
+                assert rec.tokens == list(req.all_token_ids[i * bs : (i + 1) * bs]), (req.request_id, i)
                 root = rec
                 while root.parent is not None:
                     root = root.parent

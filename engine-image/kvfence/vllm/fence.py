@@ -62,7 +62,7 @@ class Record:
 
     __slots__ = ("namespace", "parent", "tokens")
 
-    def __init__(self, parent: Record | None, tokens: tuple[int, ...], namespace: Namespace | None) -> None:
+    def __init__(self, parent: Record | None, tokens: list[int], namespace: Namespace | None) -> None:
         self.parent = parent
         self.tokens = tokens
         self.namespace = namespace
@@ -482,11 +482,12 @@ class TenantFence:
     def verify(
         self,
         block_ids: Sequence[int],
-        tokens: Sequence[int],
+        tokens: list[int],
         tenant_ns: Namespace,
         extras: Sequence[Any] | None = None,
     ) -> tuple[int, str]:
-        """How many leading blocks of a hit chain hold exactly ``tokens`` under ``tenant_ns``.
+        """How many leading blocks of a hit chain hold exactly ``tokens`` (a list, as records hold
+        them) under ``tenant_ns``.
 
         ``extras``: per-block extra keys (multimodal requests), None for text. The first failing block
         ends the hit and is counted: as a cross-namespace access if its chain starts in another
@@ -498,7 +499,7 @@ class TenantFence:
         root_ns = (tenant_ns, extras[0] if extras is not None else None)
         for i, bid in enumerate(block_ids):
             rec = records[bid]
-            if rec is not None and rec.tokens == tuple(tokens[i * bs : (i + 1) * bs]):
+            if rec is not None and rec.tokens == tokens[i * bs : (i + 1) * bs]:
                 if i == 0:
                     ok = rec.parent is None and rec.namespace == root_ns
                 else:

@@ -190,7 +190,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 # Cannot happen with one full-attention group; fail safe: an entry that never verifies.
                 log.warning("kvfence: block %d cached without its parent's record", block.block_id)
                 continue
-            chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
+            chunk = tokens[i * block_size : (i + 1) * block_size]  # a copy: the list slice
             if i == 0 or extras is not None:
                 assert ns is not None
                 rec = Record(parent, chunk, TenantFence.block_namespace(i, ns, extras))
