@@ -462,6 +462,13 @@ def _known_metric_names() -> set[str]:
                 names.add(fam.name + "_total")
             if fam.type == "histogram":
                 names |= {fam.name + "_bucket", fam.name + "_sum", fam.name + "_count"}
+    # What the kvfence scheduler exports on a vLLM engine's /metrics (kvfence.vllm.stats).
+    from kvfence.vllm.stats import EdgeCounters, FenceCollector
+
+    for fam in FenceCollector(EdgeCounters(), Path("/nonexistent/kvfence-stats.json")).collect():
+        names.add(fam.name)
+        if fam.type == "counter":
+            names.add(fam.name + "_total")
     # Gauges the reference engine registers when it starts (kvfence.engine.engine), and vLLM's own.
     names |= {
         "kvfence_engine_kv_blocks_total",
