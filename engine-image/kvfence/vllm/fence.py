@@ -35,7 +35,6 @@ guarantees, the blocks other tenants may lose are kept as a running total.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +134,6 @@ class TenantFence:
         self._set_flags(quotas)
         #: bumped on every change the stats export shows
         self.version = 0
-        self.lock = threading.Lock()
 
     # --- quotas -------------------------------------------------------------------------------------
     def _check_guarantees(self, quotas: QuotasConfig) -> None:
@@ -475,9 +473,6 @@ class TenantFence:
         if i == 0:
             return (tenant_ns, extra)
         return None if extra is None else (extra,)
-
-    def record(self, block_id: int, rec: Record | None) -> None:
-        self.records[block_id] = rec
 
     def verify(
         self,
