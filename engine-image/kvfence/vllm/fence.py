@@ -237,13 +237,43 @@ class TenantFence:
         if not self.has_guarantees:
             have = vllm_free
         else:
-            book = self.book
-            reserved = book.total_unused_reservation - acct.unused_reservation
-            usable_free = len(self.pool.free) - reserved
+            usable_free = len(self.pool.free) - self.book.reserved_for_others(acct)
             others = self.total_reclaimable - self._reclaimable.get(tenant, 0)
             have = max(0, usable_free) + len(acct.cold) + others
         self._forget_if_idle(acct)
         return max(0, min(cap, have, vllm_free))
+
+    def _uncharge(self, b: KVBlock) -> TenantAccount:
+        """A cold block, out of its owner's cold list, about to get new content: no longer charged to
+        its owner (returned), no record."""
+        assert b.owner is not None
+        owner = self.book.accounts[b.owner]
+        self.book.add_usage(owner, -1)
+        b.owner = None
+        self.records[b.block_id] = None
+        return owner
+
+    def _hand_out(self, acct: TenantAccount, blocks: list[KVBlock]) -> list[int]:
+        """Charge ``blocks`` (taken from the free and cold lists) to ``acct`` under new generations."""
+        for b in blocks:
+            b.generation += 1
+            b.state = ACTIVE
+            b.owner = acct.tenant
+        self.book.add_usage(acct, len(blocks))
+        if self.has_guarantees:
+            self._recount(acct)
+        self.version += 1
+        return [b.block_id for b in blocks]
+
+    def clean_enough(self, tenant: str, n: int) -> bool:
+        """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what :meth:`take`
+        would decide): then vLLM may pop them itself (its free queue holds clean blocks before cold
+        ones) and :meth:`took` records them."""
+        acct = self.account(tenant)
+        if acct.usage + n > acct.max_blocks:
+            return False
+        reserved = self.book.reserved_for_others(acct) if self.has_guarantees else 0
+        return len(self.pool.free) - reserved >= n
 
     def take(self, tenant: str, n: int) -> list[int]:
         """Hand ``n`` blocks to ``tenant`` (all or nothing, :class:`AllocationError` otherwise): clean
@@ -252,112 +282,62 @@ class TenantFence:
         generation moves."""
         acct = self.account(tenant)
         free = self.pool.free
-        book = self.book
-        out: list[KVBlock]
-        if (
-            acct.usage + n <= acct.max_blocks
-            and len(free) - (book.total_unused_reservation - acct.unused_reservation) >= n
-        ):
+        if self.clean_enough(tenant, n):
             # The common case, what plan_allocation decides too: clean blocks only.
-            out = [free.popleft() for _ in range(n)]
-        elif not self.has_limits and not self.has_guarantees and len(free) + len(acct.cold) >= n:
+            return self._hand_out(acct, [free.popleft() for _ in range(n)])
+        if not self.has_limits and not self.has_guarantees and len(free) + len(acct.cold) >= n:
             # A full pool without quotas (what plan_allocation decides too): the clean blocks, then the
-            # tenant's own least recently used cold ones, which stay charged to it.
-            k = len(free)
-            own = [take_cold(acct) for _ in range(n - k)]
-            self.counters.evictions_own += n - k
-            records = self.records
-            for b in own:
-                records[b.block_id] = None
-                b.generation += 1
-                b.state = ACTIVE
-            out = [free.popleft() for _ in range(k)]
+            # tenant's own least recently used cold ones; no planner needed.
+            own = n - len(free)
+            out = [take_cold(acct) for _ in range(own)]
             for b in out:
-                b.generation += 1
-                b.state = ACTIVE
-                b.owner = tenant
-            book.add_usage(acct, k)
-            self.version += 1
-            return [b.block_id for b in own] + [b.block_id for b in out]
-        else:
-            plan = plan_allocation(self.pool, book, acct, n)
-            out = [take_cold(acct) for _ in range(plan.own_evictions)]
-            self.counters.evictions_own += plan.own_evictions
-            for other, k in plan.cross_evictions:
-                out.extend(take_cold(other) for _ in range(k))
-                self.counters.evictions_cross += k
-            for b in out:
-                assert b.owner is not None
-                owner = book.accounts[b.owner]
-                book.add_usage(owner, -1)
-                b.owner = None
-                self.records[b.block_id] = None
-            self._recount(acct)
-            for other, _ in plan.cross_evictions:
-                self._recount(other)
-                self._forget_if_idle(other)
-            out.extend(free.popleft() for _ in range(plan.from_free))
+                self._uncharge(b)
+            self.counters.evictions_own += own
+            out.extend(free.popleft() for _ in range(len(free)))
+            return self._hand_out(acct, out)
+        plan = plan_allocation(self.pool, self.book, acct, n)
+        out = [take_cold(acct) for _ in range(plan.own_evictions)]
+        self.counters.evictions_own += plan.own_evictions
+        for other, k in plan.cross_evictions:
+            out.extend(take_cold(other) for _ in range(k))
+            self.counters.evictions_cross += k
         for b in out:
-            b.generation += 1
-            b.state = ACTIVE
-            b.owner = tenant
-        book.add_usage(acct, n)
-        if self.has_guarantees:
-            self._recount(acct)
-        self.version += 1
-        return [b.block_id for b in out]
-
-    def clean_enough(self, tenant: str, n: int) -> bool:
-        """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what ``take`` would
-        decide): then vLLM may pop them itself (its free queue holds clean blocks before cold ones)
-        and :meth:`took_clean` records them."""
-        acct = self.account(tenant)
-        if acct.usage + n > acct.max_blocks:
-            return False
-        if not self.has_guarantees:
-            return len(self.pool.free) >= n
-        book = self.book
-        return len(self.pool.free) - (book.total_unused_reservation - acct.unused_reservation) >= n
+            self._uncharge(b)
+        self._recount(acct)
+        for other, _ in plan.cross_evictions:
+            self._recount(other)
+            self._forget_if_idle(other)
+        out.extend(free.popleft() for _ in range(plan.from_free))
+        return self._hand_out(acct, out)
 
     def took(self, tenant: str, block_ids: Sequence[int]) -> int:
         """Charge blocks vLLM popped from its free queue itself to ``tenant``. Clean ones are what
         :meth:`clean_enough` promised; a cold one (never expected: vLLM's queue holds clean blocks
         first) is accounted as an eviction. Returns how many were cold."""
-        blocks = self.pool.blocks
+        blocks = [self.pool.blocks[i] for i in block_ids]
         free = self.pool.free
-        book = self.book
         cold = 0
-        for i in block_ids:
-            b = blocks[i]
+        for b in blocks:
             if b.state is FREE:
                 free.remove(b)
             elif b.state is COLD and b.owner is not None and b.in_list is not None:
-                owner = book.accounts[b.owner]
                 b.in_list.remove(b)
-                book.add_usage(owner, -1)
-                self.records[i] = None
+                owner = self._uncharge(b)
                 if owner.tenant == tenant:
                     self.counters.evictions_own += 1
                 else:
                     self.counters.evictions_cross += 1
-                b.owner = None
                 self._recount(owner)
                 self._forget_if_idle(owner)
                 cold += 1
             else:
-                raise FenceError(f"vLLM handed out block {i} in state {b.state.name}")
-            b.generation += 1
-            b.state = ACTIVE
-            b.owner = tenant
-        acct = self.account(tenant)
-        book.add_usage(acct, len(block_ids))
-        if self.has_guarantees:
-            self._recount(acct)
-        self.version += 1
+                raise FenceError(f"vLLM handed out block {b.block_id} in state {b.state.name}")
+        self._hand_out(self.account(tenant), blocks)
         return cold
 
     def release_many(self, released: Sequence[tuple[int, bool]]) -> None:
-        """:meth:`released` for several blocks: (block id, holds a cache entry)."""
+        """vLLM dropped the last reference to these blocks, (block id, holds a cache entry) each: a
+        cached block turns cold, in its owner's cold list; any other one clean."""
         blocks = self.pool.blocks
         accounts = self.book.accounts
         touched: set[str] = set()
@@ -384,28 +364,18 @@ class TenantFence:
         """Hand out ``n`` blocks ignoring quotas and guarantees: clean ones first, then any tenant's
         cold ones. Only for the case :meth:`take` refuses although vLLM already counted the blocks as
         obtainable (a bug): keeping vLLM's engine alive beats enforcing a quota by crashing it."""
-        acct = self.account(tenant)
         picked: list[KVBlock] = []
         while len(picked) < n and len(self.pool.free):
             picked.append(self.pool.free.popleft())
         for other in list(self.book.accounts.values()):
             while len(picked) < n and len(other.cold):
                 b = take_cold(other)
-                self.book.add_usage(other, -1)
-                b.owner = None
-                self.records[b.block_id] = None
+                self._uncharge(b)
                 picked.append(b)
             self._recount(other)
         if len(picked) < n:
             raise FenceError(f"{n} blocks asked, {len(picked)} free or cached")
-        for b in picked:
-            b.generation += 1
-            b.state = ACTIVE
-            b.owner = tenant
-        self.book.add_usage(acct, len(picked))
-        self._recount(acct)
-        self.version += 1
-        return [b.block_id for b in picked]
+        return self._hand_out(self.account(tenant), picked)
 
     def revive(self, block_id: int) -> None:
         """A cold block was taken by a prefix hit: it leaves its owner's cold list, still charged."""
@@ -416,21 +386,6 @@ class TenantFence:
         b.state = ACTIVE
         if self.has_guarantees:
             self._recount(self.book.accounts[b.owner])
-        self.version += 1
-
-    def released(self, block_id: int, cached: bool) -> None:
-        """vLLM dropped the last reference: a cached block turns cold, any other one clean."""
-        b = self.pool.blocks[block_id]
-        if b.state is not ACTIVE or b.owner is None:
-            raise FenceError(f"block {block_id} released from state {b.state.name}")
-        acct = self.book.accounts[b.owner]
-        if cached:
-            b.state = COLD
-            acct.cold.append(b)
-            if self.has_guarantees:
-                self._recount(acct)
-        else:
-            self._to_free(b, acct)
         self.version += 1
 
     def uncached(self, block_id: int) -> None:

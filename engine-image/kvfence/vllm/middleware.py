@@ -93,6 +93,10 @@ REASON_SALT_MISMATCH = "CacheSaltMismatch"
 REASON_FORBIDDEN_FIELD = "ForbiddenBodyField"
 
 
+#: What identifies the key files' current contents: (inode, mtime, size) of each.
+Stamp = tuple[tuple[int, int, int], ...]
+
+
 class KeySourceError(Exception):
     """The middleware cannot find its trust class or signing keys; vLLM must not start without them."""
 
@@ -125,7 +129,7 @@ class KeySource:
             "the kvfence middleware refuses to serve without the trust class's signing keys"
         )
 
-    def stamp(self) -> tuple[tuple[int, int, int], ...]:
+    def stamp(self) -> Stamp:
         """Changes whenever a key file is replaced (kubelet swaps the Secret volume's symlink)."""
         out = []
         for name in ("current", "previous"):
@@ -144,6 +148,20 @@ class KeySource:
             return load_signing_keys(self.key_dir)
         except ConfigError as err:
             raise KeySourceError(str(err)) from None
+
+    def reload_if_changed(self, stamp: Stamp) -> tuple[Stamp, list[bytes]] | None:
+        """(new stamp, keys) if the key files changed since ``stamp``; None if they did not, or if
+        they do not load yet (logged: whoever asks keeps the keys it has; a half-written Secret heals)."""
+        new = self.stamp()
+        if new == stamp:
+            return None
+        try:
+            keys = self.load()
+        except KeySourceError as e:
+            log.warning("kvfence: signing keys not reloaded: %s", e)
+            return None
+        log.info("kvfence: signing keys reloaded from %s", self.key_dir)
+        return new, keys
 
 
 class _Metrics:
@@ -227,16 +245,10 @@ class KvfenceMiddleware:
         if now < self._next_check:
             return
         self._next_check = now + KEY_RELOAD_INTERVAL
-        stamp = self.keys.stamp()
-        if stamp == self._stamp:
-            return
-        try:
-            self._verifier = self._new_verifier(self.keys.load())
-        except KeySourceError as e:  # keep serving with the keys we have; a half-written Secret heals
-            log.warning("kvfence: signing keys not reloaded: %s", e)
-            return
-        self._stamp = stamp
-        log.info("kvfence: signing keys reloaded from %s", self.keys.key_dir)
+        got = self.keys.reload_if_changed(self._stamp)
+        if got is not None:
+            self._stamp, keys = got
+            self._verifier = self._new_verifier(keys)
 
     # --- ASGI -----------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -50,7 +50,7 @@ from kvfence.engine.blocks import BlockState
 from kvfence.engine.config import ConfigError, QuotasConfig, load_config
 from kvfence.vllm.fence import ACTIVE, UNATTRIBUTED, AllocationError, FenceError, Record, TenantFence, Verdict
 from kvfence.vllm.logs import ensure_handler
-from kvfence.vllm.middleware import ENV_ENGINE_CONFIG, KeySource, KeySourceError
+from kvfence.vllm.middleware import ENV_ENGINE_CONFIG, KeySource
 from kvfence.vllm.stats import StatsWriter
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -179,7 +179,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         records = self.fence.records
         tokens = request._all_token_ids  # the list behind all_token_ids (its slices cost no Python call)
         extras = extra_keys_of(request, num_full_blocks, block_size)
-        ns = namespace_of(request) if num_cached_blocks == 0 or extras is not None else None
+        ns = namespace_of(request)
         parent = records[blocks[num_cached_blocks - 1].block_id] if num_cached_blocks > 0 else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -191,11 +191,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 log.warning("kvfence: block %d cached without its parent's record", block.block_id)
                 continue
             chunk = tokens[i * block_size : (i + 1) * block_size]  # a copy: the list slice
-            if i == 0 or extras is not None:
-                assert ns is not None
-                rec = Record(parent, chunk, TenantFence.block_namespace(i, ns, extras))
-            else:
-                rec = Record(parent, chunk, None)
+            rec = Record(parent, chunk, TenantFence.block_namespace(i, ns, extras))
             records[block.block_id] = parent = rec
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
@@ -355,6 +351,16 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         super().free(request)
         self.fence.release(request.request_id)
         self.lookups.pop(request.request_id, None)
+
+
+def _file_stamp(path: str) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of a file, None if it cannot be read: changes when the kubelet swaps a
+    mounted ConfigMap."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 @contextlib.contextmanager
@@ -575,15 +581,17 @@ class FenceMixin:
         if not self._config_path:
             log.warning("kvfence: %s is not set: every tenant gets an unlimited KV quota", ENV_ENGINE_CONFIG)
             return None
+        stamp = _file_stamp(self._config_path)
         try:
-            st = Path(self._config_path).stat()
+            if stamp is None:
+                raise ConfigError(f"cannot read engine config {self._config_path}")
             cfg = load_config(self._config_path)
-        except (OSError, ConfigError) as e:
+        except ConfigError as e:
             if self._config_stamp is None:
                 raise FenceError(f"cannot load the engine config: {e}") from None
             log.warning("kvfence: engine config not reloaded: %s", e)
             return None
-        self._config_stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        self._config_stamp = stamp
         return cfg.quotas
 
     def _maybe_reload(self) -> None:
@@ -591,21 +599,13 @@ class FenceMixin:
         if now < self._next_reload:
             return
         self._next_reload = now + RELOAD_INTERVAL
-        stamp = self._keys.stamp()
-        if stamp != self._key_stamp:
-            try:
-                self._key_list = self._keys.load()
-                self._key_stamp = stamp
-                self._verified.clear()
-                log.info("kvfence: signing keys reloaded from %s", self._keys.key_dir)
-            except KeySourceError as e:
-                log.warning("kvfence: signing keys not reloaded: %s", e)
+        got = self._keys.reload_if_changed(self._key_stamp)
+        if got is not None:
+            self._key_stamp, self._key_list = got
+            self._verified.clear()
         if self._config_path:
-            try:
-                st = Path(self._config_path).stat()
-            except OSError:
-                return
-            if (st.st_ino, st.st_mtime_ns, st.st_size) != self._config_stamp:
+            stamp = _file_stamp(self._config_path)
+            if stamp is not None and stamp != self._config_stamp:
                 quotas = self._load_quotas()
                 if quotas is not None:
                     try:
