@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster import manifests
 
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
@@ -31,20 +32,16 @@ KEY = bytes(range(32))
 def trust_class(**engine: Any) -> TrustClass:
     prefix_cache = engine.pop("prefixCache", {"enabled": True})
     return TrustClass.model_validate(
-        {
-            "apiVersion": "kvfence.dev/v1alpha1",
-            "kind": "TrustClass",
-            "metadata": {"name": "gold"},
-            "spec": {
-                "engine": {
-                    "runtime": "vllm",
-                    "image": "vllm/vllm-openai:v0.32.0",
-                    "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"},
-                    **engine,
-                },
-                "prefixCache": prefix_cache,
+        manifests.trust_class(
+            "gold",
+            engine={
+                "runtime": "vllm",
+                "image": "vllm/vllm-openai:v0.32.0",
+                "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "main"},
+                **engine,
             },
-        }
+            prefixCache=prefix_cache,
+        )
     )
 
 

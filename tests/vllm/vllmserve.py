@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster import manifests
 from router.support import Proc, free_port, request
 
 from kvfence.api.common import TenantQuotas
@@ -56,24 +57,20 @@ def tiny_model(python: str) -> Path:
 def trust_class(model: Path, port: int, *, prefix_cache: bool = True, **engine: Any) -> TrustClass:
     """A ``runtime: vllm`` class serving the tiny model as ``tiny``, as a user would write it."""
     return TrustClass.model_validate(
-        {
-            "apiVersion": "kvfence.dev/v1alpha1",
-            "kind": "TrustClass",
-            "metadata": {"name": "gold"},
-            "spec": {
-                "engine": {
-                    "runtime": "vllm",
-                    "image": "kvfence/engine-vllm:test",
-                    "model": {"name": str(model), "revision": "main", "servedName": "tiny"},
-                    "port": port,
-                    "dtype": "float32",
-                    "maxModelLen": 1024,
-                    **engine,
-                },
-                "resources": {"gpu": {"count": 0}},
-                "prefixCache": {"enabled": prefix_cache, "scope": "Tenant", "hashAlgorithm": "sha256"},
+        manifests.trust_class(
+            "gold",
+            engine={
+                "runtime": "vllm",
+                "image": "kvfence/engine-vllm:test",
+                "model": {"name": str(model), "revision": "main", "servedName": "tiny"},
+                "port": port,
+                "dtype": "float32",
+                "maxModelLen": 1024,
+                **engine,
             },
-        }
+            resources={"gpu": {"count": 0}},
+            prefixCache={"enabled": prefix_cache, "scope": "Tenant", "hashAlgorithm": "sha256"},
+        )
     )
 
 
