@@ -191,8 +191,10 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 log.warning("kvfence: block %d cached without its parent's record", block.block_id)
                 continue
             chunk = tokens[i * block_size : (i + 1) * block_size]  # a copy: the list slice
-            rec = Record(parent, chunk, TenantFence.block_namespace(i, ns, extras))
-            records[block.block_id] = parent = rec
+            # Only the root, and blocks with extra keys, store a namespace (block_namespace's rule,
+            # without a call for every plain block on this hot path).
+            namespace = TenantFence.block_namespace(i, ns, extras) if i == 0 or extras is not None else None
+            records[block.block_id] = parent = Record(parent, chunk, namespace)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
         super().move_block_hashes(src_block, dst_block)
