@@ -51,6 +51,7 @@ def cold_config(cfg: EngineConfig) -> EngineConfig:
     """The same engine with the prefix cache off: the oracle every warm output is compared with."""
     data = cfg.model_dump(by_alias=True, mode="json")
     data["prefixCache"]["enabled"] = False
+    data["prefixCache"]["sharedPrefixes"] = []
     data["quotas"] = {}
     data["numBlocks"] = max(64, data["maxModelLen"] // data["blockSize"] + 2)
     return EngineConfig.model_validate(data)

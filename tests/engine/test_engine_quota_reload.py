@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from engine.enginelib import Client, EngineProcess, Signer, config_dict
+from engine.enginelib import TOKENIZER, Client, EngineProcess, Signer, config_dict, scrape
 
 from kvfence.engine.allocator import FencedAllocator
 from kvfence.engine.config import QuotasConfig
@@ -66,4 +66,37 @@ def test_engine_applies_rewritten_quotas_without_restart(
         time.sleep(0.3)
         status = client.one("/v1/completions", body, tenant="small").status
     assert status == 200
+    assert proc.stop() == 0
+
+
+def test_engine_pins_rewritten_shared_prefixes_without_restart(
+    start_engine: Callable[[dict[str, Any]], EngineProcess], key_dir: Path, tmp_path: Path
+) -> None:
+    system = "You are a careful assistant for a bakery. Answer in one sentence and never quote prices. "
+    cfg = config_dict(key_dir)
+    proc = start_engine(cfg)
+    client = Client(proc.base, Signer((key_dir / "current").read_bytes()))
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "system", "content": system}]}
+
+    def cached(tenant: str, question: str) -> int:
+        body = {**chat, "messages": [*chat["messages"], {"role": "user", "content": question}]}
+        reply = client.one("/v1/chat/completions", body, tenant=tenant)
+        assert reply.status == 200, reply.json()
+        return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("acme", "Do you sell rye?") == 0
+    cfg["prefixCache"] = {"sharedPrefixes": [{"name": "bakery", "form": "chat", "text": system}]}
+    (tmp_path / "engine-0.yaml").write_text(yaml.safe_dump(cfg))
+    deadline = time.monotonic() + 60
+    got, i = 0, 0
+    while got == 0 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        i += 1
+        got = cached(f"tenant-{i}", "Open on Sunday?")  # each time a tenant's first request
+    shared = len(TOKENIZER.encode(TOKENIZER.chat_messages([("system", system)]))) // 16 * 16
+    assert got == shared  # every tenant's first request: exactly the declared part
+    assert cached("gamma", "Gluten free?") == shared
+    metrics = scrape(client.one("/metrics", method="GET", signed=False).text)
+    assert metrics["kvfence_engine_shared_prefixes_pinned"] == 2  # the base model and the adapter
+    assert metrics["kvfence_engine_kv_blocks_pinned"] == 2 * shared // 16
     assert proc.stop() == 0

@@ -34,12 +34,14 @@ from kvfence.engine.eviction import EvictionPlan, plan_allocation, take_cold
 from kvfence.engine.metrics import EngineMetrics
 from kvfence.engine.prefix_cache import CacheContext, PrefixCache
 from kvfence.engine.quotas import (
+    SHARED_OWNER,
     AllocationError,
     PoolExhausted,
     QuotaBook,
     QuotaExceeded,
     TenantAccount,
 )
+from kvfence.engine.shared_prefixes import Pinned
 
 __all__ = [
     "Accounting",
@@ -155,6 +157,12 @@ class FencedAllocator:
         return self._num_fenced
 
     @property
+    def num_pinned(self) -> int:
+        """Blocks held by pinned shared prefixes (active, outside every tenant's quota)."""
+        acct = self.book.accounts.get(SHARED_OWNER)
+        return 0 if acct is None else acct.active
+
+    @property
     def num_cold(self) -> int:
         return self.num_blocks - self.num_free - self._num_active - self._num_fenced
 
@@ -170,12 +178,17 @@ class FencedAllocator:
         *,
         ctx: CacheContext | None = None,
         prompt: TokenArray | None = None,
+        shared: Pinned | None = None,
     ) -> SequenceAllocation:
         """Open a sequence with room for ``num_tokens`` tokens, reusing cached blocks of ``prompt``.
 
         With a cache context and a prompt, the longest verified cached prefix of the prompt's full
         blocks (never the whole prompt: at least one token is always computed) is attached by
         reference; the rest is allocated. All or nothing: on :class:`AllocationError` nothing changed.
+
+        ``shared``: a pinned declared prefix (:mod:`kvfence.engine.shared_prefixes`) the prompt may
+        begin with. Its blocks are attached first, not charged to the tenant, if and only if the prompt
+        begins with the whole prefix token for token; the tenant's own chain continues after them.
         """
         if num_tokens < 1:
             raise ValueError("a sequence needs at least one token")
@@ -184,12 +197,59 @@ class FencedAllocator:
         with self._lock:
             if seq_id in self._seqs:
                 raise ValueError(f"sequence {seq_id!r} is already open")
+            if tenant == SHARED_OWNER:
+                raise ValueError(f"{SHARED_OWNER!r} is not a tenant")
             acct = self.book.account(tenant)
             try:
-                return self._allocate_sequence(seq_id, acct, num_tokens, ctx, prompt)
+                return self._allocate_sequence(seq_id, acct, num_tokens, ctx, prompt, shared)
             except AllocationError:
                 self.book.forget_if_idle(acct)
                 raise
+
+    def pin(self, seq_id: Hashable, ctx: CacheContext, tokens: TokenArray) -> SequenceAllocation:
+        """Open the never-ending sequence that holds a declared shared prefix's full blocks (``tokens``
+        is a whole number of blocks), charged to :data:`SHARED_OWNER`, outside every tenant's quota.
+        Blocks of the prefix already cached in the shared namespace are reused (all of them may be);
+        the caller computes the rest, commits it (:meth:`commit`), then reads :meth:`pinned_chain`."""
+        if len(tokens) == 0 or len(tokens) % self.block_size:
+            raise ValueError("a pinned prefix is a whole, non-zero number of blocks")
+        if self.prefix_cache is None:
+            raise ValueError("shared prefixes need the prefix cache")
+        with self._lock:
+            if seq_id in self._seqs:
+                raise ValueError(f"sequence {seq_id!r} is already open")
+            acct = self.book.account(SHARED_OWNER)
+            return self._allocate_sequence(
+                seq_id, acct, len(tokens), ctx, tokens, None, max_hits=len(tokens) // self.block_size
+            )
+
+    def pinned_chain(self, seq_id: Hashable) -> tuple[list[KVBlock], list[BlockHandle], list[bytes]]:
+        """The blocks, handles and keys of a committed pinned sequence; ValueError if any block is not
+        the registered (canonical) entry of its key (a collision broke the chain)."""
+        with self._lock:
+            seq = self._get(seq_id)
+            cache = self.prefix_cache
+            keys: list[bytes] = []
+            for b in seq.blocks:
+                key = b.block_hash
+                if cache is None or key is None or cache.index.get(key) is not b:
+                    raise ValueError(f"block {b.block_id} of pinned sequence {seq_id!r} is not in the cache")
+                keys.append(key)
+            return list(seq.blocks), list(seq.handles), keys
+
+    def _shared_start(self, shared: Pinned, token_bytes: bytes, limit: int) -> int:
+        """How many blocks of ``shared`` a prompt (``token_bytes``, at most ``limit`` hit blocks) may
+        attach: all its full blocks (up to ``limit``) if the prompt begins with the whole prefix, token
+        for token, and the pinned blocks are intact; otherwise none."""
+        prefix = shared.token_bytes
+        if len(token_bytes) < len(prefix) or token_bytes[: len(prefix)] != prefix:
+            return 0
+        n = min(shared.num_blocks, limit)
+        for b, h in zip(shared.blocks[:n], shared.handles[:n], strict=True):
+            if b.generation != h.generation or b.state is not BlockState.ACTIVE or b.owner != SHARED_OWNER:
+                self.metrics.stale_reference.inc()  # pinned blocks never move: a bug, refused
+                return 0
+        return n
 
     def _allocate_sequence(
         self,
@@ -198,17 +258,29 @@ class FencedAllocator:
         num_tokens: int,
         ctx: CacheContext | None,
         prompt: TokenArray | None,
+        shared: Pinned | None,
+        max_hits: int | None = None,
     ) -> SequenceAllocation:
         cache = self.prefix_cache
         hits: list[KVBlock] = []
         parent_key = b""
         token_bytes = b""
+        num_shared = 0
         if ctx is not None and cache is not None:
             parent_key = cache.root_key(ctx)
             if prompt is not None and len(prompt) > 0:
                 token_bytes = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
-                m = cache.lookup(ctx, token_bytes, (len(prompt) - 1) // self.block_size)
-                hits, parent_key = m.blocks, m.next_parent_key
+                limit = (len(prompt) - 1) // self.block_size if max_hits is None else max_hits
+                start: list[KVBlock] = []
+                parent: BlockHandle | None = None
+                if shared is not None:
+                    num_shared = self._shared_start(shared, token_bytes, limit)
+                    if num_shared:
+                        start = list(shared.blocks[:num_shared])
+                        parent = shared.handles[num_shared - 1]
+                        parent_key = cache.after_shared(ctx, shared.keys[num_shared - 1])
+                m = cache.lookup(ctx, token_bytes, limit, start=num_shared, key=parent_key, parent=parent)
+                hits, parent_key = start + m.blocks, m.next_parent_key
         needed = self.blocks_for(num_tokens) - len(hits)
         revived_own = 0
         revived_by_owner: dict[str, int] = {}
@@ -243,9 +315,11 @@ class FencedAllocator:
         seq.parent_handle = handles[len(hits) - 1] if hits else None
         self._seqs[seq_id] = seq
         cached_tokens = len(hits) * self.block_size
-        if prompt is not None and ctx is not None and cache is not None:
+        if prompt is not None and ctx is not None and cache is not None and max_hits is None:
             self.metrics.prefix_queries.inc(len(prompt))
             self.metrics.prefix_hits.inc(cached_tokens)
+            if num_shared:
+                self.metrics.shared_prefix_hits.inc(num_shared * self.block_size)
         return SequenceAllocation(cached_tokens, tuple(handles), table)
 
     def _take(self, acct: TenantAccount, plan: EvictionPlan) -> list[KVBlock]:

@@ -60,6 +60,24 @@ class ModelConfig(_Model):
         return self.served_name or self.name
 
 
+#: At most this many declared shared prefixes per trust class, each at most this many characters.
+MAX_SHARED_PREFIXES = 32
+MAX_SHARED_PREFIX_CHARS = 65536
+
+
+class SharedPrefixConfig(_Model):
+    """A prefix every tenant of the class may share: declared, never inferred from traffic.
+
+    ``completion``: the prompt text a completion request starts with. ``chat``: the content of the
+    system message a chat request starts with (the engine renders it as its chat template renders a
+    leading system message). Only the full blocks inside the rendered prefix are shared; a request
+    shares them only if its tokens begin with the whole prefix, token for token."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    form: Literal["chat", "completion"]
+    text: str = Field(min_length=1, max_length=MAX_SHARED_PREFIX_CHARS)
+
+
 class PrefixCacheConfig(_Model):
     """The tenant-aware prefix cache."""
 
@@ -71,6 +89,20 @@ class PrefixCacheConfig(_Model):
     hash_algorithm: HashAlgorithm = Field(
         "sha256", alias="hashAlgorithm", description="Block hash: sha256 or blake2b (full digest)"
     )
+    shared_prefixes: list[SharedPrefixConfig] = Field(
+        default_factory=list,
+        alias="sharedPrefixes",
+        max_length=MAX_SHARED_PREFIXES,
+        description="Declared prefixes shared by every tenant, computed at start and pinned",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PrefixCacheConfig:
+        names = [p.name for p in self.shared_prefixes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sharedPrefixes names must be unique: {', '.join(dup)} repeated")
+        return self
 
 
 class TenantQuota(_Model):

@@ -26,15 +26,17 @@ import numpy as np
 
 from kvfence.contract import cache_namespace
 from kvfence.engine.allocator import (
+    AllocationError,
     FencedAllocator,
     PoolExhausted,
     QuotaExceeded,
     StaleReference,
 )
-from kvfence.engine.config import EngineConfig
+from kvfence.engine.config import EngineConfig, SharedPrefixConfig
 from kvfence.engine.metrics import EngineMetrics
-from kvfence.engine.model import EOS, Chunk, IntArray, ModelDims, TinyTransformer
+from kvfence.engine.model import EOS, ByteTokenizer, Chunk, IntArray, ModelDims, TinyTransformer
 from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache
+from kvfence.engine.shared_prefixes import Pinned, SharedPrefixes, render, shared_namespace
 
 log = logging.getLogger("kvfence.engine")
 
@@ -140,6 +142,17 @@ class Engine:
             metrics=self.metrics,
             prefix_cache=self.prefix_cache,
         )
+        self.tokenizer = ByteTokenizer()
+        #: the declared shared prefixes, pinned (replaced on the scheduler thread only)
+        self.shared = SharedPrefixes()
+        self._pending_shared: list[SharedPrefixConfig] | None = None
+        self._pin_epoch = 0
+        if self.prefix_cache is not None and pc.shared_prefixes:
+            # At start a prefix that cannot be pinned fails the engine: a declaration is never accepted
+            # and ignored.
+            self.shared = self._pin_all(pc.shared_prefixes, strict=True)
+        elif pc.shared_prefixes:
+            raise ValueError("prefixCache.sharedPrefixes needs the prefix cache (prefixCache.enabled)")
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -161,6 +174,16 @@ class Engine:
         )
         m.gauge_function(
             "kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the cache", lambda: a.num_cold
+        )
+        m.gauge_function(
+            "kvfence_engine_kv_blocks_pinned",
+            "KV blocks pinned for the declared shared prefixes (outside every tenant's quota)",
+            lambda: a.num_pinned,
+        )
+        m.gauge_function(
+            "kvfence_engine_shared_prefixes_pinned",
+            "Declared shared prefixes computed and pinned (one per prefix and served model)",
+            lambda: len(self.shared),
         )
         m.gauge_function(
             "kvfence_engine_requests_waiting", "Requests waiting for KV blocks", lambda: len(self._waiting)
@@ -198,6 +221,72 @@ class Engine:
                 f"completion). Please reduce the length of the {param} or completion.",
                 param,
             )
+
+    # --- declared shared prefixes ---------------------------------------------------------------------
+    def _pin_all(self, decls: Sequence[SharedPrefixConfig], *, strict: bool) -> SharedPrefixes:
+        """Compute and pin every declared prefix for every served model. ``strict``: a prefix that
+        cannot be pinned raises (at start); otherwise it is logged and left out (on a reload)."""
+        pinned: list[Pinned] = []
+        for decl in decls:
+            for adapter in ["", *self.config.adapters]:
+                try:
+                    p = self._pin(decl, adapter)
+                except (AllocationError, ValueError) as e:
+                    msg = f"shared prefix {decl.name!r} (model {adapter or self.config.model.served!r}): {e}"
+                    if strict:
+                        raise ValueError(f"cannot pin {msg}") from None
+                    log.error("not pinned: %s", msg)
+                    continue
+                if p is not None:
+                    pinned.append(p)
+        return SharedPrefixes(pinned)
+
+    def _pin(self, decl: SharedPrefixConfig, adapter: str) -> Pinned | None:
+        tokens = render(decl, self.tokenizer)
+        bs = self.config.block_size
+        full = len(tokens) // bs * bs
+        if full == 0:
+            log.warning("shared prefix %r is shorter than one block: nothing to share", decl.name)
+            return None
+        self._pin_epoch += 1  # a re-pin (reload) opens its sequence while the old one still holds
+        seq_id = ("kvfence-shared", decl.name, adapter, self._pin_epoch)
+        ctx = self.context(shared_namespace(self.config.trust_class), adapter)
+        alloc = self.allocator.pin(seq_id, ctx, tokens[:full])
+        try:
+            done = alloc.num_cached_tokens
+            while done < full:  # compute what the shared namespace does not hold yet
+                end = min(full, done + PREFILL_CHUNK)
+                self.model.forward(self.kv, [Chunk(alloc.table, done, tokens[done:end])], adapter)
+                done = end
+            self.allocator.commit(seq_id, tokens, full)
+            blocks, handles, keys = self.allocator.pinned_chain(seq_id)
+        except BaseException:
+            self.allocator.release(seq_id)
+            raise
+        log.info("shared prefix %r pinned: %d blocks (model %r)", decl.name, len(blocks), adapter or "base")
+        return Pinned(decl.name, adapter, tokens, tuple(blocks), tuple(handles), tuple(keys), seq_id)
+
+    def set_shared_prefixes(self, decls: Sequence[SharedPrefixConfig]) -> None:
+        """Declare a new list (a reloaded config): the scheduler pins the new list before its next step,
+        switches to it, then unpins what the old one held (any thread)."""
+        if self.prefix_cache is None:
+            if decls:
+                log.warning("sharedPrefixes ignored: the prefix cache is disabled")  # refused at start
+            return
+        with self._cond:
+            self._pending_shared = list(decls)
+            self._cond.notify_all()
+
+    def _apply_shared(self) -> None:
+        with self._cond:
+            decls, self._pending_shared = self._pending_shared, None
+        if decls is None:
+            return
+        new = self._pin_all(decls, strict=False)
+        old, self.shared = self.shared, new
+        for p in old.pinned:  # their blocks stay cached (cold, reclaimable by anyone) until evicted
+            self.allocator.release(p.seq_id)
+        log.info("shared prefixes: %d pinned (%d blocks)", len(new), new.num_blocks)
 
     # --- submission (any thread) --------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -256,7 +345,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._running:
+                while (
+                    not self._stopping
+                    and not self._waiting
+                    and not self._running
+                    and self._pending_shared is None
+                ):
                     self._cond.wait()
                 if self._stopping and not self._running:
                     return
@@ -277,7 +371,7 @@ class Engine:
             raise RuntimeError("the scheduler thread is running")
         while True:
             with self._cond:
-                if not self._waiting and not self._running:
+                if not self._waiting and not self._running and self._pending_shared is None:
                     return
             self.step()
 
@@ -313,7 +407,12 @@ class Engine:
                 continue
             try:
                 alloc = self.allocator.allocate_sequence(
-                    req.request_id, req.tenant, len(req.tokens), ctx=req.ctx, prompt=req.prompt
+                    req.request_id,
+                    req.tenant,
+                    len(req.tokens),
+                    ctx=req.ctx,
+                    prompt=req.prompt,
+                    shared=self.shared.match(req.adapter, req.prompt) if self.shared.pinned else None,
                 )
             except QuotaExceeded as e:
                 self._drop_waiting(req, Failed(429, "quota_exceeded", str(e)))
@@ -341,6 +440,8 @@ class Engine:
 
     def step(self) -> None:
         """One scheduler iteration."""
+        if self._pending_shared is not None:
+            self._apply_shared()
         self._reap()
         self._admit()
         if not self._running:

@@ -66,6 +66,12 @@ class EngineMetrics:
         self.prefix_hits = Counter(
             "kvfence_engine_prefix_cache_hits_total", "Prompt tokens served from the prefix cache", registry=r
         )
+        self.shared_prefix_hits = Counter(
+            "kvfence_engine_shared_prefix_hits_total",
+            "Prompt tokens served from the trust class's declared, pinned shared prefixes (also counted "
+            "in kvfence_engine_prefix_cache_hits_total)",
+            registry=r,
+        )
         self.evictions = Counter(
             "kvfence_engine_kv_evictions_total",
             "Cached blocks evicted, by whether the evicting tenant was the owner (own) or not (cross)",

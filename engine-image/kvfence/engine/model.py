@@ -56,8 +56,13 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
-        parts = [f"<|{role}|>\n{content}\n" for role, content in messages]
-        return "".join(parts) + "<|assistant|>\n"
+        return self.chat_messages(messages) + "<|assistant|>\n"
+
+    @staticmethod
+    def chat_messages(messages: Sequence[tuple[str, str]]) -> str:
+        """The chat template's rendering of ``messages``, without the assistant cue: what every chat
+        prompt that starts with these messages starts with."""
+        return "".join(f"<|{role}|>\n{content}\n" for role, content in messages)
 
     @staticmethod
     def incremental_decoder() -> codecs.IncrementalDecoder:

@@ -173,22 +173,40 @@ class PrefixCache:
         elif verdict is Verdict.CROSS_NAMESPACE:
             self.metrics.cross_access_rejected.inc()
 
-    def lookup(self, ctx: CacheContext, token_bytes: bytes | memoryview, max_blocks: int) -> Match:
+    def after_shared(self, ctx: CacheContext, shared_key: bytes) -> bytes:
+        """The key a request's own chain continues from after a declared shared prefix whose last
+        pinned block has ``shared_key``: the request's root key (its namespace) folded with it, so every
+        block after the shared part is keyed by the tenant, as without shared prefixes."""
+        return self.hash_fn(self.root_key(ctx), shared_key)
+
+    def lookup(
+        self,
+        ctx: CacheContext,
+        token_bytes: bytes | memoryview,
+        max_blocks: int,
+        *,
+        start: int = 0,
+        key: bytes | None = None,
+        parent: BlockHandle | None = None,
+    ) -> Match:
         """Walk the prompt's chain from the root and return the verified cached prefix.
 
         Stops at the first block that is not a verified hit. Does not take references: the allocator
-        does that under the same lock.
+        does that under the same lock. ``start``, ``key`` and ``parent``: begin at block ``start`` of
+        the prompt, chaining from ``key`` after the block ``parent`` (the end of a shared prefix).
         """
         mv = memoryview(token_bytes)
         bb = self.block_bytes
-        ctx, key = self.canonical(ctx)
-        parent: tuple[int, int] | None = None
+        ctx, root = self.canonical(ctx)
+        if key is None:
+            key = root
         blocks: list[KVBlock] = []
         keys: list[bytes] = []
         h = self.hash_fn
         index = self.index
         fenced = BlockState.FENCED
-        for i in range(max_blocks):
+        prev: tuple[int, int] | None = parent
+        for i in range(start, max_blocks):
             chunk = mv[i * bb : (i + 1) * bb]
             nxt = h(key, chunk)
             cand = index.get(nxt)
@@ -196,16 +214,16 @@ class PrefixCache:
                 break
             # fast path: same interned context, same parent, same tokens, usable
             stored: object = cand.tokens  # bytes == memoryview compares the bytes (memcmp)
-            fast = cand.context is ctx and cand.parent == parent and stored == chunk
+            fast = cand.context is ctx and cand.parent == prev and stored == chunk
             if not fast or cand.state is fenced:
-                verdict = self.verify(cand, ctx, None if parent is None else BlockHandle(*parent), chunk)
+                verdict = self.verify(cand, ctx, None if prev is None else BlockHandle(*prev), chunk)
                 if verdict is not Verdict.HIT:
                     self._count(verdict)
                     break
             blocks.append(cand)
             keys.append(nxt)
             key = nxt
-            parent = (cand.block_id, cand.generation)
+            prev = (cand.block_id, cand.generation)
         return Match(blocks, keys, key)
 
     def insert(

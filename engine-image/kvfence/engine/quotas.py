@@ -13,6 +13,10 @@ prefix-cache hit (scope TrustClass) stay charged to the tenant that computed the
 
 Tenants listed in the configuration hold their reservation from the start. Other tenants get the
 default quota while they hold blocks or have open sequences, and are forgotten when idle.
+
+Blocks of the trust class's declared shared prefixes (:mod:`kvfence.engine.shared_prefixes`) are
+charged to :data:`SHARED_OWNER`, an account outside every quota: no maximum, no guarantee, never
+forgotten, and no tenant id can name it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass, field
 
 from kvfence.engine.blocks import BlockList
 from kvfence.engine.config import QuotasConfig, TenantQuota
+
+#: The owner of pinned shared-prefix blocks (tenant ids match ``[a-z0-9][-a-z0-9_.]*``: never this).
+SHARED_OWNER = "kvfence:shared"
 
 
 class AllocationError(Exception):
@@ -97,8 +104,12 @@ class QuotaBook:
         maximum = self._num_blocks if q.max_blocks is None else min(q.max_blocks, self._num_blocks)
         return maximum, min(q.guaranteed_blocks, maximum)
 
+    def _quota(self, tenant: str) -> TenantQuota:
+        return TenantQuota() if tenant == SHARED_OWNER else self._quotas.for_tenant(tenant)
+
     def _open(self, tenant: str, *, listed: bool) -> TenantAccount:
-        q = self._quotas.for_tenant(tenant)
+        q = self._quota(tenant)
+        listed = listed or tenant == SHARED_OWNER
         maximum, guaranteed = self._limits(q)
         cold = BlockList(f"cold/{tenant}")
         acct = TenantAccount(tenant, maximum, guaranteed, listed, limited=q.max_blocks is not None, cold=cold)
@@ -115,11 +126,11 @@ class QuotaBook:
             if tenant not in self.accounts:
                 self._open(tenant, listed=True)
         for acct in list(self.accounts.values()):
-            q = quotas.for_tenant(acct.tenant)
+            q = self._quota(acct.tenant)
             before = acct.unused_reservation
             acct.max_blocks, acct.guaranteed = self._limits(q)
             acct.limited = q.max_blocks is not None
-            acct.listed = acct.tenant in quotas.tenants
+            acct.listed = acct.tenant in quotas.tenants or acct.tenant == SHARED_OWNER
             self.total_unused_reservation += acct.unused_reservation - before
             self.forget_if_idle(acct)
 

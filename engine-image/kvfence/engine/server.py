@@ -154,8 +154,9 @@ class QuotaReloader:
     """Applies the per-tenant KV quotas of a rewritten config file without a restart.
 
     The operator changes ``quotas`` in the engine's ConfigMap when a tenant is bound or its quota
-    changes, and deliberately does not roll the pods for that; every other field change does roll them,
-    so only ``quotas`` is taken from a new file (a change elsewhere is logged and otherwise ignored).
+    changes, and ``prefixCache.sharedPrefixes`` when the class's declared prefixes change, and
+    deliberately does not roll the pods for either; every other field change does roll them, so only
+    those two are taken from a new file (a change elsewhere is logged and otherwise ignored).
     """
 
     def __init__(self, path: str, server: EngineServer) -> None:
@@ -186,12 +187,26 @@ class QuotaReloader:
             log.warning("config file changed but does not load; keeping the current quotas: %s", e)
             return
         old, self._file = self._file, new
-        if new.model_copy(update={"quotas": old.quotas}) != old:
-            log.warning("config changed beyond quotas: only the quotas are applied; restart for the rest")
+        reloadable = {
+            "quotas": old.quotas,
+            "prefix_cache": new.prefix_cache.model_copy(
+                update={"shared_prefixes": old.prefix_cache.shared_prefixes}
+            ),
+        }
+        if new.model_copy(update=reloadable) != old:
+            log.warning(
+                "config changed beyond quotas and sharedPrefixes: only those apply; restart for the rest"
+            )
         if new.quotas != old.quotas:
             self._server.engine.allocator.set_quotas(new.quotas)
             self._server.config = self._server.config.model_copy(update={"quotas": new.quotas})
             log.info("applied new tenant quotas (%d tenants listed)", len(new.quotas.tenants))
+        shared = new.prefix_cache.shared_prefixes
+        if shared != old.prefix_cache.shared_prefixes:
+            self._server.engine.set_shared_prefixes(shared)
+            pc = self._server.config.prefix_cache.model_copy(update={"shared_prefixes": shared})
+            self._server.config = self._server.config.model_copy(update={"prefix_cache": pc})
+            log.info("declared shared prefixes changed (%d listed): pinning them", len(shared))
 
 
 class EngineServer:
