@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvfence.api.common import TenantQuotas
 from kvfence.contract import key_id
@@ -370,3 +371,33 @@ def test_invalid_engine_config_fails_in_the_builder(make_tc: Any, bad: dict[str,
     tq = {"t": TenantQuotas.model_validate({"guaranteedKVBlocks": 8})}
     with pytest.raises(ValueError):
         B.engine_config(tc, tq)
+
+
+def test_shared_prefixes_reach_the_engine_config_outside_the_restart_hash(make_tc: Any) -> None:
+    plain = B.engine_config(make_tc(), None)
+    assert "sharedPrefixes" not in plain["prefixCache"]  # nothing declared: the rendered file is unchanged
+    prefixes = [
+        {"name": "support", "form": "chat", "text": "You are the support bot."},
+        {"name": "tools", "form": "completion", "configMapKeyRef": {"name": "prompts", "key": "tools"}},
+    ]
+    tc = make_tc(prefixCache={"sharedPrefixes": prefixes})
+    with pytest.raises(ValueError, match=r"sharedPrefixes\[tools\]"):
+        B.engine_config(tc, None)  # the reconciler reads the ConfigMap first
+    cfg = B.engine_config(tc, None, {"tools": "Tools: search(q)."})
+    assert cfg["prefixCache"]["sharedPrefixes"] == [
+        {"name": "support", "form": "chat", "text": "You are the support bot."},
+        {"name": "tools", "form": "completion", "text": "Tools: search(q)."},
+    ]
+    parsed = EngineConfig.model_validate(cfg)
+    assert [p.name for p in parsed.prefix_cache.shared_prefixes] == ["support", "tools"]
+    # changing a shared prefix must not restart engines: the engine reloads it from the file
+    assert B.config_hash(cfg) == B.config_hash(plain)
+
+
+def test_shared_prefixes_are_refused_on_vllm_until_the_plugin_pins_them(make_tc: Any) -> None:
+    with pytest.raises(ValidationError, match="supported on the reference runtime only"):
+        make_tc(
+            engine={"runtime": "vllm", "image": "x", "model": {"name": "m"}},
+            resources={"gpu": {"count": 1}},
+            prefixCache={"sharedPrefixes": [{"name": "s", "form": "chat", "text": "x"}]},
+        )

@@ -99,6 +99,62 @@ pytestmark = pytest.mark.cluster
             "spec.quotas.limits.maxKVBlocks",
             "must not exceed engine.numBlocks",
         ),
+        (
+            {
+                "prefixCache": {
+                    "sharedPrefixes": [
+                        {"name": "sys", "form": "chat", "text": "a"},
+                        {"name": "sys", "form": "completion", "text": "b"},
+                    ]
+                }
+            },
+            "spec.prefixCache.sharedPrefixes",
+            "sharedPrefixes names must be unique",
+        ),
+        (
+            {"prefixCache": {"sharedPrefixes": [{"name": "sys", "form": "chat"}]}},
+            "spec.prefixCache.sharedPrefixes[0]",
+            "set exactly one of text and configMapKeyRef",
+        ),
+        (
+            {
+                "prefixCache": {
+                    "sharedPrefixes": [
+                        {
+                            "name": "sys",
+                            "form": "chat",
+                            "text": "a",
+                            "configMapKeyRef": {"name": "p", "key": "k"},
+                        }
+                    ]
+                }
+            },
+            "spec.prefixCache.sharedPrefixes[0]",
+            "set exactly one of text and configMapKeyRef",
+        ),
+        (
+            {"prefixCache": {"sharedPrefixes": [{"name": "sys", "form": "system", "text": "a"}]}},
+            "spec.prefixCache.sharedPrefixes[0].form",
+            'Unsupported value: "system"',
+        ),
+        (
+            {
+                "prefixCache": {
+                    "enabled": False,
+                    "sharedPrefixes": [{"name": "sys", "form": "chat", "text": "a"}],
+                }
+            },
+            "spec.prefixCache.sharedPrefixes",
+            "needs the prefix cache",
+        ),
+        (
+            {
+                "engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}},
+                "prefixCache": {"sharedPrefixes": [{"name": "sys", "form": "chat", "text": "a"}]},
+            },
+            "spec.prefixCache.sharedPrefixes",
+            "Forbidden: prefixCache.sharedPrefixes is supported on the reference runtime only so far",
+        ),
     ],
 )
 def test_bad_trustclass_is_rejected_with_the_field_named(

@@ -384,6 +384,72 @@ def test_drift_is_repaired(operator: Any, kv: Any, wait: Any, cleanup: list[str]
     wait(lambda: ready(kv, "drift"), "drift Ready again", 120)
 
 
+def test_shared_prefixes_reach_the_engine_config_without_a_restart(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup.append("shared")
+    ns = "kvf-shared"
+    prefixes = [
+        {"name": "support", "form": "chat", "text": "You are the support bot of ACME."},
+        {"name": "tools", "form": "completion", "configMapKeyRef": {"name": "prompts", "key": "tools"}},
+    ]
+    tc = trust_class(
+        "shared", replicas=1, resources={"gpu": {"count": 0}}, prefixCache={"sharedPrefixes": prefixes}
+    )
+    assert kv.apply(tc).returncode == 0
+
+    def degraded() -> dict[str, Any]:
+        c = condition(kv.json("get", "trustclass", "shared"), "Degraded")
+        return c if c.get("reason") == "SharedPrefixUnresolved" else {}
+
+    c = wait(degraded, "Degraded: SharedPrefixUnresolved", 60, dump=operator.tail)
+    assert (
+        f"ConfigMap {ns}/prompts does not exist" in c["message"] and "sharedPrefixes[tools]" in c["message"]
+    )
+    assert kv.json("get", "configmap", "kvfence-engine-config", "-n", ns) is None  # nothing half-applied
+
+    def engine_config() -> dict[str, Any]:
+        cm = kv.json("get", "configmap", "kvfence-engine-config", "-n", ns)
+        return json.loads(cm["data"]["engine.json"]) if cm else {}
+
+    def template() -> dict[str, Any]:
+        return kv.json("get", "deployment", "kvfence-engine", "-n", ns)["spec"]["template"]  # type: ignore[no-any-return]
+
+    prompts = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "prompts", "namespace": ns, "labels": {"kvfence.dev/shared-prefixes": "true"}},
+        "data": {"tools": "Tools: search(query). Answer with JSON."},
+    }
+    assert kv.apply(prompts).returncode == 0
+    wait(lambda: ready(kv, "shared"), "shared Ready", 180, dump=operator.tail)
+    assert engine_config()["prefixCache"]["sharedPrefixes"] == [
+        {"name": "support", "form": "chat", "text": "You are the support bot of ACME."},
+        {"name": "tools", "form": "completion", "text": "Tools: search(query). Answer with JSON."},
+    ]
+    before = template()
+    # an edit of the labelled ConfigMap reaches the engine config (the watch), the pods stay
+    prompts["data"]["tools"] = "Tools: search(query), order(id). Answer with JSON."
+    assert kv.apply(prompts).returncode == 0
+    wait(
+        lambda: engine_config()["prefixCache"]["sharedPrefixes"][1]["text"] == prompts["data"]["tools"],
+        "new tools text in the engine config",
+        60,
+        dump=operator.tail,
+    )
+    patch = [
+        {"op": "replace", "path": "/spec/prefixCache/sharedPrefixes/0/text", "value": "You are ACME's bot."}
+    ]
+    kv("patch", "trustclass", "shared", "--type=json", "-p", json.dumps(patch))
+    wait(
+        lambda: engine_config()["prefixCache"]["sharedPrefixes"][0]["text"] == "You are ACME's bot.",
+        "new inline text in the engine config",
+        60,
+    )
+    wait(lambda: ready(kv, "shared"), "shared Ready", 120)
+    assert template() == before  # no engine restart for either change
+
+
 def test_signing_key_rotation(operator: Any, kv: Any, wait: Any, cleanup: list[str]) -> None:
     cleanup.append("rotate")
     assert kv.apply(trust_class("rotate", replicas=1, resources={"gpu": {"count": 0}})).returncode == 0

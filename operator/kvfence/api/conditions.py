@@ -25,6 +25,9 @@ REASON_AS_EXPECTED: Final = "AsExpected"
 REASON_DELETING: Final = "Deleting"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
+#: a shared prefix's configMapKeyRef names a ConfigMap or key that does not exist (the engines keep the
+#: last config they were given)
+REASON_SHARED_PREFIX_UNRESOLVED: Final = "SharedPrefixUnresolved"
 
 # --- reasons: TenantBinding -------------------------------------------------------------------
 REASON_BOUND: Final = "Bound"

@@ -275,8 +275,82 @@ class PlacementSpec(KubeModel):
     )
 
 
+SHARED_PREFIXES_ON_VLLM = (
+    "prefixCache.sharedPrefixes is supported on the reference runtime only so far: the kvfence vLLM "
+    "plugin does not pin shared prefixes yet"
+)
+SHARED_PREFIX_MAX = 32
+SHARED_PREFIX_MAX_CHARS = 65536
+
+
+class ConfigMapKeyRef(KubeModel):
+    """A key of a ConfigMap in the trust class's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=RESOURCE_NAME, description="The ConfigMap.")
+    key: str = Field(
+        min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The key holding the text."
+    )
+
+
+class SharedPrefixSpec(KubeModel):
+    """A prefix every tenant of the class may share (its blocks are computed once and pinned)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.text) != has(self.configMapKeyRef)",
+                    "message": "set exactly one of text and configMapKeyRef",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL, description="Unique within the class.")
+    form: Literal["chat", "completion"] = Field(
+        description="chat: the content of the system message chat requests start with; completion: the "
+        "text completion prompts start with."
+    )
+    text: str | None = Field(
+        None, min_length=1, max_length=SHARED_PREFIX_MAX_CHARS, description="The prefix, inline."
+    )
+    config_map_key_ref: ConfigMapKeyRef | None = Field(
+        None,
+        alias="configMapKeyRef",
+        description="The prefix, from a ConfigMap key in the class's namespace (label the ConfigMap "
+        "kvfence.dev/shared-prefixes=true so that its changes reach the engines within seconds).",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SharedPrefixSpec:
+        if (self.text is None) == (self.config_map_key_ref is None):
+            raise ValueError(f"sharedPrefixes[{self.name}]: set exactly one of text and configMapKeyRef")
+        return self
+
+
 class PrefixCacheSpec(KubeModel):
     """Prefix (KV) cache behaviour inside the engine."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.sharedPrefixes) || "
+                    "self.sharedPrefixes.all(p, self.sharedPrefixes.exists_one(q, q.name == p.name))",
+                    "message": "sharedPrefixes names must be unique",
+                    "fieldPath": ".sharedPrefixes",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.sharedPrefixes) || size(self.sharedPrefixes) == 0 || self.enabled",
+                    "message": "sharedPrefixes needs the prefix cache (enabled: true)",
+                    "fieldPath": ".sharedPrefixes",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
 
     enabled: bool = Field(True, description="Reuse KV blocks of identical prefixes.")
     scope: CacheScope = Field(
@@ -289,6 +363,26 @@ class PrefixCacheSpec(KubeModel):
         alias="hashAlgorithm",
         description="Collision-resistant hash of the prefix-cache keys: sha256 or blake2b (reference only).",
     )
+    shared_prefixes: list[SharedPrefixSpec] = Field(
+        default_factory=list,
+        alias="sharedPrefixes",
+        max_length=SHARED_PREFIX_MAX,
+        description="Declared prefixes (system prompts, tool preambles: nothing secret) that every tenant "
+        "of the class shares: computed at engine start, pinned outside every quota and eviction, and a "
+        "hit for any request that begins with one, token for token. Everything after the last full "
+        "block of a prefix stays in the tenant's own namespace. Changes reach running engines without "
+        "a restart.",
+    )
+
+    @model_validator(mode="after")
+    def _shared(self) -> PrefixCacheSpec:
+        names = [p.name for p in self.shared_prefixes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sharedPrefixes names must be unique: {', '.join(dup)} repeated")
+        if self.shared_prefixes and not self.enabled:
+            raise ValueError("sharedPrefixes needs the prefix cache (enabled: true)")
+        return self
 
 
 class QuotaSpec(KubeModel):
@@ -339,6 +433,13 @@ class TrustClassSpec(KubeModel):
                     "message": "the vllm runtime supports only the sha256 prefix-cache hash",
                     "fieldPath": ".prefixCache.hashAlgorithm",
                     "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "self.engine.runtime != 'vllm' || !has(self.prefixCache.sharedPrefixes) || "
+                    "size(self.prefixCache.sharedPrefixes) == 0",
+                    "message": SHARED_PREFIXES_ON_VLLM,
+                    "fieldPath": ".prefixCache.sharedPrefixes",
+                    "reason": "FieldValueForbidden",
                 },
                 {
                     "rule": "self.resources.gpu.count == 0 || "
@@ -401,6 +502,12 @@ class TrustClassSpec(KubeModel):
         alias="namespaceSelector",
         description="Namespaces whose TenantBindings may bind to this class. Unset: none; {}: all.",
     )
+
+    @model_validator(mode="after")
+    def _shared_prefixes_runtime(self) -> TrustClassSpec:
+        if self.engine.runtime == "vllm" and self.prefix_cache.shared_prefixes:
+            raise ValueError(SHARED_PREFIXES_ON_VLLM)
+        return self
 
 
 class TrustClassStatus(KubeModel):

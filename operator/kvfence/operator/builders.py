@@ -12,7 +12,7 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,11 +170,30 @@ def engine_quota(q: TenantQuotas) -> Obj:
     return out
 
 
-def engine_config(tc: TrustClass, tenant_quotas: dict[str, TenantQuotas] | None = None) -> Obj:
+def shared_prefixes(tc: TrustClass, texts: Mapping[str, str] | None = None) -> list[Obj]:
+    """The class's declared shared prefixes as the engine config lists them. ``texts``: the text of
+    each prefix given by ``configMapKeyRef``, by prefix name (read by the reconciler); ValueError names
+    a prefix whose text is missing."""
+    out: list[Obj] = []
+    for p in tc.spec.prefix_cache.shared_prefixes:
+        text = p.text if p.text is not None else (texts or {}).get(p.name)
+        if text is None:
+            raise ValueError(
+                f"prefixCache.sharedPrefixes[{p.name}]: the text of its configMapKeyRef is not known"
+            )
+        out.append({"name": p.name, "form": p.form, "text": text})
+    return out
+
+
+def engine_config(
+    tc: TrustClass,
+    tenant_quotas: dict[str, TenantQuotas] | None = None,
+    shared_texts: Mapping[str, str] | None = None,
+) -> Obj:
     """The engine's config file (``kvfence.engine.config.EngineConfig``), validated by that model.
 
     ``tenant_quotas`` are the *effective* quotas of the tenants bound to the class whose KV limits
-    differ from the class defaults.
+    differ from the class defaults; ``shared_texts`` the texts of shared prefixes kept in ConfigMaps.
     """
     spec, eng = tc.spec, tc.spec.engine
     model: Obj = {"name": eng.model.name, "revision": eng.model.revision}
@@ -204,6 +223,9 @@ def engine_config(tc: TrustClass, tenant_quotas: dict[str, TenantQuotas] | None 
         "requireSignature": True,
         "listen": {"host": "0.0.0.0", "port": eng.port},  # noqa: S104 - fenced by the NetworkPolicy
     }
+    shared = shared_prefixes(tc, shared_texts)
+    if shared:  # absent when none are declared: configs rendered before the field existed are unchanged
+        data["prefixCache"]["sharedPrefixes"] = shared
     if eng.dtype != "auto":
         data["dtype"] = eng.dtype
     if eng.block_size is not None or eng.runtime == "reference":
@@ -221,11 +243,13 @@ def config_json(cfg: Obj) -> str:
 def config_hash(cfg: Obj) -> str:
     """Hash of the parts of the config that need an engine restart.
 
-    Per-tenant quotas are left out: binding a tenant must not restart the engine its neighbours use;
-    the engine re-reads them from the mounted file.
+    Per-tenant quotas and the declared shared prefixes are left out: binding a tenant or changing a
+    shared system prompt must not restart the engine its neighbours use; the engine re-reads both from
+    the mounted file.
     """
     stable = copy.deepcopy(cfg)
     stable.get("quotas", {}).pop("tenants", None)
+    stable.get("prefixCache", {}).pop("sharedPrefixes", None)
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -563,9 +587,10 @@ def children(
     tenant_quotas: dict[str, TenantQuotas] | None,
     opts: OperatorOptions,
     owner: Obj | None,
+    shared_texts: Mapping[str, str] | None = None,
 ) -> list[Obj]:
     """Every namespaced object of a trust class, in apply order (config and key before the engine)."""
-    cfg = engine_config(tc, tenant_quotas)
+    cfg = engine_config(tc, tenant_quotas, shared_texts)
     current, previous, token = signing
     return [
         config_map(tc, cfg, opts, owner),

@@ -349,6 +349,22 @@ async def signing_key_secret_event(
     c.enqueue(("secrets", owner), COALESCE_SECONDS)
 
 
+#: Label of user ConfigMaps holding a class's shared prefixes (sharedPrefixes[].configMapKeyRef): labelled
+#: ones are watched, so an edit reaches the engines within seconds (others at the resync).
+LABEL_SHARED_PREFIXES = "kvfence.dev/shared-prefixes"
+
+
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_SHARED_PREFIXES: "true"}, id="shared-prefix-configmaps")
+async def shared_prefix_configmap_event(namespace: str | None, memo: Any, **_: Any) -> None:
+    """A labelled ConfigMap changed: reconcile the class whose namespace holds it (only a namespace
+    the operator created for a class has one)."""
+    c = _controller(memo)
+    labels = c.namespace_labels.get(namespace or "") or {}
+    owner = labels.get(LABEL_TRUST_CLASS)
+    if owner and labels.get(LABEL_MANAGED_BY) == MANAGER:
+        c.enqueue(class_key(owner), COALESCE_SECONDS)
+
+
 # Children the operator watches: an edit or a delete of one of them is repaired at once. The
 # signing-key Secret has its own watch (above); the routing-table Secret is checked by each routing
 # reconcile and the resync.

@@ -217,12 +217,20 @@ class Reconciler:
         if live_keys[0] is not None and current != live_keys[0]:
             self._emit(Event(body, "SigningKeyRotated", f"signing key rotated, new key id {key_id(current)}"))
         try:
+            shared_texts = self._shared_prefix_texts(tc, ns_name)
+        except LookupError as e:
+            # Nothing is applied: the engines keep serving with the last config they were given.
+            self._class_status(body, tc, degraded=(C.REASON_SHARED_PREFIX_UNRESOLVED, str(e)))
+            self._emit(Event(body, C.REASON_SHARED_PREFIX_UNRESOLVED, str(e), "Warning"))
+            raise Requeue(str(e), delay=10) from None
+        try:
             objs = B.children(
                 tc,
                 signing=(current, previous, token),
                 tenant_quotas=self.state.tenant_quotas.get(name),
                 opts=self.opts,
                 owner=owner,
+                shared_texts=shared_texts,
             )
         except ValueError as e:
             self._class_status(body, tc, degraded=(C.REASON_INVALID_ENGINE_CONFIG, str(e)))
@@ -248,6 +256,26 @@ class Reconciler:
             self.state.signing[name] = keys
             follow.add(ROUTING)
         return follow
+
+    def _shared_prefix_texts(self, tc: TrustClass, ns: str) -> dict[str, str]:
+        """The text of each shared prefix kept in a ConfigMap of the class's namespace, by prefix name;
+        LookupError names the first ConfigMap or key that is missing."""
+        texts: dict[str, str] = {}
+        for p in tc.spec.prefix_cache.shared_prefixes:
+            ref = p.config_map_key_ref
+            if ref is None:
+                continue
+            cm = self.kube.get("v1", "ConfigMap", ref.name, ns)
+            text = None if cm is None else (cm.get("data") or {}).get(ref.key)
+            if not text:
+                what = (
+                    f"ConfigMap {ns}/{ref.name}"
+                    if cm is None
+                    else f"key {ref.key!r} of ConfigMap {ns}/{ref.name}"
+                )
+                raise LookupError(f"prefixCache.sharedPrefixes[{p.name}]: {what} does not exist or is empty")
+            texts[p.name] = text
+        return texts
 
     def check_class_secret(self, name: str) -> set[Key]:
         """The resync's cheap check of what the operator cannot watch (its signing-key Secret): one GET
