@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import yaml
 from e2esupport import Response, Router, Tenant, cached_tokens
 
 
@@ -89,3 +91,35 @@ def test_concurrent_mixed_tenants_never_hit_each_others_prefixes(
         again = router.complete(t, prompt, max_tokens=8)
         assert again.status == 200
         assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"], (t.id, prompt)
+
+
+def _house_style() -> str:
+    """The shared prefix examples/10-trustclasses.yaml declares for gold (completion form)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "10-trustclasses.yaml"
+    docs = yaml.safe_load_all(path.read_text())
+    gold = next(d for d in docs if d and d["metadata"]["name"] == "gold")
+    (decl,) = gold["spec"]["prefixCache"]["sharedPrefixes"]
+    return str(decl["text"])
+
+
+def test_declared_shared_prefix_is_a_hit_for_every_tenant_and_nothing_private_is_shared(
+    router: Router, tenants: dict[str, Tenant]
+) -> None:
+    acme, globex = tenants["acme"], tenants["globex"]  # gold, scope Tenant, one declared prefix
+    house = _house_style()
+    shared = (1 + len(house.encode())) // 16 * 16  # BOS + bytes, the full blocks inside the prefix
+    assert shared >= 64
+    secret = house + f" [{uuid.uuid4().hex}] acme's private context: contract 77-A renews in May. "
+    first = router.complete(acme, secret + "Q1")
+    assert first.status == 200, first.body
+    assert cached_tokens(first) == shared  # even acme's very first request: the declared part is pinned
+    again = router.complete(acme, secret + "Q2")
+    assert cached_tokens(again) > shared  # acme's own private blocks after it
+    # globex sends acme's private text: only the declared part is a hit, exactly as for a prompt
+    # nobody has sent (B's first request after A warmed a private prefix is as slow as cold)
+    other = router.complete(globex, secret + "Q3")
+    cold = router.complete(globex, house + f" [{uuid.uuid4().hex}] a context nobody has sent before. Q4")
+    assert cached_tokens(other) == cached_tokens(cold) == shared
+    # one token changed inside the declared prefix: nothing is shared
+    changed = router.complete(globex, house.replace("careful", "Careful", 1) + f" [{uuid.uuid4().hex}] Q5")
+    assert changed.status == 200 and cached_tokens(changed) == 0
