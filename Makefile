@@ -48,7 +48,7 @@ lint: venv ## ruff
 typecheck: venv ## mypy (strict)
 	$(VENV)/bin/mypy
 
-crds: venv ## Regenerate crds/ from the API models (tests/operator fails when they drift)
+crds: venv ## Regenerate crds/ and charts/kvfence/crds/ from the API models (tests fail when they drift)
 	$(VENV)/bin/kvfence-crdgen
 
 test: venv components vllm lint typecheck ## Install, build, lint, type-check, run every test, then e2e on a real node
