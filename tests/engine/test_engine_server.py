@@ -24,9 +24,9 @@ from engine.enginelib import (
     Signer,
     config_dict,
     make_config,
-    scrape,
     sse_events,
 )
+from support import prom
 
 from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
@@ -85,7 +85,7 @@ def metrics_of(client: Client) -> tuple[dict[str, float], str]:
             return await r.text()
 
     text = client.run(get)
-    return scrape(text), text
+    return prom.samples(text), text
 
 
 def assert_pool_settled(m: dict[str, float]) -> None:
