@@ -11,7 +11,7 @@ VLLM_PY = $(shell tests/vllm/install-vllm.sh --print)
 # pyproject's addopts, which this replaces).
 VLLM_LANE_ADDOPTS = -ra --strict-markers --import-mode=importlib -p no:cacheprovider
 
-.PHONY: help venv components host-deps vllm up down test lint typecheck crds clean
+.PHONY: help venv components host-deps vllm up down unit test lint typecheck crds clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
@@ -48,8 +48,14 @@ lint: venv ## ruff
 typecheck: venv ## mypy (strict)
 	$(VENV)/bin/mypy
 
-crds: venv ## Regenerate crds/ from the API models (tests/operator fails when they drift)
+crds: venv ## Regenerate crds/ and charts/kvfence/crds/ from the API models (tests fail when they drift)
 	$(VENV)/bin/kvfence-crdgen
+
+# The fast lane: every test that needs no cluster and no vLLM (tests/support/lanes.py marks the others
+# from the fixtures they use). T narrows it: `make unit T=tests/router`, `make unit T="-k quota"`.
+T ?=
+unit: venv ## Every test that needs no cluster and no vLLM (about a minute); T=tests/DIR narrows it
+	KVFENCE_BIN_DIR=$(BIN_DIR) $(VENV)/bin/pytest -m "not cluster and not vllm" $(T)
 
 test: venv components vllm lint typecheck ## Install, build, lint, type-check, run every test, then e2e on a real node
 	KVFENCE_BIN_DIR=$(BIN_DIR) KVFENCE_VLLM_PYTHON=$(VLLM_PY) $(VENV)/bin/pytest

@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "operator"), str(ROOT / "engine-
 
 from cluster.localcluster import DEFAULT_NODES, FakeNode, LocalCluster  # noqa: E402
 from cluster.localcluster import default_bin_dir as bin_dir  # noqa: E402
+from support import prom  # noqa: E402
 
 from kvfence.api.trustclass import TrustClass  # noqa: E402
 from kvfence.contract import new_signing_key  # noqa: E402
@@ -93,13 +94,7 @@ def wait_until(pred: Any, what: str, timeout: float) -> float:
 
 def metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
+        return prom.samples(r.read().decode())
 
 
 def api_requests(port: int) -> float:

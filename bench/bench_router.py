@@ -53,6 +53,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.ports import free_port
+
 API_KEY = "sk-bench-0123456789"
 BODY = json.dumps({"model": "tiny", "prompt": "Say hello to the benchmark.", "max_tokens": 16}).encode()
 RESPONSE = json.dumps(
@@ -71,12 +74,6 @@ PATH = "/v1/completions"
 #: others. Empty: the kernel places everything.
 PIN_SUT: list[str] = []
 PIN_LOAD: list[str] = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:

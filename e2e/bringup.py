@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support/
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2esupport import (

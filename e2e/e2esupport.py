@@ -20,10 +20,8 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +29,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from support import waiting
+from support.ports import free_port
+from support.process import ManagedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -134,24 +135,9 @@ def cached_tokens(resp: Response) -> int:
 
 
 def wait_until(fn: Callable[[], T], what: str, timeout: float = 300.0, interval: float = 1.0) -> T:
-    end = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < end:
-        try:
-            last = fn()
-        except (OSError, http.client.HTTPException) as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """:func:`support.waiting.wait_until` with the e2e suite's patience: a connection error or a
+    broken HTTP answer (a port-forward or a Service still settling) only means "not yet"."""
+    return waiting.wait_until(fn, what, timeout, interval, ignore=(OSError, http.client.HTTPException))
 
 
 # --- targets -----------------------------------------------------------------------------------------
@@ -298,19 +284,16 @@ def undeploy(kube: Kube) -> None:
 @contextlib.contextmanager
 def port_forward(kube: Kube) -> Iterator[Router]:
     port = free_port()
-    log = open(kube.logs / "port-forward.log", "wb")  # noqa: SIM115 - lives as long as the process
     cmd = [tool("kubectl"), f"--kubeconfig={kube.kubeconfig}", "-n", NAMESPACE, "port-forward"]
     cmd += [f"svc/{RELEASE}-router", f"{port}:8080", "--address", "127.0.0.1"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=kube.env)
+    proc = ManagedProcess(cmd, kube.logs / "port-forward.log", env=kube.env).start()
     try:
         router = Router(f"http://127.0.0.1:{port}", quota_divisor=router_replicas(kube))
         wait_until(lambda: router.request("GET", "/readyz").status == 200, "the router's /readyz", 120)
         wait_router_serves(router)
         yield router
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        proc.stop()
 
 
 def wait_router_serves(router: Router) -> None:
@@ -411,22 +394,6 @@ def kind_cluster(name: str, logs: Path) -> str:
 
 
 # --- local: the data path as processes ---------------------------------------------------------------
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-
-
 def _script(name: str) -> str:
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else tool(name)
@@ -464,12 +431,10 @@ def local_stack(workdir: Path) -> Iterator[Router]:
     if denied:
         raise RuntimeError(f"examples/ bindings not bound: {denied}")
 
-    procs: list[Proc] = []
+    procs: list[ManagedProcess] = []
 
-    def spawn(name: str, args: list[str]) -> Proc:
-        log = workdir / f"{name}.log"
-        out = open(log, "wb")  # noqa: SIM115 - lives as long as the process
-        p = Proc(name, subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log)
+    def spawn(name: str, args: list[str]) -> ManagedProcess:
+        p = ManagedProcess(args, workdir / f"{name}.log", grace=15).start()
         procs.append(p)
         return p
 

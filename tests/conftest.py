@@ -3,6 +3,12 @@
 ``cluster`` is the real local control plane (tests/cluster/localcluster.py), started once per pytest
 session. When a test that used it fails, the tail of every component log and the recent events are
 attached to the failure report.
+
+Lanes: every test that needs a control plane (the ``cluster`` or ``real_cluster`` fixture, directly or
+through another fixture) is marked ``cluster``, and every test that needs the pinned vLLM (the
+``vllm_python`` fixture) is marked ``vllm``, here, from what it uses (support/lanes.py), so no file has
+to remember to. ``make unit`` runs the rest (``-m "not cluster and not vllm"``); ``make test`` runs
+everything.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 from cluster.localcluster import LocalCluster, default_bin_dir
+from support.lanes import mark_lanes
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +54,11 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
         yield c
     finally:
         c.stop()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark_lanes(items)  # type: ignore[arg-type]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from chart.chartsupport import CHART, helm
 from cluster.localcluster import LocalCluster
-from cluster.waiting import wait_until
+from support.waiting import wait_until
 
 from kvfence.api.routing import ROUTING_SECRET_NAME
 from kvfence.operator.builders import SIGNING_SECRET_NAME

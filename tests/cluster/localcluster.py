@@ -21,7 +21,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -144,12 +143,6 @@ def default_bin_dir() -> Path:
         [str(HERE / "build-components.sh"), "--print"], capture_output=True, text=True, check=True
     )
     return Path(out.stdout.strip())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- certificates -----------------------------------------------------------------------------------
@@ -320,6 +313,8 @@ class LocalCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         make_pki(self.pki)
+        from support.ports import free_port  # lazily: as a script, tests/ is on sys.path from main
+
         for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok"):
             self.ports[name] = free_port()
         node = None

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from support.ports import free_port
+
 if TYPE_CHECKING:
     from cluster.localcluster import LocalCluster
 
@@ -87,7 +89,7 @@ class RealNode:
             "kube-proxy-metrics",
             "kube-router-health",
         ):
-            p.setdefault(name, _free_port())
+            p.setdefault(name, free_port())
         self._write_configs()
         self._pause_archive()
 
@@ -183,8 +185,8 @@ state = "{d / "containerd/state"}"
             f""".:53 {{
     bind {HOST_IP}
     errors
-    health 127.0.0.1:{p.setdefault("coredns-health", _free_port())}
-    ready 127.0.0.1:{p.setdefault("coredns-ready", _free_port())}
+    health 127.0.0.1:{p.setdefault("coredns-health", free_port())}
+    ready 127.0.0.1:{p.setdefault("coredns-ready", free_port())}
     kubernetes cluster.local in-addr.arpa ip6.arpa {{
         kubeconfig {self.c.dir / "coredns.kubeconfig"} kvfence
         pods insecure
@@ -334,12 +336,6 @@ state = "{d / "containerd/state"}"
         shutil.rmtree(self.dir / "containerd" / "state", ignore_errors=True)
         if LOCK.exists() and LOCK.read_text().strip() == str(self.c.dir):
             LOCK.unlink()
-
-
-def _free_port() -> int:
-    from cluster.localcluster import free_port
-
-    return free_port()
 
 
 def _k8s_version() -> str:

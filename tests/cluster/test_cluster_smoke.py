@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from cluster.localcluster import LocalCluster
-from cluster.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
 

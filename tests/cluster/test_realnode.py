@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from support.waiting import wait_until
 
 from cluster.localcluster import LocalCluster
 from cluster.realnode import NODE_NAME
-from cluster.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
 AGNHOST = "kvfence.local/agnhost:test"

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from support.process import ManagedProcess
 
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
 from kvfence.engine.config import EngineConfig
@@ -171,58 +170,32 @@ def sse_events(text: str) -> list[Any]:
     return out
 
 
-def scrape(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 class EngineProcess:
+    """``python -m kvfence.engine --config FILE`` on a port of its choosing (``--port-file``)."""
+
     def __init__(self, config_path: Path, port_file: Path, log_path: Path) -> None:
         self.log_path = log_path
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT / "engine-image"), str(ROOT / "operator")]),
         }
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvfence.engine",
-                "--config",
-                str(config_path),
-                "--port-file",
-                str(port_file),
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(ROOT),
-        )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"engine did not start:\n{log_path.read_text()}")
-            time.sleep(0.05)
+        args = [sys.executable, "-m", "kvfence.engine", "--config", str(config_path)]
+        self.process = ManagedProcess(
+            [*args, "--port-file", str(port_file)], log_path, env=env, cwd=ROOT, grace=30
+        ).start()
+        self.process.wait_ready(port_file.exists, "the engine's port file", timeout=60)
         self.port = int(port_file.read_text())
         self.base = f"http://127.0.0.1:{self.port}"
 
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.process.popen is not None
+        return self.process.popen
+
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
+        code = self.process.stop()
+        assert code is not None
+        return code
 
 
 class InProcessServer:

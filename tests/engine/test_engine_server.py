@@ -24,9 +24,9 @@ from engine.enginelib import (
     Signer,
     config_dict,
     make_config,
-    scrape,
     sse_events,
 )
+from support import prom
 
 from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
@@ -38,7 +38,8 @@ from kvfence.contract import (
 )
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.engine import Engine
-from kvfence.engine.server import EngineServer, KeyRing
+from kvfence.engine.guard import Guard, KeySource
+from kvfence.engine.server import EngineServer
 
 SYSTEM = (
     "You are the shared support assistant. Follow the house style guide; never disclose other users' data. "
@@ -85,7 +86,7 @@ def metrics_of(client: Client) -> tuple[dict[str, float], str]:
             return await r.text()
 
     text = client.run(get)
-    return scrape(text), text
+    return prom.samples(text), text
 
 
 def assert_pool_settled(m: dict[str, float]) -> None:
@@ -366,7 +367,7 @@ def test_bad_requests_leave_the_allocator_consistent_in_process(key_dir: Path) -
 
 def test_key_rotation_keeps_both_keys_valid(key_dir: Path) -> None:
     cfg: EngineConfig = make_config(key_dir)
-    ring = KeyRing(cfg)
+    guard = Guard(KeySource(cfg.trust_class, Path(cfg.signing_key_dir)), scope=cfg.prefix_cache.scope)
     old = (key_dir / "current").read_bytes()
     new = os.urandom(32)
     body = b"{}"
@@ -374,9 +375,9 @@ def test_key_rotation_keeps_both_keys_valid(key_dir: Path) -> None:
     (key_dir / "previous").write_bytes(old)
     (key_dir / "current").write_bytes(new)
     os.utime(key_dir / "current", (time.time() + 5, time.time() + 5))  # a visibly newer file
-    ring._checked = 0.0  # do not wait for the once-a-second check
-    v = ring.get()
-    assert v is not None and ring.current_key == new
+    guard.reload(now=float("inf"))  # do not wait for the once-a-second check
+    v = guard.verifier
+    assert v is not None and guard.current_key == new
     v.verify(signed_old, "GET", "/v1/models", body)
     signed_new = sign(new, Identity("acme", "gold", "tenant/gold/acme"), "GET", "/v1/models", body)
     assert v.verify(signed_new, "GET", "/v1/models", body).identity.tenant == "acme"

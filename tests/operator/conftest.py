@@ -7,11 +7,8 @@ import base64
 import copy
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import prom
+from support.ports import free_port
+from support.process import ManagedProcess
+from support.waiting import wait_until
 
 from kvfence.api.routing import decode_table_bytes
 from kvfence.api.tenantbinding import TenantBinding
@@ -91,27 +92,8 @@ SA_USER = f"system:serviceaccount:{OPERATOR_NS}:{rbac.NAME}"
 def wait_for(
     pred: Callable[[], Any], what: str, timeout: float = 120.0, interval: float = 0.5, dump: Any = None
 ) -> Any:
-    """Poll ``pred`` until it returns something truthy (generous deadline; no timing assertions)."""
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # the apiserver may be restarting
-            last_exc = e
-        time.sleep(interval)
-    extra = f"\nlast error: {last_exc}" if last_exc else ""
-    if dump is not None:
-        extra += "\n" + dump()
-    raise AssertionError(f"timed out waiting for {what}{extra}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """:func:`support.waiting.wait_until` that also waits out errors (the apiserver may be restarting)."""
+    return wait_until(pred, what, timeout, interval, ignore=(Exception,), dump=dump)
 
 
 class Kubectl:
@@ -168,9 +150,13 @@ class OperatorProcess:
     ) -> None:
         self.cluster, self.kubeconfig, self.workdir, self.identity = cluster, kubeconfig, workdir, identity
         self.extra_args = extra_args  # after the defaults: a repeated flag overrides them
-        self.port = _free_port()
+        self.port = free_port()
         self.log = workdir / f"operator-{identity}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: ManagedProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return None if self.process is None else self.process.popen
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
@@ -183,26 +169,17 @@ class OperatorProcess:
             "--resync-seconds", "5", "--identity", self.identity, "--log-format", "json",
             *self.extra_args,
         ]  # fmt: skip
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.process = ManagedProcess(cmd, self.log, env=env, cwd=ROOT, grace=30).start()
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
+        if self.process is not None:
+            self.process.stop()
+        self.process = None
 
     def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
-        self.proc = None
+        assert self.process is not None
+        self.process.kill()
+        self.process = None
 
     def _get(self, path: str) -> tuple[int, str]:
         try:
@@ -222,12 +199,7 @@ class OperatorProcess:
     def metrics(self) -> dict[str, float]:
         code, text = self._get("/metrics")
         assert code == 200
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return prom.samples(text)
 
     def writes(self) -> float:
         return sum(

@@ -17,19 +17,47 @@ from kvfence.api.trustclass import TrustClass
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_committed_crds_match_the_models() -> None:
+@pytest.mark.parametrize("folder", ["crds", "charts/kvfence/crds"])
+def test_committed_crds_match_the_models(folder: str) -> None:
+    """Both folders hold exactly what kvfence-crdgen renders from the models (it writes both)."""
     rendered = crdgen.render_all()
     assert sorted(rendered) == ["kvfence.dev_tenantbindings.yaml", "kvfence.dev_trustclasses.yaml"]
+    assert (ROOT / folder).resolve() in [d.resolve() for d in crdgen.OUT_DIRS]
+    assert sorted(p.name for p in (ROOT / folder).glob("*.yaml")) == sorted(rendered)
     for name, text in rendered.items():
-        committed = (ROOT / "crds" / name).read_text()
-        assert committed == text, f"crds/{name} drifted from the models: run `make crds`"
-    assert crdgen.main(["--check", "--out", str(ROOT / "crds")]) == 0
+        committed = (ROOT / folder / name).read_text()
+        assert committed == text, f"{folder}/{name} drifted from the models: run `make crds`"
+    assert crdgen.main(["--check", "--out", str(ROOT / folder)]) == 0
 
 
 def test_check_mode_reports_drift(tmp_path: Path) -> None:
     assert crdgen.main(["--check", "--out", str(tmp_path)]) == 1
     assert crdgen.main(["--out", str(tmp_path)]) == 0
     assert crdgen.main(["--check", "--out", str(tmp_path)]) == 0
+
+
+def test_one_run_writes_every_folder_and_check_names_the_one_that_drifted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo, chart = tmp_path / "crds", tmp_path / "chart-crds"
+    assert crdgen.main(["--out", str(repo), "--out", str(chart)]) == 0
+    for name, text in crdgen.render_all().items():
+        assert (repo / name).read_text() == text and (chart / name).read_text() == text
+    hand_edited = chart / "kvfence.dev_trustclasses.yaml"
+    hand_edited.write_text(hand_edited.read_text().replace("Cluster", "Namespaced"))
+    capsys.readouterr()
+    assert crdgen.main(["--check", "--out", str(repo), "--out", str(chart)]) == 1
+    err = capsys.readouterr().err
+    assert str(hand_edited) in err and str(repo / "kvfence.dev_trustclasses.yaml") not in err
+    # a generated file of a kind the models no longer have is drift, and removed on the next write
+    gone = repo / "kvfence.dev_oldthings.yaml"
+    gone.write_text(crdgen.HEADER + "kind: CustomResourceDefinition\n")
+    (repo / "not-ours.yaml").write_text("kind: ConfigMap\n")
+    assert crdgen.main(["--check", "--out", str(repo)]) == 1
+    assert "kvfence.dev_oldthings.yaml (no such CRD any more)" in capsys.readouterr().err
+    assert crdgen.main(["--out", str(repo), "--out", str(chart)]) == 0
+    assert not gone.exists() and (repo / "not-ours.yaml").exists()
+    assert crdgen.main(["--check", "--out", str(repo), "--out", str(chart)]) == 0
 
 
 def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:

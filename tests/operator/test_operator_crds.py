@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster.manifests import ENGINE, tenant_binding, trust_class
-from cluster.waiting import wait_until
+from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

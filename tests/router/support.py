@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from support import prom
+from support.ports import free_port
+from support.process import ManagedProcess
 
 from kvfence.api.routing import hash_api_key
 
@@ -27,53 +28,40 @@ def b64(k: bytes) -> str:
     return base64.b64encode(k).decode()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Proc:
+    """A server process of the router tests, started and ready once ``ready_path`` answers 200."""
+
     args: list[str]
     port: int
     ready_path: str
     env: dict[str, str] | None = None
-    popen: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
+    process: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        return None if self.process is None else self.process.popen
+
     def start(self, log_dir: Path, timeout: float = 30.0) -> Proc:
-        self.log = log_dir / f"proc-{self.port}.log"
-        out = open(self.log, "wb")  # noqa: SIM115 - lives as long as the process
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
-        self.popen = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.args} exited: {self.log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                status, _, _ = request("GET", self.url + self.ready_path, timeout=1)
-                if status == 200:
-                    return self
-            time.sleep(0.05)
-        self.stop()  # never leave a process behind that no fixture will stop
-        raise RuntimeError(f"{self.args} not ready: {self.log.read_text()[-3000:]}")
+        self.process = ManagedProcess(self.args, log_dir / f"proc-{self.port}.log", env=env).start()
+        self.process.wait_ready(
+            lambda: request("GET", self.url + self.ready_path, timeout=1)[0] == 200,
+            f"{Path(self.args[0]).name} {self.args[1:3]} answering {self.ready_path}",
+            timeout,
+        )
+        return self
 
     def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        if self.process is not None:
+            self.process.stop()
 
     def output(self) -> str:
-        return self.log.read_text() if self.log else ""
+        return self.process.output() if self.process is not None else ""
 
 
 def request(
@@ -255,11 +243,7 @@ def start_engine(
 def engine_metric(engine: Proc, name: str) -> float:
     """Sum of every sample of ``name`` (all label sets) on an engine's /metrics."""
     _, _, data = request("GET", engine.url + "/metrics")
-    total = 0.0
-    for line in data.decode().splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return prom.total(data.decode(), name)
 
 
 @dataclass

@@ -17,6 +17,7 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from router.fuzzing import auths, bodies, check, headers, paths
 from router.support import GOLD_KEY, KEYS, EngineStack, auth, engine_metric, request
+from support import prom
 
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
 
@@ -308,12 +309,8 @@ def test_tokens_quota_is_corrected_with_the_engines_usage(engine_stack: EngineSt
     doc = complete(r, KEYS["frank"], {"model": "tiny", "prompt": "count my tokens", "max_tokens": 7})
     used = doc["usage"]["total_tokens"]
     _, _, metrics = request("GET", r + "/metrics")
-    line = next(
-        x
-        for x in metrics.decode().splitlines()
-        if x.startswith('kvfence_router_tokens_total{tenant="frank"}')
-    )
-    assert float(line.rsplit(" ", 1)[1]) == used  # charged what the engine reported, not the reservation
+    # charged what the engine reported, not the reservation
+    assert prom.value(metrics.decode(), 'kvfence_router_tokens_total{tenant="frank"}') == used
     # frank has 600 tokens/min: a request reserving more than what is left is refused with Retry-After
     status, headers, _ = request(
         "POST",
@@ -330,10 +327,7 @@ def test_streamed_usage_corrects_the_reservation(engine_stack: EngineStack) -> N
 
     def charged() -> float:
         _, _, metrics = request("GET", engine_stack.router.url + "/metrics")
-        for x in metrics.decode().splitlines():
-            if x.startswith('kvfence_router_tokens_total{tenant="frank"}'):
-                return float(x.rsplit(" ", 1)[1])
-        return 0.0
+        return prom.value(metrics.decode(), 'kvfence_router_tokens_total{tenant="frank"}') or 0.0
 
     before = charged()
     body = {

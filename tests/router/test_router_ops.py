@@ -13,7 +13,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cluster.waiting import wait_until
 from router.support import (
     GOLD_KEY,
     KEYS,
@@ -21,13 +20,15 @@ from router.support import (
     Proc,
     auth,
     complete,
-    free_port,
     request,
     standard_table,
     start_fake,
     start_router,
     write_table,
 )
+from support import prom
+from support.ports import free_port
+from support.waiting import wait_until
 
 from kvfence.contract import derive_cache_salt
 
@@ -36,12 +37,9 @@ def wait_for(cond: Callable[[], Any], what: str) -> None:
     wait_until(cond, what, timeout=30.0, interval=0.05)
 
 
-def metric(router: Proc, line_prefix: str) -> float | None:
+def metric(router: Proc, sample: str) -> float | None:
     _, _, data = request("GET", router.url + "/metrics")
-    for line in data.decode().splitlines():
-        if line.startswith(line_prefix + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return prom.value(data.decode(), sample)
 
 
 @pytest.fixture

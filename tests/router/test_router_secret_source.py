@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 from cluster.localcluster import LocalCluster
-from cluster.waiting import wait_until
-from router.support import KEYS, Proc, auth, free_port, request, standard_table
+from router.support import KEYS, Proc, auth, request, standard_table
+from support.ports import free_port
+from support.waiting import wait_until
 
 from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
 from kvfence.router.source import role

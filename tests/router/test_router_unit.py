@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, free_port, standard_table, write_table
+from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, write_table
+from support.ports import free_port
 
 from kvfence.api.routing import Quotas, RoutingTable, encode_table, hash_api_key
 from kvfence.contract import (

@@ -320,7 +320,7 @@ def test_unsigned_request_with_client_salt_is_refused(env: Env) -> None:
     status, headers, body = env.post({"prompt": "x", "cache_salt": salt(BOB)}, identity=None)
     assert status == 401
     err = json.loads(body)["error"]
-    assert err["type"] == "authentication_error" and err["code"] == "invalid_signature"
+    assert err["type"] == "authentication_error" and err["code"] == "missing_signature"
     assert set(err) == {"message", "type", "param", "code"}
     assert headers["content-type"] == "application/json"
     assert "www-authenticate" in headers
@@ -391,11 +391,12 @@ def test_bad_signature_header_is_refused(env: Env) -> None:
     assert env.seen.requests == []
 
 
-def test_wrong_trust_class_is_forbidden(env: Env) -> None:
+def test_wrong_trust_class_is_refused_as_in_the_contract(env: Env) -> None:
     silver = Identity("carol", "silver", cache_namespace("silver", "carol", "Tenant"))
     status, _, body = env.post({"prompt": "x"}, identity=silver)
-    assert status == 403
-    assert json.loads(body)["error"]["type"] == "permission_error"
+    assert status == 401  # docs/contract.md: WrongTrustClass is 401 wrong_trust_class, on every engine
+    err = json.loads(body)["error"]
+    assert (err["type"], err["code"]) == ("authentication_error", "wrong_trust_class")
     assert env.seen.requests == []
 
 
@@ -496,9 +497,9 @@ def test_body_over_the_limit_is_a_413(env: Env) -> None:
 
 # --- keys and configuration --------------------------------------------------------------------------
 def test_rotated_key_files_are_picked_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvfence.vllm.middleware as mwmod
+    from kvfence.engine import guard
 
-    monkeypatch.setattr(mwmod, "KEY_RELOAD_INTERVAL", 0.0)
+    monkeypatch.setattr(guard, "KEY_RELOAD_INTERVAL", 0.0)
     key_dir = tmp_path / "keys"
     write_keys(key_dir, OLD_KEY)
     seen = Seen()

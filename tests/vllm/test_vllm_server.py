@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 from router.support import Proc, auth, b64, request, start_router, write_table
+from support.ports import free_port
+from support.waiting import wait_until
 
 from kvfence.api.common import TenantQuotas
 from kvfence.api.routing import hash_api_key
@@ -40,7 +42,7 @@ from kvfence.contract import (
     derive_cache_salt,
 )
 
-from .vllmserve import VllmServer, free_port, start_vllm, tiny_model, trust_class
+from .vllmserve import VllmServer, start_vllm, tiny_model, trust_class
 
 KEY = bytes(range(32))
 KEYS = {"alice": "sk-vllm-alice-0001", "bob": "sk-vllm-bob-0001", "carol": "sk-vllm-carol-0001"}
@@ -215,12 +217,9 @@ def counters(server: VllmServer) -> tuple[float, float, float]:
     )
 
 
-def eventually(check: Any, timeout: float = 10.0) -> None:
+def eventually(check: Any, what: str) -> None:
     """The fence's counters reach /metrics through a file the engine core writes 4 times a second."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
+    wait_until(check, what, timeout=10.0, interval=0.1)
 
 
 def cached_tokens(doc: dict[str, Any]) -> int:
@@ -239,10 +238,13 @@ def test_vllm_runs_the_rendered_flags_with_the_kvfence_scheduler_and_middleware(
     # Unsigned requests never reach vLLM, and the refusal is in vLLM's log.
     status, _, body = request("POST", stack.server.url + "/v1/completions", {"model": "tiny", "prompt": "x"})
     assert status == 401, body
-    deadline = time.monotonic() + 10
-    while "kvfence: refused POST /v1/completions" not in stack.server.output():
-        assert time.monotonic() < deadline, stack.server.output()[-3000:]
-        time.sleep(0.2)
+    wait_until(
+        lambda: "kvfence: refused POST /v1/completions" in stack.server.output(),
+        "the refusal in vLLM's log",
+        timeout=10,
+        interval=0.2,
+        dump=lambda: stack.server.output()[-3000:],
+    )
 
 
 def test_concurrent_mixed_tenants_get_exactly_their_solo_answers(
@@ -370,7 +372,9 @@ def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack
     for status, doc in results:
         assert status == 200, doc
         assert doc["choices"][0]["finish_reason"] == "length"
-    eventually(lambda: stack.server.metric("kvfence_engine_quota_held_back_total") > held)
+    eventually(
+        lambda: stack.server.metric("kvfence_engine_quota_held_back_total") > held, "a held-back count"
+    )
     assert peak <= CAROL_MAX_BLOCKS
     # alice was not stuck behind carol's waiting requests: all hers finished before carol's last one.
     last_carol = max(t for who, t in finished if who == "carol")
@@ -392,20 +396,26 @@ def test_a_request_beyond_the_kv_quota_is_cut_or_refused_with_an_openai_error(st
         "carol", "/v1/completions", {"model": "tiny", "prompt": text(6000, 150), "max_tokens": 4}
     )
     assert status >= 400 and set(doc["error"]) >= {"message", "type", "code"}, doc
-    eventually(lambda: stack.server.metric("kvfence_engine_quota_rejected_total") == rejected + 1)
+    eventually(
+        lambda: stack.server.metric("kvfence_engine_quota_rejected_total") == rejected + 1,
+        "the refusal counted",
+    )
     assert "exceed the tenant's KV quota" in stack.server.output()
 
 
 def test_a_quota_change_reaches_running_vllm_without_a_restart(stack: Stack) -> None:
     pid = stack.server.popen.pid if stack.server.popen else None
     stack.server.set_quotas({"carol": {"maxBlocks": 5, "guaranteedBlocks": 1}})
-    deadline = time.monotonic() + 15
     key = 'kvfence_engine_tenant_kv_blocks_limit{kind="max",tenant="carol"}'
-    while stack.server.metrics().get(key) != 5:
+
+    def applied() -> bool:
+        if stack.server.metrics().get(key) == 5:
+            return True
         # The scheduler re-reads the file on its next step; keep it stepping.
         stack.post("alice", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
-        assert time.monotonic() < deadline, "quota change not applied"
-        time.sleep(0.3)
+        return False
+
+    wait_until(applied, "the quota change applied", timeout=15, interval=0.3)
     assert "KV quotas reloaded" in stack.server.output()
     assert (
         stack.server.popen is not None and stack.server.popen.pid == pid and stack.server.popen.poll() is None

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cluster import manifests
-from router.support import Proc, free_port, request
+from router.support import request
+from support import prom
+from support.process import ManagedProcess
 
 from kvfence.api.common import TenantQuotas
 from kvfence.api.trustclass import TrustClass
@@ -110,12 +110,16 @@ class VllmServer:
     port: int
     log: Path
     config_path: Path
-    popen: subprocess.Popen[bytes] | None = None
+    process: ManagedProcess | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes] | None:
+        return None if self.process is None else self.process.popen
 
     def start(self, timeout: float = 420.0) -> VllmServer:
         exe = str(Path(self.python).parent / "vllm")
@@ -128,33 +132,21 @@ class VllmServer:
             "PYTHONUNBUFFERED": "1",
             **self.extra_env,
         }
-        out = open(self.log, "wb")  # noqa: SIM115 - lives as long as the process
-        self.popen = subprocess.Popen(
-            [exe, "serve", *self.args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        # vLLM forks its engine core: a session of its own, so that stop() ends the whole group
+        self.process = ManagedProcess(
+            [exe, "serve", *self.args], self.log, env=env, new_session=True, grace=60
+        ).start()
+        self.process.wait_ready(
+            lambda: request("GET", self.url + "/health", timeout=2)[0] == 200,
+            "vllm serve answering /health",
+            timeout,
+            interval=0.5,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.popen.returncode}): {self.output()[-6000:]}")
-            try:
-                status, _, _ = request("GET", self.url + "/health", timeout=2)
-                if status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vllm serve not ready after {timeout} s: {self.output()[-6000:]}")
+        return self
 
     def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
+        if self.process is not None:
+            self.process.stop()
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -163,20 +155,11 @@ class VllmServer:
         """Every sample on /metrics, keyed by its full name with labels."""
         status, _, data = request("GET", self.url + "/metrics", timeout=10)
         assert status == 200
-        out: dict[str, float] = {}
-        for line in data.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return prom.samples(data.decode())
 
     def metric(self, name: str) -> float:
         """Sum of every sample of ``name`` (all label sets)."""
-        total = 0.0
-        for k, v in self.metrics().items():
-            if k == name or k.startswith(name + "{"):
-                total += v
-        return total
+        return prom.total(self.metrics(), name)
 
     def set_quotas(self, tenants: dict[str, dict[str, int]]) -> None:
         """Rewrite the mounted engine config's per-tenant quotas (what the operator does on a change)."""
@@ -206,4 +189,4 @@ def start_vllm(
     return server.start()
 
 
-__all__ = ["Proc", "VllmServer", "free_port", "rendered", "start_vllm", "tiny_model", "trust_class"]
+__all__ = ["VllmServer", "rendered", "start_vllm", "tiny_model", "trust_class"]

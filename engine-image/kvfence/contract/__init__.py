@@ -44,15 +44,6 @@ HEADER_TIMESTAMP = "X-Kvfence-Timestamp"
 HEADER_NONCE = "X-Kvfence-Nonce"
 HEADER_KEY_ID = "X-Kvfence-Key-Id"
 HEADER_SIGNATURE = "X-Kvfence-Signature"
-IDENTITY_HEADERS = (
-    HEADER_TENANT,
-    HEADER_TRUST_CLASS,
-    HEADER_CACHE_NAMESPACE,
-    HEADER_TIMESTAMP,
-    HEADER_NONCE,
-    HEADER_KEY_ID,
-    HEADER_SIGNATURE,
-)
 
 #: Headers a client may send to pick an identity or a cache namespace; the router drops them all
 #: (compare lower-cased), as well as every header that starts with :data:`HEADER_PREFIX`.

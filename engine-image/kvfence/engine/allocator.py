@@ -102,10 +102,6 @@ class Accounting:
     sequences: int = 0
     cached_entries: int = 0
 
-    @property
-    def in_use(self) -> int:
-        return self.active + self.fenced
-
 
 class FencedAllocator:
     def __init__(

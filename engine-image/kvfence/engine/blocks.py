@@ -117,10 +117,6 @@ class BlockList:
         self.remove(first)
         return first
 
-    def peekleft(self) -> KVBlock | None:
-        first = self._head.next
-        return None if first is self._tail else first
-
     def remove(self, block: KVBlock) -> None:
         if block.in_list is not self:
             raise RuntimeError(f"block {block.block_id} is not in list {self.name!r}")

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -535,7 +535,3 @@ class Engine:
         self.submit(Request(rid, tenant, self.context(ns, adapter), prompt, max_tokens, sink))
         self.run_until_idle()
         return out, end[0]
-
-    def submit_many(self, requests: Sequence[Request]) -> None:
-        for r in requests:
-            self.submit(r)

@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics``, ``GET /health``.
 
-Every ``/v1/`` request must carry a valid router signature (:class:`kvfence.contract.Verifier`). The
+Every ``/v1/`` request must carry a valid router signature, checked by :class:`kvfence.engine.guard.Guard`
+(the same check, and the same refusals, as the vLLM middleware's). The
 tenant, trust class and cache namespace come from the signed identity only; a body ``cache_salt`` must
 equal the salt derived from that identity, and the namespace must be the one this engine's
 prefix-cache scope gives the tenant.
@@ -32,17 +33,8 @@ from typing import Any
 
 from aiohttp import web
 
-from kvfence.contract import (
-    BODY_CACHE_SALT,
-    CLIENT_FORBIDDEN_BODY_FIELDS,
-    HEADER_SIGNATURE,
-    Identity,
-    NonceCache,
-    SignatureError,
-    Verified,
-    Verifier,
-    derive_cache_salt,
-)
+from kvfence.contract import HEADER_SIGNATURE, Identity, Verified, derive_cache_salt
+from kvfence.contract.errors import error_body, error_type
 from kvfence.engine.config import ConfigError, EngineConfig, load_config, load_signing_keys
 from kvfence.engine.engine import (
     Admitted,
@@ -54,21 +46,12 @@ from kvfence.engine.engine import (
     RequestError,
     Token,
 )
+from kvfence.engine.guard import Guard, KeySource, KeySourceError, Refusal, parse_body
 from kvfence.engine.model import ByteTokenizer
 
 log = logging.getLogger("kvfence.engine.server")
 
 ENGINE_KEY: web.AppKey[EngineServer] = web.AppKey("kvfence_engine_server")
-
-_SIG_CODES = {
-    "MissingSignature": "missing_signature",
-    "WrongTrustClass": "wrong_trust_class",
-    "UnknownKey": "unknown_signing_key",
-    "BadSignature": "invalid_signature",
-    "BadTimestamp": "invalid_timestamp",
-    "StaleSignature": "stale_signature",
-    "ReplayedSignature": "replayed_signature",
-}
 
 
 class ApiError(Exception):
@@ -85,69 +68,22 @@ class ApiError(Exception):
         self.param = param
 
     def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
+        body = error_body(self.message, self.code, self.type, self.param)
+        return web.Response(body=body, status=self.status, content_type="application/json")
 
 
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-}
+def _refused(r: Refusal) -> web.Response:
+    headers = {k: v for k, v in r.headers() if k != "Content-Type"}
+    return web.Response(body=r.body(), status=r.status, content_type="application/json", headers=headers)
 
 
-class KeyRing:
-    """The trust class's verifier, rebuilt when the mounted key files change (key rotation).
-
-    The nonce cache outlives rebuilds, so a rotation does not reopen the replay window.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self._config = config
-        self._nonces = NonceCache()
-        self._stamp: tuple[float, ...] | None = None
-        self._checked = 0.0
-        self.verifier: Verifier | None = None
-        self.current_key: bytes | None = None
-        self._reload(force=True)
-
-    def _mtimes(self) -> tuple[float, ...]:
-        d = Path(self._config.signing_key_dir)
-        out = []
-        for name in ("current", "previous"):
-            try:
-                out.append((d / name).stat().st_mtime)
-            except OSError:
-                out.append(-1.0)
-        return tuple(out)
-
-    def _reload(self, *, force: bool = False) -> None:
-        stamp = self._mtimes()
-        if not force and stamp == self._stamp:
-            return
-        try:
-            keys = load_signing_keys(self._config.signing_key_dir)
-        except ConfigError:
-            if self._config.require_signature and self.verifier is None:
-                raise
-            if self.verifier is not None:
-                log.warning("signing keys unreadable; keeping the previous ones")
-            return
-        self.verifier = Verifier(self._config.trust_class, keys, nonces=self._nonces)
-        self.current_key = keys[0]
-        self._stamp = stamp
-        log.info("loaded %d signing key(s)", len(keys))
-
-    def get(self) -> Verifier | None:
-        now = time.monotonic()
-        if now - self._checked > 1.0:
-            self._checked = now
-            self._reload()
-        return self.verifier
+def _guard(config: EngineConfig) -> Guard:
+    """The contract check of this engine: its trust class, its keys, its prefix-cache scope."""
+    keys = KeySource(config.trust_class, Path(config.signing_key_dir))
+    try:
+        return Guard(keys, scope=config.prefix_cache.scope, required=config.require_signature)
+    except KeySourceError as e:
+        raise ConfigError(str(e)) from None
 
 
 class QuotaReloader:
@@ -216,91 +152,28 @@ class EngineServer:
         self.config = config
         self.engine = engine or Engine(config)
         self.metrics = self.engine.metrics
-        self.keys = KeyRing(config)
+        self.guard = _guard(config)
         self.quotas = QuotaReloader(config_path, self) if config_path else None
         self.tokenizer = ByteTokenizer()
         self.created = int(time.time())
 
-    # --- the contract ---------------------------------------------------------------------------
+    # --- the contract (kvfence.engine.guard) ---------------------------------------------------
     def authenticate(self, request: web.Request, body: bytes) -> Verified:
         if self.quotas is not None:
             self.quotas.check()
-        verifier = self.keys.get()
         signed = any(k.lower() == HEADER_SIGNATURE.lower() for k in request.headers)
         if not signed and not self.config.require_signature:
             tenant = "anonymous"
             ns = self.engine.expected_namespace(tenant)
-            key = self.keys.current_key or b""
+            key = self.guard.current_key or b""
             return Verified(
                 Identity(tenant, self.config.trust_class, ns),
                 derive_cache_salt(key, self.config.trust_class, ns),
             )
-        if verifier is None:
-            self.metrics.signature_rejected.labels("NoKey").inc()
-            raise ApiError(
-                401, "this engine holds no signing key", type_="authentication_error", code="no_signing_key"
-            )
-        try:
-            verified = verifier.verify(request.headers, request.method, request.raw_path, body)
-        except SignatureError as e:
-            self.metrics.signature_rejected.labels(e.reason).inc()
-            raise ApiError(
-                401,
-                f"router signature rejected: {e}",
-                type_="authentication_error",
-                code=_SIG_CODES.get(e.reason, "invalid_signature"),
-            ) from None
-        expected = self.engine.expected_namespace(verified.identity.tenant)
-        if verified.identity.namespace != expected:
-            self.metrics.signature_rejected.labels("NamespaceMismatch").inc()
-            raise ApiError(
-                403,
-                f"cache namespace {verified.identity.namespace!r} does not match this engine's prefix-cache "
-                f"scope ({self.config.prefix_cache.scope.value}) for the tenant",
-                type_="permission_error",
-                code="cache_namespace_mismatch",
-            )
-        return verified
+        path, _, query = request.raw_path.partition("?")
+        return self.guard.verify(request.method, path, query, request.headers.items(), body)
 
     # --- helpers ------------------------------------------------------------------------------------
-    @staticmethod
-    def parse_json(body: bytes) -> dict[str, Any]:
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(
-                400, f"malformed JSON body: {e}", type_="invalid_request_error", code="invalid_json"
-            ) from None
-        if not isinstance(data, dict):
-            raise ApiError(
-                400,
-                "the request body must be a JSON object",
-                type_="invalid_request_error",
-                code="invalid_json",
-            )
-        return data
-
-    def check_salt(self, data: dict[str, Any], verified: Verified) -> None:
-        for name in CLIENT_FORBIDDEN_BODY_FIELDS:
-            if name != BODY_CACHE_SALT and name in data:
-                self.metrics.signature_rejected.labels("ForbiddenBodyField").inc()
-                raise ApiError(
-                    403,
-                    f"{name} chooses KV-cache state and is not accepted",
-                    type_="permission_error",
-                    code="forbidden_field",
-                    param=name,
-                )
-        if BODY_CACHE_SALT in data and data[BODY_CACHE_SALT] != verified.cache_salt:
-            self.metrics.signature_rejected.labels("CacheSaltMismatch").inc()
-            self.metrics.cross_access_rejected.inc()
-            raise ApiError(
-                403,
-                "cache_salt does not match the salt of the signed identity",
-                type_="permission_error",
-                code="cache_salt_mismatch",
-                param=BODY_CACHE_SALT,
-            )
 
     def resolve_model(self, data: dict[str, Any]) -> tuple[str, str]:
         model = data.get("model")
@@ -349,8 +222,8 @@ class EngineServer:
         endpoint = "chat" if chat else "completions"
         body = await request.read()
         verified = self.authenticate(request, body)
-        data = self.parse_json(body)
-        self.check_salt(data, verified)
+        data = parse_body(body)
+        self.guard.check_body(data, verified)
         model, adapter = self.resolve_model(data)
         stream = self.common_checks(data)
         include_usage = self._include_usage(data) if stream else False
@@ -383,12 +256,7 @@ class EngineServer:
         try:
             first = await events.get()
             if isinstance(first, Failed):
-                raise ApiError(
-                    first.status,
-                    first.message,
-                    type_=_TYPE_BY_STATUS.get(first.status, "server_error"),
-                    code=first.code,
-                )
+                raise ApiError(first.status, first.message, type_=error_type(first.status), code=first.code)
             assert isinstance(first, Admitted)
             if stream:
                 return await self._stream(request, events, rid, model, chat, endpoint, include_usage)
@@ -405,9 +273,7 @@ class EngineServer:
             if isinstance(ev, Token):
                 ids.append(ev.token_id)
             elif isinstance(ev, Failed):
-                raise ApiError(
-                    ev.status, ev.message, type_=_TYPE_BY_STATUS.get(ev.status, "server_error"), code=ev.code
-                )
+                raise ApiError(ev.status, ev.message, type_=error_type(ev.status), code=ev.code)
             elif isinstance(ev, Finished):
                 break
         text = self.tokenizer.decode(ids)
@@ -483,15 +349,8 @@ class EngineServer:
                 if text:
                     await resp.write(chunk(text, None))
             elif isinstance(ev, Failed):
-                err = {
-                    "error": {
-                        "message": ev.message,
-                        "type": _TYPE_BY_STATUS.get(ev.status, "server_error"),
-                        "param": None,
-                        "code": ev.code,
-                    }
-                }
-                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                err = error_body(ev.message, ev.code, error_type(ev.status))
+                await resp.write(b"data: " + err + b"\n\n")
                 break
             elif isinstance(ev, Finished):
                 tail = decoder.decode(b"", final=True)
@@ -615,13 +474,18 @@ async def _errors(
     except ApiError as e:
         server.metrics.requests.labels(endpoint, str(e.status)).inc()
         return e.response()
+    except Refusal as r:
+        if r.counted:
+            server.metrics.signature_rejected.labels(r.reason).inc()
+        if r.cross_access:
+            server.metrics.cross_access_rejected.inc()
+        server.metrics.requests.labels(endpoint, str(r.status)).inc()
+        return _refused(r)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         server.metrics.requests.labels(endpoint, str(e.status)).inc()
-        return ApiError(
-            e.status, e.reason, type_=_TYPE_BY_STATUS.get(e.status, "invalid_request_error")
-        ).response()
+        return ApiError(e.status, e.reason, type_=error_type(e.status)).response()
 
 
 async def serve(

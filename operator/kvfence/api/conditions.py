@@ -20,9 +20,7 @@ REASON_ROLLOUT_COMPLETE: Final = "RolloutComplete"
 REASON_UNAVAILABLE: Final = "EngineUnavailable"
 REASON_SCALED_TO_ZERO: Final = "ScaledToZero"
 REASON_NAMESPACE_CONFLICT: Final = "NamespaceConflict"
-REASON_RECONCILE_FAILED: Final = "ReconcileFailed"
 REASON_AS_EXPECTED: Final = "AsExpected"
-REASON_DELETING: Final = "Deleting"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
 #: a shared prefix's configMapKeyRef names a ConfigMap or key that does not exist (the engines keep the
@@ -43,19 +41,3 @@ REASON_SECRET_FORBIDDEN: Final = "ApiKeySecretForbidden"
 REASON_NO_API_KEYS: Final = "NoApiKeys"
 REASON_DUPLICATE_API_KEY: Final = "DuplicateApiKey"
 REASON_KV_OVERCOMMITTED: Final = "KVBlocksOvercommitted"
-
-#: Reasons that make a binding ``Denied`` (as opposed to merely not yet ``Bound``).
-DENIAL_REASONS: Final = frozenset(
-    {
-        REASON_TRUST_CLASS_NOT_FOUND,
-        REASON_NAMESPACE_NOT_ADMITTED,
-        REASON_DUPLICATE_TENANT_ID,
-        REASON_ADAPTER_NOT_IN_CLASS,
-        REASON_QUOTA_EXCEEDS_LIMIT,
-        REASON_SECRET_NOT_FOUND,
-        REASON_SECRET_FORBIDDEN,
-        REASON_NO_API_KEYS,
-        REASON_DUPLICATE_API_KEY,
-        REASON_KV_OVERCOMMITTED,
-    }
-)

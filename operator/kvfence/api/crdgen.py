@@ -1,11 +1,14 @@
-"""Generate the CustomResourceDefinitions in ``crds/`` from the pydantic models.
+"""Generate the CustomResourceDefinitions in ``crds/`` and ``charts/kvfence/crds/`` from the pydantic
+models.
 
 The models are the single source of truth. Pydantic's JSON Schema is turned into a Kubernetes
 *structural* schema: ``$ref`` inlined, ``anyOf [X, null]`` collapsed to ``X`` (optional fields are
 simply not required), titles dropped, ``exclusiveMinimum`` rewritten to the OpenAPI v3.0 form, and the
 ``x-kubernetes-*`` extensions the models declare kept where they are.
 
-``kvfence-crdgen`` writes the files; ``kvfence-crdgen --check`` fails when the committed ones differ.
+``kvfence-crdgen`` writes the files into both folders (the chart ships the same bytes: Helm installs
+its ``crds/`` folder, ``kubectl apply`` takes the top-level one); ``kvfence-crdgen --check`` fails when
+a committed file in either folder differs. Nobody copies a CRD by hand.
 """
 
 from __future__ import annotations
@@ -235,27 +238,51 @@ def render_all() -> dict[str, str]:
     return out
 
 
-def default_out_dir() -> Path:
-    return Path(__file__).resolve().parents[3] / "crds"
+def _generated(path: Path) -> bool:
+    with path.open() as f:
+        return f.readline() == HEADER
+
+
+ROOT = Path(__file__).resolve().parents[3]
+#: Every folder the CRDs are committed in: the repository's own, and the Helm chart's.
+OUT_DIRS = (ROOT / "crds", ROOT / "charts" / "kvfence" / "crds")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvfence-crdgen", description="Generate crds/ from kvfence.api.")
-    p.add_argument("--out", type=Path, default=default_out_dir(), help="directory to write (default: crds/)")
+    p = argparse.ArgumentParser(
+        prog="kvfence-crdgen", description="Generate crds/ and charts/kvfence/crds/ from kvfence.api."
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        action="append",
+        help="a directory to write; repeatable (default: crds/ and charts/kvfence/crds/)",
+    )
     p.add_argument("--check", action="store_true", help="fail if the files on disk differ; write nothing")
     args = p.parse_args(argv)
+    out_dirs: list[Path] = args.out or list(OUT_DIRS)
+    rendered = render_all()
     drift = []
-    for name, text in render_all().items():
-        path = args.out / name
-        current = path.read_text() if path.exists() else None
-        if current == text:
-            continue
-        if args.check:
-            drift.append(str(path))
-        else:
-            args.out.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path}")
+    for out in out_dirs:
+        # A generated file whose kind the models no longer have is drift too (and removed on write).
+        stale = [f for f in sorted(out.glob("*.yaml")) if f.name not in rendered and _generated(f)]
+        for path in stale:
+            if args.check:
+                drift.append(f"{path} (no such CRD any more)")
+            else:
+                path.unlink()
+                print(f"removed {path}")
+        for name, text in rendered.items():
+            path = out / name
+            current = path.read_text() if path.exists() else None
+            if current == text:
+                continue
+            if args.check:
+                drift.append(str(path))
+            else:
+                out.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                print(f"wrote {path}")
     if drift:
         print("CRDs drifted from the models; run `make crds`: " + ", ".join(drift), file=sys.stderr)
         return 1

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
+from kvfence.contract.errors import error_body
 from kvfence.router.http import Response
 
 
@@ -29,11 +28,6 @@ class RouterError(Exception):
 
     def response(self) -> Response:
         return error_response(self.status, self.message, self.code, self.type, self.param, self.headers)
-
-
-def error_body(message: str, code: str, type_: str, param: str | None = None) -> bytes:
-    doc = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
 def error_response(

@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvfence.contract import BODY_CACHE_SALT, sign, strip_client_body, strip_client_headers
+from kvfence.contract.errors import error_body
 from kvfence.router.errors import RouterError
 from kvfence.router.http import Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
@@ -370,16 +371,9 @@ class Proxy:
         except UpstreamError as e:
             # Headers are gone already; tell the client in-band, then end the stream.
             self.metrics.upstream_errors.inc((cls.name, "stream"))
-            err = {
-                "error": {
-                    "message": f"engine stream failed: {e}",
-                    "type": "upstream_error",
-                    "param": None,
-                    "code": "bad_gateway",
-                }
-            }
+            err = error_body(f"engine stream failed: {e}", "bad_gateway", "upstream_error")
             with contextlib.suppress(ConnectionError):
-                await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await out.write(b"data: " + err + b"\n\n")
         except ConnectionError:
             # The client went away: the engine connection is closed on release, which stops it.
             return Relay(out, None, scanner.events if scanner else 0, client_gone=True)

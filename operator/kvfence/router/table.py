@@ -185,15 +185,6 @@ def parse_table(raw: bytes) -> CompiledTable:
     return compile_table(table, checksum)
 
 
-def load_table(path: str) -> CompiledTable:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise TableError(f"cannot read routing table {path}: {e}") from None
-    return parse_table(raw)
-
-
 def _stat_key(path: str) -> tuple[int, int, int, int, str] | None:
     try:
         st = os.stat(path)
