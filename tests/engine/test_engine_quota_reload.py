@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from engine.enginelib import TOKENIZER, Client, EngineProcess, Signer, config_dict, scrape
+from engine.enginelib import TOKENIZER, Client, EngineProcess, Signer, config_dict
+from support import prom
 
 from kvfence.engine.allocator import FencedAllocator
 from kvfence.engine.config import QuotasConfig
@@ -96,7 +97,7 @@ def test_engine_pins_rewritten_shared_prefixes_without_restart(
     shared = len(TOKENIZER.encode(TOKENIZER.chat_messages([("system", system)]))) // 16 * 16
     assert got == shared  # every tenant's first request: exactly the declared part
     assert cached("gamma", "Gluten free?") == shared
-    metrics = scrape(client.one("/metrics", method="GET", signed=False).text)
+    metrics = prom.samples(client.one("/metrics", method="GET", signed=False).text)
     assert metrics["kvfence_engine_shared_prefixes_pinned"] == 2  # the base model and the adapter
     assert metrics["kvfence_engine_kv_blocks_pinned"] == 2 * shared // 16
     assert proc.stop() == 0
