@@ -86,10 +86,22 @@ class Endpoint:
 class ClassEndpoints:
     """The endpoints of one trust class and the ring of those that serve."""
 
-    __slots__ = ("_factory", "base", "inflight", "members", "name", "policy", "ring", "serving")
+    __slots__ = (
+        "_factory",
+        "base",
+        "hit_labels",
+        "inflight",
+        "members",
+        "name",
+        "policy",
+        "ring",
+        "serving",
+        "spill_labels",
+    )
 
     def __init__(self, name: str, base: str, factory: PoolFactory, policy: str = "affinity") -> None:
         self.name = name
+        self.hit_labels, self.spill_labels = (name, "hit"), (name, "spill")  # metric labels, built once
         self.base = base  # the path prefix of the engine's URL ("" usually)
         self._factory = factory
         self.policy = policy

@@ -43,7 +43,7 @@ from kvfence.router.endpoints import ClassEndpoints, Endpoint, Member, PoolFacto
 from kvfence.router.errors import RouterError
 from kvfence.router.http import Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.slices import ServiceKey, service_of
+from kvfence.router.slices import ServiceKey, SliceSource, service_of
 from kvfence.router.table import ClassPlan, TenantPlan
 from kvfence.router.upstream import Pool, UpstreamError
 from kvfence.router.upstream import Response as UpstreamResponse
@@ -187,7 +187,7 @@ class Proxy:
         self.classes: dict[str, ClassEndpoints] = {}
         self._urls: dict[str, str] = {}  # class -> the endpoint URL its ClassEndpoints was built for
         self._services: dict[str, ServiceKey] = {}  # class -> the Service followed through slices
-        self.slices: Any = None  # a SliceSource when following EndpointSlices (see sync)
+        self.slices: SliceSource | None = None  # when following EndpointSlices (see sync)
         metrics.collect = self._collect
 
     def _collect(self) -> None:
@@ -241,10 +241,11 @@ class Proxy:
                 name, u.path.rstrip("/"), self._factory(cls.endpoint), self.config.balance
             )
             self._urls[name] = cls.endpoint
-            service = service_of(cls.endpoint) if self.slices is not None else None
-            if service is not None and service[1] in self.slices.names:
+            slices = self.slices
+            service = service_of(cls.endpoint) if slices is not None else None
+            if slices is not None and service is not None and service[1] in slices.names:
                 self._services[name] = service
-                ce.set_members(self.slices.members(service))
+                ce.set_members(slices.members(service))
             else:
                 self._services.pop(name, None)
                 ce.set_members([Member(u.hostname or "", u.port or (443 if https else 80))])
@@ -366,7 +367,7 @@ class Proxy:
                 break
             ep, home = picked
             if attempt == 0:
-                self.metrics.affinity.inc((cls.name, "hit" if home else "spill"))
+                self.metrics.affinity.inc(ce.hit_labels if home else ce.spill_labels)
             else:
                 # A fresh nonce: the engine refuses a replayed one.
                 headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
