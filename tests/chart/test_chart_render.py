@@ -127,6 +127,8 @@ def test_default_objects(rendered: dict[str, list[Obj]]) -> None:
             ("RoleBinding", "kvfence-operator-leader-election"),
             ("Role", "kvfence-router"),
             ("RoleBinding", "kvfence-router"),
+            ("ClusterRole", "kvfence-router-endpointslices"),
+            ("ClusterRoleBinding", "kvfence-router-endpointslices"),
             ("Deployment", "kvfence-operator"),
             ("Deployment", "kvfence-router"),
             ("Service", "kvfence-operator-metrics"),
@@ -235,7 +237,13 @@ def test_router_deployment_reads_the_routing_table_the_operator_renders(
 
 
 def test_router_can_read_the_routing_table_from_a_volume_without_api_access() -> None:
-    objs = render(sets=["router.routingTableSource=volume"])
+    objs = render(
+        sets=[
+            "router.routingTableSource=volume",
+            "router.endpointSlices=false",  # these two need the API too
+            "router.quotasFollowReplicas=false",
+        ]
+    )
     assert not find(objs, "Role", "kvfence-router") and not find(objs, "RoleBinding", "kvfence-router")
     r = one(objs, "Deployment", "kvfence-router")
     c = container(r)
@@ -307,12 +315,13 @@ def test_rbac_matches_the_operators_own_definition(rendered: dict[str, list[Obj]
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
-    # The router's only grant is its Role on the routing Secret (checked in the router test above).
+    # The router's only grants are its Role on the routing Secret and list/watch of EndpointSlices
+    # (both checked in the router tests above).
     assert [
         b["roleRef"]["name"]
         for b in find(objs, "RoleBinding") + find(objs, "ClusterRoleBinding")
         if "router" in str(b["subjects"])
-    ] == ["kvfence-router"]
+    ] == ["kvfence-router", "kvfence-router-endpointslices"]
     # The operator's names are the ones its code uses.
     assert builders.SIGNING_SECRET_NAME in str(rbac.cluster_role()["rules"])
 
@@ -533,3 +542,35 @@ def test_values_schema_is_valid_json_and_covers_every_top_level_key() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(values) <= set(schema["properties"])
     assert schema["additionalProperties"] is False
+
+
+def test_router_follows_endpointslices_with_exactly_the_rbac_it_needs(rendered: dict[str, list[Obj]]) -> None:
+    from kvfence.router import slices
+    from kvfence.router.server import parse_args
+
+    objs = rendered["default"]
+    c = container(one(objs, "Deployment", "kvfence-router"))
+    args = parse_args(c["args"])
+    assert args.endpoint_slices and args.router_service == f"{NAMESPACE}/kvfence-router"
+    # The Service whose ready endpoints are counted is the router's own.
+    assert one(objs, "Service", "kvfence-router")["metadata"]["namespace"] == NAMESPACE
+    role = one(objs, "ClusterRole", "kvfence-router-endpointslices")
+    assert normalize_rules(role["rules"]) == normalize_rules(slices.cluster_role()["rules"])
+    binding = one(objs, "ClusterRoleBinding", "kvfence-router-endpointslices")
+    assert binding["roleRef"]["name"] == "kvfence-router-endpointslices"
+    sa = one(objs, "Deployment", "kvfence-router")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+    # Neither on, and the table from a volume: no token, no ClusterRole, the Service dialed by name.
+    off = render(
+        sets=[
+            "router.routingTableSource=volume",
+            "router.endpointSlices=false",
+            "router.quotasFollowReplicas=false",
+        ]
+    )
+    assert not find(off, "ClusterRole", "kvfence-router-endpointslices")
+    assert not find(off, "ClusterRoleBinding", "kvfence-router-endpointslices")
+    r = one(off, "Deployment", "kvfence-router")
+    assert r["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    plain = parse_args(container(r)["args"])
+    assert not plain.endpoint_slices and not plain.router_service

@@ -37,10 +37,11 @@ class Proc:
     ready_path: str
     env: dict[str, str] | None = None
     process: ManagedProcess | None = None
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def popen(self) -> subprocess.Popen[bytes] | None:
@@ -216,8 +217,9 @@ def start_engine(
     scope: str = "Tenant",
     prefix_cache: bool = True,
     num_blocks: int = 2048,
+    host: str = "127.0.0.1",
 ) -> Proc:
-    """A real reference engine process (``kvfence-engine --config FILE``)."""
+    """A real reference engine process (``kvfence-engine --config FILE``), listening on ``host``."""
     d = log_dir / f"engine-{name}"
     (d / "keys").mkdir(parents=True, exist_ok=True)
     (d / "keys" / "current").write_bytes(key)
@@ -231,12 +233,12 @@ def start_engine(
         "maxModelLen": 1024,
         "prefixCache": {"enabled": prefix_cache, "scope": scope, "hashAlgorithm": "sha256"},
         "signingKeyDir": str(d / "keys"),
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {"host": host, "port": port},
     }
     (d / "engine.json").write_text(json.dumps(config))
     exe = Path(sys.executable).parent / "kvfence-engine"
     return Proc(
-        [str(exe), "--config", str(d / "engine.json"), "--log-level", "WARNING"], port, "/health"
+        [str(exe), "--config", str(d / "engine.json"), "--log-level", "WARNING"], port, "/health", host=host
     ).start(log_dir, timeout=60)
 
 

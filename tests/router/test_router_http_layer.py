@@ -592,12 +592,15 @@ def test_proxy_retries_a_stale_connection_once_with_a_fresh_nonce(run: Any) -> N
         )
         plan = table.tenants["alice"]
         proxy = Proxy(RouterMetrics(), ProxyConfig())
+        proxy.sync(table.classes)
         for _ in range(2):
             payload = build_body(plan, {"model": "tiny", "prompt": "p"})
             headers = build_headers(plan, "/v1/completions", [], payload)
-            resp = await proxy._send(plan, "/v1/completions", payload, headers)
+            resp, ce, ep = await proxy._send(plan, "/v1/completions", payload, headers)
             assert resp.status == 200 and await resp.read() == b'{"usage":{"total_tokens":3}}'
             resp.release()
+            ce.end(ep)
+        assert proxy.metrics.retries.values == {}  # the stale retry stays on the same replica
         nonces = [
             line.split(b":", 1)[1].strip()
             for head in seen

@@ -23,6 +23,7 @@ from kvfence.contract import (
     derive_cache_salt,
 )
 from kvfence.router.auth import AuthError, authenticate
+from kvfence.router.endpoints import ClassEndpoints, Endpoint
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import (
     RECOVERY_PROBE_INTERVAL,
@@ -34,7 +35,7 @@ from kvfence.router.proxy import (
 )
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
-from kvfence.router.table import TableError, TableWatcher, compile_table, parse_table
+from kvfence.router.table import ClassPlan, TableError, TableWatcher, compile_table, parse_table
 
 
 def _table(**overrides: object) -> bytes:
@@ -348,14 +349,23 @@ def test_quota_invariants(
         assert admitted_since_tick <= max(lim.rpm, 1) + rpm  # a burst is bounded by the bucket(s)
 
 
+def _proxy_with(cls: ClassPlan, config: ProxyConfig) -> tuple[Proxy, ClassEndpoints, Endpoint]:
+    proxy = Proxy(RouterMetrics(), config)
+    proxy.sync({cls.name: cls})
+    ce = proxy.classes[cls.name]
+    return proxy, ce, next(iter(ce.members.values()))
+
+
 def test_probe_needs_two_failures_in_a_row() -> None:
     async def run() -> None:
         cls = parse_table(_table()).classes["gold"]
         cls = dataclasses.replace(cls, endpoint=f"http://127.0.0.1:{free_port()}")
-        proxy = Proxy(RouterMetrics(), ProxyConfig(health_timeout=0.5))
+        proxy, ce, ep = _proxy_with(cls, ProxyConfig(health_timeout=0.5))
         try:
-            assert await proxy.probe(cls) is True  # one failure: still healthy
-            assert await proxy.probe(cls) is False
+            assert await proxy.probe(ce, ep) is True  # one failure: still healthy
+            assert ce.serving == [ep]
+            assert await proxy.probe(ce, ep) is False
+            assert ce.serving == []  # off the ring
             with pytest.raises(RouterError) as e:
                 proxy.check_available(cls)
             assert e.value.status == 503
@@ -372,21 +382,20 @@ def test_probes_are_scheduled_faster_while_an_engine_is_suspect() -> None:
     async def run() -> None:
         cls = parse_table(_table()).classes["gold"]
         cls = dataclasses.replace(cls, endpoint=f"http://127.0.0.1:{free_port()}")  # nobody listens
-        proxy = Proxy(RouterMetrics(), ProxyConfig(health_interval=60.0, health_timeout=0.5))
+        proxy, _, st = _proxy_with(cls, ProxyConfig(health_interval=60.0, health_timeout=0.5))
         try:
-            st = proxy.engine(cls)
-            await proxy.probe_all([cls])  # new: probed at once
+            await proxy.probe_all()  # new: probed at once
             assert st.failures == 1 and st.healthy
             first = st.last_probe
-            await proxy.probe_all([cls])  # suspect, but probed less than RECOVERY_PROBE_INTERVAL ago
+            await proxy.probe_all()  # suspect, but probed less than RECOVERY_PROBE_INTERVAL ago
             assert st.last_probe == first
             st.last_probe -= RECOVERY_PROBE_INTERVAL
-            await proxy.probe_all([cls])  # suspect and due: probed again, long before health_interval
+            await proxy.probe_all()  # suspect and due: probed again, long before health_interval
             assert st.failures == 2 and not st.healthy
             st.failures, st.healthy = 0, True  # healthy again: back to health_interval
             st.last_probe -= RECOVERY_PROBE_INTERVAL
             before = st.last_probe
-            await proxy.probe_all([cls])
+            await proxy.probe_all()
             assert st.last_probe == before
         finally:
             await proxy.close()

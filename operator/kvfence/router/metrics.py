@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 Labels = tuple[str, ...]
 
@@ -142,8 +143,40 @@ class RouterMetrics:
         )
         self.engine_healthy = Gauge(
             "kvfence_router_engine_healthy",
-            "1 if the trust class's engine passed its last health check.",
+            "1 if at least one replica of the trust class's engine serves (ready and healthy).",
             ("trust_class",),
+        )
+        self.endpoint_serving = Gauge(
+            "kvfence_router_engine_endpoint_serving",
+            "1 if this engine replica (ip:port) receives requests: ready in its EndpointSlice and "
+            "passing the router's health checks; 0 if it is known but left out.",
+            ("trust_class", "engine"),
+        )
+        self.endpoint_requests = Counter(
+            "kvfence_router_engine_endpoint_requests_total",
+            "Requests sent to each engine replica (retries included).",
+            ("trust_class", "engine"),
+        )
+        self.endpoint_inflight = Gauge(
+            "kvfence_router_engine_endpoint_inflight_requests",
+            "Requests in flight on each engine replica, as the router counts them.",
+            ("trust_class", "engine"),
+        )
+        self.affinity = Counter(
+            "kvfence_router_affinity_total",
+            "Replica choices: hit (the tenant's home replica) or spill (the home was at its load bound).",
+            ("trust_class", "result"),
+        )
+        self.retries = Counter(
+            "kvfence_router_engine_retries_total",
+            "Requests sent again to another replica because the first could not have answered them, "
+            "by what happened (connect, closed, stale).",
+            ("trust_class", "reason"),
+        )
+        self.router_replicas = Gauge(
+            "kvfence_router_replicas",
+            "Router replicas this router divides each tenant's quotas by (ready endpoints of its "
+            "Service with --router-service, else --replicas).",
         )
         self.reloads = Counter(
             "kvfence_router_routing_table_reloads_total", "Routing table loads, by result.", ("result",)
@@ -152,6 +185,8 @@ class RouterMetrics:
             "kvfence_router_routing_table_generation", "How many valid routing tables were loaded."
         )
         self.table_tenants = Gauge("kvfence_router_routing_table_tenants", "Tenants in the current table.")
+        #: Called before each scrape to set gauges that are read from live state (in-flight counts).
+        self.collect: Callable[[], None] | None = None
         self.all = (
             self.requests,
             self.duration,
@@ -163,12 +198,20 @@ class RouterMetrics:
             self.upstream_errors,
             self.inflight,
             self.engine_healthy,
+            self.endpoint_serving,
+            self.endpoint_requests,
+            self.endpoint_inflight,
+            self.affinity,
+            self.retries,
+            self.router_replicas,
             self.reloads,
             self.table_generation,
             self.table_tenants,
         )
 
     def render(self) -> bytes:
+        if self.collect is not None:
+            self.collect()
         out: list[str] = []
         for m in self.all:
             m.render(out)

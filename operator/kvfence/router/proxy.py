@@ -13,10 +13,17 @@ What goes upstream is rebuilt, never passed through:
 Answers are relayed as they come: a streamed (SSE) answer chunk by chunk, each chunk written to the
 client as soon as the engine sends it.
 
-Failure behaviour: a background probe marks an engine unhealthy when its health endpoint fails, and a
-refused connection marks it at once; requests for an unhealthy engine get an immediate 503 with a
-clear body instead of waiting on a connect timeout. Timeouts: connect, per-read and total. The
-connections themselves are :mod:`kvfence.router.upstream` pools, one per engine endpoint.
+Replica choice: each trust class's engine replicas are :mod:`kvfence.router.endpoints`; a request goes
+to its tenant's home replica on the class's consistent-hash ring unless that one is at its load bound
+(:mod:`kvfence.router.balance`). A request the engine cannot have answered (the connection was refused
+or timed out, or closed before any byte of the answer) is sent again, freshly signed, to another
+replica; once any byte of an answer arrived it is never sent again.
+
+Failure behaviour: a background probe marks an endpoint unhealthy when its health endpoint fails, and
+a refused connection marks it at once; an unhealthy endpoint leaves the ring, and a class with no
+serving endpoint gets an immediate 503 with a clear body instead of waiting on a connect timeout.
+Timeouts: connect, per-read and total. The connections themselves are :mod:`kvfence.router.upstream`
+pools, one per endpoint.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from urllib.parse import urlsplit
 
 from kvfence.contract import BODY_CACHE_SALT, sign, strip_client_body, strip_client_headers
 from kvfence.contract.errors import error_body
+from kvfence.router.endpoints import ClassEndpoints, Endpoint, Member, PoolFactory
 from kvfence.router.errors import RouterError
 from kvfence.router.http import Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
+from kvfence.router.slices import ServiceKey, SliceSource, service_of
 from kvfence.router.table import ClassPlan, TenantPlan
 from kvfence.router.upstream import Pool, UpstreamError
 from kvfence.router.upstream import Response as UpstreamResponse
@@ -65,6 +74,7 @@ class ProxyConfig:
     health_path: str = "/health"
     health_interval: float = 2.0
     health_timeout: float = 1.0
+    balance: str = "affinity"  # or "random" (the baseline: no affinity, no load bound)
 
 
 @dataclass(slots=True)
@@ -85,14 +95,11 @@ PROBE_FAILURE_THRESHOLD = 2
 RECOVERY_PROBE_INTERVAL = 0.5
 
 
-class EngineState:
-    __slots__ = ("failures", "healthy", "last_error", "last_probe")
-
-    def __init__(self) -> None:
-        self.healthy = True  # optimistic until a probe or a connection says otherwise
-        self.last_error = ""
-        self.failures = 0
-        self.last_probe = -1e9  # never: probed at the next round
+#: Replicas a request is sent to at most: the first, then others while the engine cannot have
+#: answered it (connection refused or timed out, closed before any byte of the answer).
+MAX_ATTEMPTS = 3
+#: Upstream error kinds after which nothing of the answer arrived, so another replica may take it.
+RETRY_ELSEWHERE = frozenset({"connect", "closed", "stale"})
 
 
 def build_body(plan: TenantPlan, body: dict[str, Any]) -> bytes:
@@ -178,131 +185,230 @@ class Proxy:
     def __init__(self, metrics: RouterMetrics, config: ProxyConfig | None = None) -> None:
         self.metrics = metrics
         self.config = config or ProxyConfig()
-        self.engines: dict[str, EngineState] = {}
-        self._pools: dict[str, tuple[Pool, str]] = {}  # endpoint -> (pool, base path)
+        self.classes: dict[str, ClassEndpoints] = {}
+        self._urls: dict[str, str] = {}  # class -> the endpoint URL its ClassEndpoints was built for
+        self._services: dict[str, ServiceKey] = {}  # class -> the Service followed through slices
+        self.slices: SliceSource | None = None  # when following EndpointSlices (see sync)
+        metrics.collect = self._collect
+
+    def _collect(self) -> None:
+        self.metrics.endpoint_inflight.values = {
+            ep.labels: float(ep.inflight) for ce in self.classes.values() for ep in ce.members.values()
+        }
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def close(self) -> None:
-        for pool, _ in self._pools.values():
-            pool.close()
-        self._pools.clear()
+        for ce in self.classes.values():
+            ce.close()
+        self.classes.clear()
 
-    def pool(self, endpoint: str) -> tuple[Pool, str]:
-        """The connection pool of an engine endpoint (``http(s)://host[:port][/base]``)."""
-        entry = self._pools.get(endpoint)
-        if entry is None:
-            u = urlsplit(endpoint)
-            https = u.scheme == "https"
-            pool = Pool(
-                u.hostname or "",
-                u.port or (443 if https else 80),
-                limit=self.config.pool_per_engine,
-                connect_timeout=self.config.connect_timeout,
-                read_timeout=self.config.read_timeout,
-                total_timeout=self.config.total_timeout,
-                tls=ssl.create_default_context() if https else None,
+    def _factory(self, url: str) -> PoolFactory:
+        u = urlsplit(url)
+        https = u.scheme == "https"
+        tls = ssl.create_default_context() if https else None
+        c = self.config
+
+        def make(host: str, port: int) -> Pool:
+            return Pool(
+                host,
+                port,
+                limit=c.pool_per_engine,
+                connect_timeout=c.connect_timeout,
+                read_timeout=c.read_timeout,
+                total_timeout=c.total_timeout,
+                tls=tls,
+                server_name=u.hostname,
             )
-            entry = self._pools[endpoint] = (pool, u.path.rstrip("/"))
-        return entry
 
-    def engine(self, cls: ClassPlan) -> EngineState:
-        st = self.engines.get(cls.endpoint)
-        if st is None:
-            st = self.engines[cls.endpoint] = EngineState()
-        return st
+        return make
 
-    def _mark(self, cls: ClassPlan, healthy: bool, error: str = "") -> None:
-        st = self.engine(cls)
-        if st.healthy != healthy:
-            if healthy:
-                log.info("engine of trust class %s at %s is healthy again", cls.name, cls.endpoint)
+    def sync(self, classes: dict[str, ClassPlan]) -> None:
+        """Follow a (re)loaded table: one :class:`ClassEndpoints` per class, its members from the
+        EndpointSlices of the class's Service when :attr:`slices` follows them, else the URL's own
+        host and port. Classes gone from the table are closed (their in-flight requests finish)."""
+        for name in [n for n in self.classes if n not in classes]:
+            self.classes.pop(name).close()
+            self._urls.pop(name, None)
+            self._services.pop(name, None)
+        for name, cls in classes.items():
+            ce = self.classes.get(name)
+            if ce is not None and self._urls.get(name) == cls.endpoint:
+                continue
+            if ce is not None:
+                ce.close()
+            u = urlsplit(cls.endpoint)
+            https = u.scheme == "https"
+            ce = self.classes[name] = ClassEndpoints(
+                name, u.path.rstrip("/"), self._factory(cls.endpoint), self.config.balance
+            )
+            self._urls[name] = cls.endpoint
+            slices = self.slices
+            service = service_of(cls.endpoint) if slices is not None else None
+            if slices is not None and service is not None and service[1] in slices.names:
+                self._services[name] = service
+                ce.set_members(slices.members(service))
             else:
-                log.warning("engine of trust class %s at %s is unhealthy: %s", cls.name, cls.endpoint, error)
-        st.healthy, st.last_error = healthy, error
-        self.metrics.engine_healthy.set(1.0 if healthy else 0.0, (cls.name,))
+                self._services.pop(name, None)
+                ce.set_members([Member(u.hostname or "", u.port or (443 if https else 80))])
+            self._export(ce)
 
-    async def _get_status(self, endpoint: str, path: str) -> int:
-        pool, base = self.pool(endpoint)
-        resp = await pool.request("GET", base + path, {})
+    def on_slices(self, service: ServiceKey, members: list[Member]) -> None:
+        """A Service's EndpointSlices changed: update the classes served by it."""
+        for name, svc in self._services.items():
+            if svc == service:
+                ce = self.classes[name]
+                before = {e.key for e in ce.serving}
+                for ep in ce.set_members(members):
+                    log.info("trust class %s: endpoint %s left; draining it", name, ep.key)
+                    self._forget(ep)
+                after = {e.key for e in ce.serving}
+                if before != after:
+                    log.info("trust class %s: serving endpoints now %s", name, sorted(after) or "none")
+                self._export(ce)
+
+    def _forget(self, ep: Endpoint) -> None:
+        # Pod IPs come and go: an endpoint's series end with it.
+        self.metrics.endpoint_serving.values.pop(ep.labels, None)
+        self.metrics.endpoint_requests.values.pop(ep.labels, None)
+
+    def _export(self, ce: ClassEndpoints) -> None:
+        for ep in ce.members.values():
+            self.metrics.endpoint_serving.set(1.0 if ep.serving else 0.0, ep.labels)
+        self.metrics.engine_healthy.set(1.0 if ce.serving else 0.0, (ce.name,))
+
+    def _mark(self, ce: ClassEndpoints, ep: Endpoint, healthy: bool, error: str = "") -> None:
+        if ep.healthy != healthy:
+            if healthy:
+                log.info("engine of trust class %s at %s is healthy again", ce.name, ep.key)
+            else:
+                log.warning("engine of trust class %s at %s is unhealthy: %s", ce.name, ep.key, error)
+        changed = ep.healthy != healthy
+        ep.healthy, ep.last_error = healthy, error
+        if changed:
+            ce.refresh()
+            self._export(ce)
+
+    async def _get_status(self, ce: ClassEndpoints, ep: Endpoint, path: str) -> int:
+        resp = await ep.pool.request("GET", ce.base + path, {})
         try:
             await resp.read()
             return resp.status
         finally:
             resp.release()
 
-    async def probe(self, cls: ClassPlan) -> bool:
-        st = self.engine(cls)
-        st.last_probe = time.monotonic()
+    async def probe(self, ce: ClassEndpoints, ep: Endpoint) -> bool:
+        ep.last_probe = time.monotonic()
         error = ""
         try:
             status = await asyncio.wait_for(
-                self._get_status(cls.endpoint, self.config.health_path), self.config.health_timeout
+                self._get_status(ce, ep, self.config.health_path), self.config.health_timeout
             )
             if status != 200:
                 error = f"health check answered {status}"
         except (UpstreamError, TimeoutError) as e:
             error = f"health check failed: {type(e).__name__}: {e}"
+        if ce.members.get(ep.key) is not ep:
+            return False  # it left while being probed
         if not error:
-            st.failures = 0
-            self._mark(cls, True)
+            ep.failures = 0
+            self._mark(ce, ep, True)
         else:
-            st.failures += 1
-            if st.failures >= PROBE_FAILURE_THRESHOLD:
-                self._mark(cls, False, error)
-        return st.healthy
+            ep.failures += 1
+            if ep.failures >= PROBE_FAILURE_THRESHOLD:
+                self._mark(ce, ep, False, error)
+        return ep.healthy
 
-    def _due(self, cls: ClassPlan, now: float) -> bool:
-        st = self.engine(cls)
-        suspect = not st.healthy or st.failures > 0
+    def _due(self, ep: Endpoint, now: float) -> bool:
+        suspect = not ep.healthy or ep.failures > 0
         interval = RECOVERY_PROBE_INTERVAL if suspect else self.config.health_interval
-        return now - st.last_probe >= interval
+        return now - ep.last_probe >= interval
 
-    async def probe_all(self, classes: list[ClassPlan]) -> None:
-        """Probe the engines that are due: every ``health_interval`` seconds, and every
+    async def probe_all(self) -> None:
+        """Probe the endpoints that are due: every ``health_interval`` seconds, and every
         :data:`RECOVERY_PROBE_INTERVAL` while one is unhealthy or has just failed a probe (a new
-        endpoint is probed at once). Forgets engines no longer in the table."""
-        seen: dict[str, ClassPlan] = {}
-        for c in classes:
-            seen.setdefault(c.endpoint, c)
+        endpoint is probed at once). Endpoints a slice says are not ready are not probed."""
         now = time.monotonic()
-        await asyncio.gather(*(self.probe(c) for c in seen.values() if self._due(c, now)))
-        for endpoint in [e for e in self.engines if e not in seen]:
-            del self.engines[endpoint]
-        for endpoint in [e for e in self._pools if e not in seen]:
-            self._pools.pop(endpoint)[0].close()
+        due = [
+            (ce, ep)
+            for ce in list(self.classes.values())
+            for ep in list(ce.members.values())
+            if ep.ready and self._due(ep, now)
+        ]
+        await asyncio.gather(*(self.probe(ce, ep) for ce, ep in due))
 
     # --- forwarding ----------------------------------------------------------------------------
     def check_available(self, cls: ClassPlan) -> None:
-        st = self.engines.get(cls.endpoint)
-        if st is not None and not st.healthy:
+        ce = self.classes.get(cls.name)
+        if ce is not None and not ce.serving:
             self.metrics.upstream_errors.inc((cls.name, "unhealthy"))
-            raise _unavailable(cls, f"unavailable ({st.last_error})")
+            raise _unavailable(cls, f"unavailable ({self._why_down(ce)})")
+
+    @staticmethod
+    def _why_down(ce: ClassEndpoints) -> str:
+        errors = sorted({ep.last_error for ep in ce.members.values() if not ep.healthy and ep.last_error})
+        if errors:
+            return "; ".join(errors)[:300]
+        return "no ready endpoint" if ce.members else "no endpoints"
 
     async def _send(
         self, plan: TenantPlan, path: str, payload: bytes, headers: dict[str, str]
-    ) -> UpstreamResponse:
+    ) -> tuple[UpstreamResponse, ClassEndpoints, Endpoint]:
+        """Pick a replica and send; on a failure that the engine cannot have answered, another one.
+        Returns the answer (status and headers read) and the endpoint it is on, whose ``inflight``
+        now counts it (the caller ends it with :meth:`ClassEndpoints.end`)."""
         cls = plan.trust_class
-        pool, base = self.pool(cls.endpoint)
-        try:
-            try:
-                return await pool.request("POST", base + path, headers, payload)
-            except UpstreamError as e:
-                if e.kind != "stale":
-                    raise
-                # A pooled keep-alive connection the engine had just closed: nothing was processed.
-                # Retry once on a fresh connection, with a fresh nonce (the engine refuses replays).
+        ce = self.classes.get(cls.name)
+        if ce is None:  # a table swap raced with this request
+            raise _unavailable(cls, "not known yet")
+        tried: tuple[Endpoint, ...] = ()
+        last: UpstreamError | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            picked = ce.pick(plan.affinity, tried)
+            if picked is None:
+                break
+            ep, home = picked
+            if attempt == 0:
+                self.metrics.affinity.inc(ce.hit_labels if home else ce.spill_labels)
+            else:
+                # A fresh nonce: the engine refuses a replayed one.
                 headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
-                return await pool.request("POST", base + path, headers, payload, fresh=True)
-        except UpstreamError as e:
-            if e.kind == "connect":
-                self._mark(cls, False, f"connection failed: {e}")
-                self.metrics.upstream_errors.inc((cls.name, "connect"))
-                raise _unavailable(cls, "unreachable") from None
-            if e.kind == "timeout":
-                self.metrics.upstream_errors.inc((cls.name, "timeout"))
-                raise _timeout(cls) from None
-            self.metrics.upstream_errors.inc((cls.name, "protocol"))
-            raise _bad_gateway(cls, f"gave a bad answer ({e})") from None
+                self.metrics.retries.inc((cls.name, last.kind if last else "connect"))
+            self.metrics.endpoint_requests.inc(ep.labels)
+            ce.begin(ep)
+            try:
+                try:
+                    return await ep.pool.request("POST", ce.base + path, headers, payload), ce, ep
+                except UpstreamError as e:
+                    if e.kind != "stale":
+                        raise
+                    # A pooled keep-alive connection the engine had just closed: nothing was
+                    # processed. Once more on a fresh connection to the same replica.
+                    headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
+                    resp = await ep.pool.request("POST", ce.base + path, headers, payload, fresh=True)
+                    return resp, ce, ep
+            except UpstreamError as e:
+                ce.end(ep)
+                if e.kind == "connect":
+                    self._mark(ce, ep, False, f"connection failed: {e}")
+                    self.metrics.upstream_errors.inc((cls.name, "connect"))
+                elif e.kind == "timeout":
+                    self.metrics.upstream_errors.inc((cls.name, "timeout"))
+                    raise _timeout(cls) from None
+                elif e.kind not in RETRY_ELSEWHERE:
+                    self.metrics.upstream_errors.inc((cls.name, "protocol"))
+                    raise _bad_gateway(cls, f"gave a bad answer ({e})") from None
+                else:
+                    self.metrics.upstream_errors.inc((cls.name, "closed"))
+                last = e
+                tried += (ep,)
+            except BaseException:
+                ce.end(ep)
+                raise
+        if last is None:
+            raise _unavailable(cls, f"unavailable ({self._why_down(ce)})")
+        if last.kind == "connect":
+            raise _unavailable(cls, "unreachable")
+        raise _bad_gateway(cls, f"gave a bad answer ({last})")
 
     async def forward(
         self,
@@ -316,14 +422,14 @@ class Proxy:
         """Send ``payload`` to the engine and relay its answer."""
         cls = plan.trust_class
         self.check_available(cls)
-        resp = await self._send(plan, path, payload, headers)
+        resp, ce, ep = await self._send(plan, path, payload, headers)
         try:
             if resp.status == 401:
                 # The client was authenticated by the router; an engine refusing the router's
                 # signature is a deployment fault (key mismatch), not the client's.
                 self.metrics.upstream_errors.inc((cls.name, "signature_refused"))
                 body = await resp.read()
-                log.error("engine %s refused the router's signature: %r", cls.endpoint, body[:300])
+                log.error("engine %s at %s refused the router's signature: %r", cls.name, ep.key, body[:300])
                 raise RouterError(
                     502,
                     f"The engine for trust class '{cls.name}' refused the router's signature.",
@@ -349,6 +455,7 @@ class Proxy:
             # Back to the pool when read to its end; closed otherwise (a client that went away
             # cancels this handler: closing the engine connection stops the generation).
             resp.release()
+            ce.end(ep)
 
     @staticmethod
     def _relay_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:

@@ -11,7 +11,12 @@
   bucket holds enough, or 1 s for the concurrency limit.
 * Several replicas: each replica enforces ``limit // replicas`` (at least 1) of every limit, so the sum
   over replicas never exceeds the tenant's quota (unless the limit is smaller than the replica count).
-  Set the replica count with ``--replicas`` / ``KVFENCE_ROUTER_REPLICAS``; see docs/router.md.
+  ``replicas`` follows the number of ready router replicas (:meth:`QuotaManager.set_replicas`, fed by
+  ``--router-service``), or is fixed by ``--replicas``; see docs/router.md. When it changes, every
+  bucket is resized to the new share and keeps its level (clamped to a smaller bucket), so what the
+  replicas hold together never grows. With ``join_empty`` a router's buckets for the tenants of its
+  first table start empty and fill at its share of the rate: a replica that joins cannot know what the
+  others admitted in the last minute, so it must not add a full share to what they still hold.
 * State lives here, keyed by tenant name, outside the routing table: a reload updates the limits and
   keeps in-flight counts and bucket levels.
 """
@@ -29,10 +34,10 @@ from kvfence.api.routing import Quotas
 class TokenBucket:
     __slots__ = ("capacity", "level", "rate", "updated")
 
-    def __init__(self, per_minute: int, now: float) -> None:
+    def __init__(self, per_minute: int, now: float, full: bool = True) -> None:
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
-        self.level = self.capacity
+        self.level = self.capacity if full else 0.0
         self.updated = now
 
     def refill(self, now: float) -> None:
@@ -69,11 +74,11 @@ def per_replica(limit: int | None, replicas: int) -> int | None:
 class TenantQuota:
     __slots__ = ("inflight", "limits", "rpm", "tpm")
 
-    def __init__(self, limits: Limits, now: float) -> None:
+    def __init__(self, limits: Limits, now: float, full: bool = True) -> None:
         self.limits = limits
         self.inflight = 0
-        self.rpm = TokenBucket(limits.rpm, now) if limits.rpm else None
-        self.tpm = TokenBucket(limits.tpm, now) if limits.tpm else None
+        self.rpm = TokenBucket(limits.rpm, now, full) if limits.rpm else None
+        self.tpm = TokenBucket(limits.tpm, now, full) if limits.tpm else None
 
     def update(self, limits: Limits, now: float) -> None:
         self.limits = limits
@@ -106,12 +111,26 @@ class Rejection:
 
 
 class QuotaManager:
-    def __init__(self, replicas: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, replicas: int = 1, clock: Callable[[], float] = time.monotonic, join_empty: bool = False
+    ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.replicas = replicas
         self.clock = clock
         self._state: dict[str, TenantQuota] = {}
+        self._quotas: dict[str, Quotas] = {}
+        self._join_empty = join_empty  # until the first sync
+
+    def set_replicas(self, replicas: int) -> bool:
+        """The number of router replicas sharing the quotas changed: every tenant's share follows
+        (buckets resized, levels kept or clamped, counters kept). True if it changed."""
+        replicas = max(1, replicas)
+        if replicas == self.replicas:
+            return False
+        self.replicas = replicas
+        self.sync(list(self._quotas.items()))
+        return True
 
     def limits_for(self, q: Quotas) -> Limits:
         r = self.replicas
@@ -125,16 +144,19 @@ class QuotaManager:
         """Apply a (re)loaded table: new limits, same counters. Tenants gone from the table are
         forgotten once nothing of theirs is in flight."""
         now = self.clock()
-        seen = set()
+        full = not self._join_empty
+        self._join_empty = False
+        quotas: dict[str, Quotas] = {}
         for name, q in tenants:
-            seen.add(name)
+            quotas[name] = q
             limits = self.limits_for(q)
             st = self._state.get(name)
             if st is None:
-                self._state[name] = TenantQuota(limits, now)
+                self._state[name] = TenantQuota(limits, now, full)
             elif st.limits != limits:
                 st.update(limits, now)
-        for name in [n for n, st in self._state.items() if n not in seen and st.inflight == 0]:
+        self._quotas = quotas
+        for name in [n for n, st in self._state.items() if n not in quotas and st.inflight == 0]:
             del self._state[name]
 
     def state(self, tenant: str) -> TenantQuota | None:

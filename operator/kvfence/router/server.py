@@ -27,11 +27,13 @@ from typing import Any
 from kvfence.api.routing import ROUTING_SECRET_KEY
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
 from kvfence.router.auth import AuthError, authenticate
+from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, build_headers
 from kvfence.router.quotas import QuotaManager, Rejection
+from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
 from kvfence.router.source import SecretSource
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
 
@@ -49,7 +51,9 @@ class RouterConfig:
     routing_table: str = ""  # a file (the mounted Secret), polled; or:
     routing_secret: str = ""  # NAMESPACE/NAME of the Secret, followed through the Kubernetes API
     routing_secret_key: str = ROUTING_SECRET_KEY
-    kubeconfig: str | None = None  # for routing_secret; default: in-cluster
+    kubeconfig: str | None = None  # for routing_secret and the EndpointSlices; default: in-cluster
+    endpoint_slices: bool = False  # pick engine replicas from the classes' EndpointSlices
+    router_service: str = ""  # NAMESPACE/NAME of the router's Service: quotas follow its ready endpoints
     reload_interval: float = 1.0
     replicas: int = 1
     max_body_bytes: int = 4 * 1024 * 1024
@@ -65,8 +69,21 @@ class RouterState:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.quotas = QuotaManager(replicas=config.replicas)
+        # Following the router Service, this replica may join others that admitted requests already.
+        self.quotas = QuotaManager(replicas=config.replicas, join_empty=bool(config.router_service))
+        self.metrics.router_replicas.set(config.replicas)
         self.proxy = Proxy(self.metrics, config.proxy)
+        self.router_service: ServiceKey | None = None
+        self.slices: SliceSource | None = None
+        names = [ENGINE_SERVICE] if config.endpoint_slices else []
+        if config.router_service:
+            namespace, _, name = config.router_service.partition("/")
+            self.router_service = (namespace, name)
+            names.append(name)
+        if names:
+            self.slices = SliceSource(names, self._on_slices, config.kubeconfig)
+            if config.endpoint_slices:
+                self.proxy.slices = self.slices
         self.watcher = TableWatcher(
             config.routing_table,
             interval=config.reload_interval,
@@ -82,10 +99,30 @@ class RouterState:
 
     def _on_table(self, table: CompiledTable) -> None:
         self.quotas.sync((name, p.quotas) for name, p in table.tenants.items())
+        self.proxy.sync(table.classes)
         self.metrics.table_generation.inc()
         self.metrics.table_tenants.set(len(table.tenants))
 
+    def _on_slices(self, service: ServiceKey, members: list[Member]) -> None:
+        if service == self.router_service:
+            ready = sum(1 for m in members if m.ready)
+            if self.quotas.set_replicas(ready):
+                log.info("%d router replicas ready: each enforces 1/%d of every quota", ready, max(1, ready))
+            self.metrics.router_replicas.set(self.quotas.replicas)
+        if self.config.endpoint_slices:
+            self.proxy.on_slices(service, members)
+
+    @property
+    def not_ready_reason(self) -> str:
+        if not self.watcher.loaded:
+            return f"No valid routing table loaded yet ({self.watcher.last_error or 'not read yet'})."
+        if self.slices is not None and not self.slices.synced:
+            return "The EndpointSlices have not been listed yet."
+        return ""
+
     async def start(self) -> None:
+        if self.slices is not None:
+            self.tasks.append(asyncio.create_task(self.slices.run()))
         if self.config.routing_secret:
             namespace, _, name = self.config.routing_secret.partition("/")
             source = SecretSource(namespace, name, self.config.routing_secret_key, self.config.kubeconfig)
@@ -104,9 +141,8 @@ class RouterState:
 
     async def health_loop(self) -> None:
         while True:
-            classes = list(self.table.classes.values())
             try:
-                await self.proxy.probe_all(classes)
+                await self.proxy.probe_all()
             except Exception:
                 log.exception("health probe round failed")
             await asyncio.sleep(min(self.config.proxy.health_interval, RECOVERY_PROBE_INTERVAL))
@@ -288,9 +324,9 @@ async def healthz(state: RouterState, request: Request) -> Answer:
 async def readyz(state: RouterState, request: Request) -> Answer:
     if state.draining:
         return error_response(503, "The router is shutting down.", "draining", "service_unavailable")
-    if not state.watcher.loaded:
-        msg = f"No valid routing table loaded yet ({state.watcher.last_error or 'not read yet'})."
-        return error_response(503, msg, "not_ready", "service_unavailable")
+    why = state.not_ready_reason
+    if why:
+        return error_response(503, why, "not_ready", "service_unavailable")
     return _json({"status": "ready", "tenants": len(state.table.tenants)})
 
 
@@ -471,7 +507,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--replicas",
         type=int,
         default=int(_env("KVFENCE_ROUTER_REPLICAS", "1")),
-        help="router replicas sharing the quotas; each enforces limit // replicas [KVFENCE_ROUTER_REPLICAS]",
+        help="router replicas sharing the quotas; each enforces limit // replicas; with --router-service "
+        "only until the router Service's EndpointSlices are read [KVFENCE_ROUTER_REPLICAS]",
+    )
+    p.add_argument(
+        "--router-service",
+        default=_env("KVFENCE_ROUTER_SERVICE", ""),
+        metavar="NAMESPACE/NAME",
+        help="the router's own Service: each tenant's quotas are divided by the number of its ready "
+        "endpoints, followed through its EndpointSlices [KVFENCE_ROUTER_SERVICE]",
+    )
+    p.add_argument(
+        "--endpoint-slices",
+        action="store_true",
+        default=_env("KVFENCE_ROUTER_ENDPOINT_SLICES", "") in ("1", "true"),
+        help="send each request to an engine replica the router picks from the EndpointSlices of the "
+        "class's Service (tenant affinity, bounded load, per-replica health, drain), instead of "
+        "dialing the Service by name [KVFENCE_ROUTER_ENDPOINT_SLICES=1]",
+    )
+    p.add_argument(
+        "--balance",
+        choices=("affinity", "random"),
+        default="affinity",
+        help="replica choice: affinity (a tenant's requests stay on one replica, consistent hashing with "
+        "bounded load) or random (the baseline, for comparison)",
     )
     p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between routing table checks")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
@@ -523,6 +582,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--routing-secret must be NAMESPACE/NAME")
     if args.replicas < 1:
         p.error("--replicas must be >= 1")
+    if args.router_service:
+        namespace, _, name = args.router_service.partition("/")
+        if not namespace or not name or "/" in name:
+            p.error("--router-service must be NAMESPACE/NAME")
     return args
 
 
@@ -532,6 +595,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         routing_secret=args.routing_secret,
         routing_secret_key=args.routing_secret_key,
         kubeconfig=args.kubeconfig,
+        endpoint_slices=args.endpoint_slices,
+        router_service=args.router_service,
         reload_interval=args.reload_interval,
         replicas=args.replicas,
         max_body_bytes=args.max_body_bytes,
@@ -547,6 +612,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             pool_per_engine=args.pool_per_engine,
             health_path=args.health_path,
             health_interval=args.health_interval,
+            balance=args.balance,
         ),
     )
 

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from kvfence.api.routing import KEY_HASH_PREFIX, Quotas, RoutingTable, decode_table_bytes
 from kvfence.contract import CacheScope, Identity, cache_namespace, derive_cache_salt, key_id
+from kvfence.router.balance import hash64
 
 log = logging.getLogger("kvfence.router.table")
 
@@ -63,6 +64,9 @@ class TenantPlan:
     allowed_models: frozenset[str]
     models_body: bytes  # the JSON answer to GET /v1/models
     quotas: Quotas
+    # Where the tenant's requests land on its class's replica ring: the hash of its cache namespace,
+    # the unit the engines' prefix caches are scoped by (kvfence.router.balance).
+    affinity: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +155,7 @@ def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
             allowed_models=frozenset(models),
             models_body=_models_body(models),
             quotas=tr.quotas,
+            affinity=hash64(namespace),
         )
         tenants[name] = plan
         for h in tr.api_key_hashes:

@@ -261,9 +261,13 @@ class Pool:
         total_timeout: float = 1800.0,
         idle_timeout: float = 4.0,
         tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.host = host
         self.tls = tls
+        # The name for TLS (SNI, certificate check) and the Host header: the Service's name when
+        # ``host`` is one of its endpoints' addresses.
+        self.server_name = server_name or host
         self.port = port
         self.loop = asyncio.get_running_loop()
         self.connect_timeout = connect_timeout
@@ -272,7 +276,7 @@ class Pool:
         self.idle_timeout = idle_timeout
         self._idle: deque[_Connection] = deque()
         self._slots = asyncio.Semaphore(limit)
-        self._host_line = f"Host: {host}:{port}\r\n".encode("latin-1")
+        self._host_line = f"Host: {self.server_name}:{port}\r\n".encode("latin-1")
         self._addrs: list[str] = []
         self._addrs_expiry = 0.0
         self.closed = False
@@ -297,7 +301,7 @@ class Pool:
                     addr,
                     self.port,
                     ssl=self.tls,
-                    server_hostname=self.host if self.tls else None,
+                    server_hostname=self.server_name if self.tls else None,
                 )
                 return conn
             except OSError as e:
