@@ -25,6 +25,7 @@ REASON_AS_EXPECTED: Final = "AsExpected"
 REASON_DELETING: Final = "Deleting"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
+REASON_FORBIDDEN_EXTRA_ARGS: Final = "ForbiddenExtraArgs"
 
 # --- reasons: TenantBinding -------------------------------------------------------------------
 REASON_BOUND: Final = "Bound"

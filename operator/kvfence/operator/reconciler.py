@@ -224,6 +224,11 @@ class Reconciler:
                 opts=self.opts,
                 owner=owner,
             )
+        except B.RefusedExtraArgs as e:
+            # Nothing is applied: the engine keeps running as last rendered, and never with the flag.
+            self._class_status(body, tc, degraded=(C.REASON_FORBIDDEN_EXTRA_ARGS, str(e)))
+            self._emit(Event(body, C.REASON_FORBIDDEN_EXTRA_ARGS, str(e), "Warning"))
+            return set()
         except ValueError as e:
             self._class_status(body, tc, degraded=(C.REASON_INVALID_ENGINE_CONFIG, str(e)))
             return set()
