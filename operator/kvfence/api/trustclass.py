@@ -496,7 +496,9 @@ class TrustClassStatus(KubeModel):
     observed_generation: int | None = Field(
         None, alias="observedGeneration", description="The .metadata.generation last reconciled."
     )
-    conditions: list[Condition] = conditions_field("Ready, Progressing and Degraded.")
+    conditions: list[Condition] = conditions_field(
+        "Ready, Progressing and Degraded; Reconciling and Stalled as kstatus (Flux, kpt) reads them."
+    )
     namespace: str | None = Field(None, description="The namespace holding the engine.")
     endpoint: str | None = Field(None, description="URL of the engine Service, as the router reaches it.")
     replicas: int | None = Field(None, description="Engine pods that exist.")
