@@ -49,7 +49,13 @@ def test_crd_is_structural_and_documented(name: str) -> None:
     doc = yaml.safe_load((ROOT / "crds" / name).read_text())
     assert doc["apiVersion"] == "apiextensions.k8s.io/v1"
     version = doc["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    scale = {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    want = {"status": {}, "scale": scale} if name == "kvfence.dev_trustclasses.yaml" else {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"] == want
     assert doc["spec"]["names"]["categories"] == ["kvfence"]
     assert doc["spec"]["names"]["shortNames"]
     schema = version["schema"]["openAPIV3Schema"]

@@ -600,3 +600,37 @@ def test_a_stored_class_with_a_forbidden_extra_arg_is_degraded_and_its_engine_le
         "the allowed flag rendered",
         60,
     )
+
+
+def test_kubectl_scale_sizes_the_engine_through_the_scale_subresource(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup.append("scaled")
+    assert kv.apply(trust_class("scaled", resources={"gpu": {"count": 0}})).returncode == 0
+    wait(lambda: ready(kv, "scaled"), "one replica ready", 180, dump=operator.tail)
+    kv("scale", "trustclass", "scaled", "--replicas", "2")
+    assert kv.json("get", "trustclass", "scaled")["spec"]["replicas"] == 2
+
+    def scaled_to(n: int) -> dict[str, Any] | None:
+        obj = kv.json("get", "trustclass", "scaled")
+        st = obj.get("status") or {}
+        ok = ready(kv, "scaled") if n else condition(obj, "Ready").get("reason") == "ScaledToZero"
+        return st if ok and st.get("desiredReplicas") == n and st.get("readyReplicas") == n else None
+
+    st = wait(lambda: scaled_to(2), "two replicas ready", 180, dump=operator.tail)
+    assert st["replicas"] == 2
+    dep = kv.json("get", "deploy", "kvfence-engine", "-n", "kvf-scaled")
+    assert dep["spec"]["replicas"] == 2
+    scale = kv.json("get", "trustclass", "scaled", "--subresource=scale")
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    selector = scale["status"]["selector"]
+    assert selector == "app.kubernetes.io/instance=scaled,app.kubernetes.io/name=kvfence-engine"
+    assert len(pods_with(kv, "kvf-scaled", selector)) == 2
+    kv("scale", "trustclass", "scaled", "--replicas", "0")
+    wait(lambda: scaled_to(0), "scaled to zero", 180, dump=operator.tail)
+    wait(lambda: not pods_with(kv, "kvf-scaled", selector), "no engine pods", 120)
+
+
+def pods_with(kv: Any, ns: str, selector: str) -> list[dict[str, Any]]:
+    got = kv.json("get", "pods", "-n", ns, "-l", selector)
+    return [p for p in (got or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]

@@ -461,7 +461,12 @@ class TrustClassSpec(KubeModel):
         "the operator); defaults to kvf-<name>. Immutable.",
     )
     engine: EngineSpec = Field(description="The engine that serves this class's tenants.")
-    replicas: int = Field(1, ge=0, le=1024, description="Engine replicas.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="Engine replicas; also written through the /scale subresource (kubectl scale).",
+    )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec,
         description="Compute resources per engine replica.",
@@ -501,9 +506,19 @@ class TrustClassStatus(KubeModel):
     )
     namespace: str | None = Field(None, description="The namespace holding the engine.")
     endpoint: str | None = Field(None, description="URL of the engine Service, as the router reaches it.")
+    desired_replicas: int | None = Field(
+        None,
+        alias="desiredReplicas",
+        description="Engine replicas the observed spec asks for (spec.replicas).",
+    )
     replicas: int | None = Field(None, description="Engine pods that exist.")
     ready_replicas: int | None = Field(None, alias="readyReplicas", description="Engine pods that are ready.")
     bound_tenants: int | None = Field(None, alias="boundTenants", description="Tenants bound to this class.")
+    selector: str | None = Field(
+        None,
+        description="Label selector of the engine pods (in status.namespace), as the /scale subresource "
+        "reports it.",
+    )
     signing_key_id: str | None = Field(
         None, alias="signingKeyId", description="Public fingerprint of the key the router signs with."
     )

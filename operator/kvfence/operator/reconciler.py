@@ -358,6 +358,8 @@ class Reconciler:
             status["namespace"] = tc.target_namespace
             status["endpoint"] = B.endpoint(tc, self.opts)
             status["boundTenants"] = self.state.bound_count.get(tc.name, 0)
+            status["desiredReplicas"] = tc.spec.replicas
+            status["selector"] = ",".join(f"{k}={v}" for k, v in sorted(B.selector_labels(tc.name).items()))
         if key is not None:
             status["signingKeyId"] = key_id(key)
         if degraded is not None:
