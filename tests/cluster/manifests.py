@@ -16,6 +16,25 @@ ENGINE = {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}}
 #: A TrustClass whose engine needs no GPU and admits bindings from any namespace.
 CPU_ANY_NAMESPACE: dict[str, Any] = {"resources": {"gpu": {"count": 0}}, "namespaceSelector": {}}
 
+#: (extraArgs, the arguments refused): what the model (tests/operator/test_api.py) and the CRD's CEL rule
+#: on the API server (tests/operator/test_operator_crds.py) must agree on.
+EXTRA_ARGS_CASES: list[tuple[list[str], list[str]]] = [
+    (["--max-num-seqs", "8", "--enforce-eager"], []),
+    (["--prefix-caching-hash-algo", "xxhash"], ["--prefix-caching-hash-algo"]),
+    (["--prefix_caching_hash_algo=sha256_cbor"], ["--prefix_caching_hash_algo=sha256_cbor"]),
+    (["--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1"}'], ["--kv-transfer-config"]),
+    (["--kv-transfer-config.kv_connector", "X"], ["--kv-transfer-config.kv_connector"]),
+    (["--kv-transfer-conf", "{}"], ["--kv-transfer-conf"]),  # argparse's abbreviation
+    (["--enforce-eager", "--middleware", "m.M"], ["--middleware"]),
+    (["--scheduler-cls=x.Y"], ["--scheduler-cls=x.Y"]),
+    (["--no-enable-prefix-caching"], ["--no-enable-prefix-caching"]),
+    (["--kv-events-config", "{}", "--worker-cls", "a.B"], ["--kv-events-config", "--worker-cls"]),
+    (["--config", "/tmp/x.yaml"], ["--config"]),
+    (["--signing-key-dir", "/x"], ["--signing-key-dir"]),
+    (["--log-level=DEBUG", "--conf=/x"], ["--conf=/x"]),
+    (["--middlewarex", "--kv-cache-dtype", "fp8", "--", "-x"], []),
+]  # fmt: skip
+
 
 def trust_class(name: str, **spec: Any) -> dict[str, Any]:
     """A TrustClass with the dev engine; ``spec`` overrides or adds top-level spec fields."""

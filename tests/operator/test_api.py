@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster.manifests import EXTRA_ARGS_CASES
 from pydantic import ValidationError
 
 from kvfence.api import crdgen
@@ -76,7 +77,13 @@ def test_crd_is_structural_and_documented(name: str) -> None:
     doc = yaml.safe_load((ROOT / "crds" / name).read_text())
     assert doc["apiVersion"] == "apiextensions.k8s.io/v1"
     version = doc["spec"]["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    scale = {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    want = {"status": {}, "scale": scale} if name == "kvfence.dev_trustclasses.yaml" else {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"] == want
     assert doc["spec"]["names"]["categories"] == ["kvfence"]
     assert doc["spec"]["names"]["shortNames"]
     schema = version["schema"]["openAPIV3Schema"]
@@ -219,3 +226,28 @@ def test_defaults_stored_by_the_old_crd_read_as_unset_on_the_runtime_that_ignore
         make_tc(engine={"runtime": "vllm", "numBlocks": 1023})
     with pytest.raises(ValidationError, match="gpuMemoryUtilization applies to the vllm runtime only"):
         make_tc(engine={"gpuMemoryUtilization": 0.95})
+
+
+@pytest.mark.parametrize(("args", "refused"), EXTRA_ARGS_CASES)
+def test_extra_args_that_undo_isolation_are_refused(args: list[str], refused: list[str]) -> None:
+    assert T.refused_extra_args(args) == refused
+    why = T.extra_args_refusal(args)
+    if not refused:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(
+            f"engine.extraArgs: {', '.join(refused)} refused: kvfence sets this itself"
+        )
+
+
+def test_every_flag_kvfence_renders_for_isolation_is_refused_in_extra_args(make_tc: Any) -> None:
+    """The flags the builders set for the middleware, the scheduler and the prefix cache cannot be
+    given a second time (vLLM's parser keeps the last one)."""
+    from kvfence.operator import builders as B
+
+    tc = make_tc(engine={"runtime": "vllm"}, resources={"gpu": {"count": 1}})
+    rendered = [a for a in B.vllm_args(tc) if a.startswith("--")]
+    for flag in ("--middleware", "--scheduler-cls", "--prefix-caching-hash-algo", "--enable-prefix-caching"):
+        assert flag in rendered
+        assert T.refused_extra_args([flag]) == [flag]
+    assert T.refused_extra_args(["--config"]) == ["--config"]

@@ -401,3 +401,15 @@ def test_shared_prefixes_are_refused_on_vllm_until_the_plugin_pins_them(make_tc:
             resources={"gpu": {"count": 1}},
             prefixCache={"sharedPrefixes": [{"name": "s", "form": "chat", "text": "x"}]},
         )
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "reference"])
+def test_children_refuse_extra_args_that_undo_isolation(make_tc: Any, runtime: str) -> None:
+    """A class the CRD would refuse today (stored before the rule) renders no object at all."""
+    tc = make_tc(engine={"runtime": runtime, "extraArgs": ["--enforce-eager", "--kv_transfer_config={}"]})
+    with pytest.raises(B.RefusedExtraArgs, match=r"engine.extraArgs: --kv_transfer_config=\{\} refused"):
+        B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    ok = make_tc(engine={"runtime": runtime, "extraArgs": ["--enforce-eager"]})
+    objs = B.children(ok, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    container = objs[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert (container.get("args") or container["command"])[-1] == "--enforce-eager"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster.manifests import ENGINE, tenant_binding, trust_class
+from cluster.manifests import ENGINE, EXTRA_ARGS_CASES, tenant_binding, trust_class
 from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -333,3 +333,20 @@ def test_kubectl_explain_and_columns(installed: Any, kv: Any) -> None:
     assert "tc" in names and "tb" in names and "kvfence" in names
     header = kv("get", "tc").stdout.splitlines()
     assert not header or header[0].split()[:3] == ["NAME", "RUNTIME", "MODEL"]
+
+
+def test_extra_args_that_undo_isolation_are_refused_naming_the_flag(installed: Any, kv: Any) -> None:
+    """The CRD's CEL rule refuses exactly what the model refuses (the cases of
+    tests/operator/test_api.py), on both runtimes, and names each refused argument and its index."""
+    for runtime in ("vllm", "reference"):
+        for args, refused in EXTRA_ARGS_CASES:
+            engine = {"runtime": runtime, "image": "x", "model": {"name": "m"}, "extraArgs": args}
+            got = _dry_run(kv, trust_class("crd-extra-args", engine=engine))
+            if not refused:
+                assert isinstance(got, dict), f"{runtime} {args}: {got}"
+                assert got["spec"]["engine"]["extraArgs"] == args
+                continue
+            assert isinstance(got, str), f"{runtime} {args} accepted"
+            for arg in refused:
+                i = args.index(arg)
+                assert f"spec.engine.extraArgs[{i}]: Forbidden: engine.extraArgs: {arg} refused: " in got, got

@@ -5,11 +5,14 @@ rotation, deletion, and least-privilege RBAC."""
 from __future__ import annotations
 
 import base64
+import copy
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from cluster.manifests import (
     condition,
     keys_secret,
@@ -24,6 +27,7 @@ from kvfence.operator import rbac
 
 pytestmark = pytest.mark.cluster
 
+ROOT = Path(__file__).resolve().parents[2]
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -580,3 +584,119 @@ def test_router_keeps_the_previous_key_until_the_engines_have_the_new_one(
         60,
         dump=operator.tail,
     )
+
+
+def test_a_stored_class_with_a_forbidden_extra_arg_is_degraded_and_its_engine_left_alone(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    """A TrustClass stored before the CRD refused a flag in engine.extraArgs (here: the CRD without that
+    rule, for as long as it takes to write one): the operator never renders the flag, keeps the engine it
+    last rendered and the class's routes, and says why in a condition and an Event naming the flag."""
+    cleanup.append("extra-args")
+    crd_path = ROOT / "crds" / "kvfence.dev_trustclasses.yaml"
+    current = yaml.safe_load(crd_path.read_text())
+    lax = copy.deepcopy(current)
+    spec_props = lax["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    del spec_props["engine"]["properties"]["extraArgs"]["items"]["x-kubernetes-validations"]
+    good = trust_class("extra-args", resources={"gpu": {"count": 0}}, replicas=0)
+    assert kv.apply(good).returncode == 0
+    wait(lambda: "extra-args" in kv.routing_table()["trustClasses"], "class routed", 120, dump=operator.tail)
+    wait(lambda: kv.json("get", "deploy", "kvfence-engine", "-n", "kvf-extra-args"), "engine", 60)
+    before = kv.json("get", "deploy", "kvfence-engine", "-n", "kvf-extra-args")["metadata"]["generation"]
+    bad_args = ["--log-level=DEBUG", "--signing-key-dir=/tmp/mine"]
+    bad = trust_class("extra-args", resources={"gpu": {"count": 0}}, replicas=0)
+    bad["spec"]["engine"] = {**bad["spec"]["engine"], "extraArgs": bad_args}
+
+    def install(crd: dict[str, Any]) -> None:
+        kv("apply", "--server-side", "--force-conflicts", "--field-manager=kvfence-tests", "-f", "-",
+           input=json.dumps(crd))  # fmt: skip
+
+    try:
+        install(lax)
+        wait(lambda: kv.apply(bad).returncode == 0, "the class stored without the rule", 60)
+    finally:
+        install(current)
+        wait(
+            lambda: kv.apply({**bad, "metadata": {"name": "extra-args-probe"}}).returncode != 0,
+            "the rule in force again",
+            60,
+        )
+    msg = "engine.extraArgs: --signing-key-dir=/tmp/mine refused: kvfence sets this itself"
+
+    def degraded() -> bool:
+        obj = kv.json("get", "trustclass", "extra-args")
+        c = condition(obj, "Degraded")
+        return bool(
+            c.get("status") == "True"
+            and c.get("reason") == "ForbiddenExtraArgs"
+            and msg in c.get("message", "")
+            and c.get("observedGeneration") == obj["metadata"]["generation"]
+            and condition(obj, "Ready").get("status") == "False"
+        )
+
+    wait(degraded, "Degraded: ForbiddenExtraArgs naming the flag", 60, dump=operator.tail)
+    events = kv.json("get", "events", "-n", "default", "--field-selector", "reason=ForbiddenExtraArgs")
+    assert any(msg in e["message"] for e in events["items"]), events
+    dep = kv.json("get", "deploy", "kvfence-engine", "-n", "kvf-extra-args")
+    assert dep["metadata"]["generation"] == before
+    assert not any(
+        "signing-key-dir" in a for a in dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    )
+    assert "extra-args" in kv.routing_table()["trustClasses"]
+    # dropping the flag clears it
+    assert (
+        kv.apply(
+            {**bad, "spec": {**bad["spec"], "engine": {**bad["spec"]["engine"], "extraArgs": bad_args[:1]}}}
+        ).returncode
+        == 0
+    )
+    wait(
+        lambda: condition(kv.json("get", "trustclass", "extra-args"), "Degraded").get("status") == "False",
+        "not Degraded once the flag is gone",
+        60,
+        dump=operator.tail,
+    )
+    wait(
+        lambda: (
+            "--log-level=DEBUG"
+            in kv.json("get", "deploy", "kvfence-engine", "-n", "kvf-extra-args")["spec"]["template"]["spec"][
+                "containers"
+            ][0]["command"]
+        ),
+        "the allowed flag rendered",
+        60,
+    )
+
+
+def test_kubectl_scale_sizes_the_engine_through_the_scale_subresource(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup.append("scaled")
+    assert kv.apply(trust_class("scaled", resources={"gpu": {"count": 0}})).returncode == 0
+    wait(lambda: ready(kv, "scaled"), "one replica ready", 180, dump=operator.tail)
+    kv("scale", "trustclass", "scaled", "--replicas", "2")
+    assert kv.json("get", "trustclass", "scaled")["spec"]["replicas"] == 2
+
+    def scaled_to(n: int) -> dict[str, Any] | None:
+        obj = kv.json("get", "trustclass", "scaled")
+        st = obj.get("status") or {}
+        ok = ready(kv, "scaled") if n else condition(obj, "Ready").get("reason") == "ScaledToZero"
+        return st if ok and st.get("desiredReplicas") == n and st.get("readyReplicas") == n else None
+
+    st = wait(lambda: scaled_to(2), "two replicas ready", 180, dump=operator.tail)
+    assert st["replicas"] == 2
+    dep = kv.json("get", "deploy", "kvfence-engine", "-n", "kvf-scaled")
+    assert dep["spec"]["replicas"] == 2
+    scale = kv.json("get", "trustclass", "scaled", "--subresource=scale")
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    selector = scale["status"]["selector"]
+    assert selector == "app.kubernetes.io/instance=scaled,app.kubernetes.io/name=kvfence-engine"
+    assert len(pods_with(kv, "kvf-scaled", selector)) == 2
+    kv("scale", "trustclass", "scaled", "--replicas", "0")
+    wait(lambda: scaled_to(0), "scaled to zero", 180, dump=operator.tail)
+    wait(lambda: not pods_with(kv, "kvf-scaled", selector), "no engine pods", 120)
+
+
+def pods_with(kv: Any, ns: str, selector: str) -> list[dict[str, Any]]:
+    got = kv.json("get", "pods", "-n", ns, "-l", selector)
+    return [p for p in (got or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]

@@ -374,3 +374,48 @@ def test_engines_admit_the_configured_metrics_scraper_on_the_metrics_port_only(
         60,
         dump=operator.tail,
     )
+
+
+def test_a_namespace_granting_access_later_binds_its_tenant_within_seconds(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    """A binding Denied for ApiKeySecretForbidden becomes Bound soon after its namespace grants the
+    operator access, without anyone touching the binding (the resync here is an hour away)."""
+    cleanup += ["watch-later", "ns/wl-later"]
+    objs = [
+        tc("watch-later"),
+        *tenant_namespace("wl-later", grant=False),
+        secret("later-keys", "wl-later", k0="sk-later"),
+        tenant_binding("later", "wl-later", "t-later", "watch-later"),
+    ]
+    assert kv.apply(*objs).returncode == 0
+
+    def binding() -> Any:
+        return kv.json("get", "tenantbinding", "later", "-n", "wl-later")
+
+    wait(
+        lambda: condition(binding(), "Denied").get("reason") == "ApiKeySecretForbidden",
+        "Denied: ApiKeySecretForbidden",
+        120,
+        dump=operator.tail,
+    )
+    denied = binding()
+    assert "wl-later/later-keys" in condition(denied, "Denied")["message"]
+    assert kv.apply(rbac.tenant_secrets_binding("wl-later", "kvfence-system")).returncode == 0
+    prompt(kv, wait, operator, lambda: hashes(kv, "t-later") == [sha("sk-later")], "the tenant routed")
+    prompt(
+        kv,
+        wait,
+        operator,
+        lambda: (
+            condition(binding(), "Bound").get("status") == "True"
+            and condition(binding(), "Denied").get("status") == "False"
+        ),
+        "Bound, not Denied",
+    )
+    after = binding()
+    assert after["metadata"]["generation"] == denied["metadata"]["generation"]
+    assert after["metadata"].get("annotations") == denied["metadata"].get("annotations")
+    # and the namespace's Secrets are watched from now on: a rotated key arrives without a resync
+    assert kv.apply(secret("later-keys", "wl-later", k0="sk-later-2")).returncode == 0
+    prompt(kv, wait, operator, lambda: hashes(kv, "t-later") == [sha("sk-later-2")], "the new key routed")

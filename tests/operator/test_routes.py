@@ -115,6 +115,41 @@ def test_denied_bindings_never_route(make_tc: Any, make_tb: Any) -> None:
             assert not (set(lk.hashes) - {hash_api_key("k-first")}) & routed_hashes
 
 
+def test_denials_name_nothing_in_another_tenants_namespace(make_tc: Any, make_tb: Any) -> None:
+    """A binding that loses a tenant id or an API key to an older one is told which binding only when
+    that binding is in its own namespace."""
+    classes = {"gold": R.ClassState(make_tc(), (KEY,))}
+    bindings = [
+        make_tb("winner", "dup", namespace="team-a", created="2026-01-01T00:00:00Z"),
+        make_tb("loser", "dup", namespace="team-b", created="2026-01-02T00:00:00Z"),
+        make_tb("loser-here", "dup", namespace="team-a", created="2026-01-03T00:00:00Z"),
+        make_tb("key-loser", "other", namespace="team-b", created="2026-01-04T00:00:00Z"),
+        make_tb("key-loser-here", "third", namespace="team-a", created="2026-01-05T00:00:00Z"),
+    ]
+    lookups = keys(
+        ("team-a/winner", "k-1"),
+        ("team-b/loser", "k-2"),
+        ("team-a/loser-here", "k-3"),
+        ("team-b/key-loser", "k-1"),
+        ("team-a/key-loser-here", "k-1"),
+    )
+    out = R.decide(classes, bindings, NS, lookups, OPTS)
+    d = out.decisions
+    assert d["team-b/loser"].reason == C.REASON_DUPLICATE_TENANT_ID
+    assert d["team-b/loser"].message == "tenant id 'dup' is already bound by an older TenantBinding"
+    assert d["team-a/loser-here"].message == (
+        "tenant id 'dup' is already bound by TenantBinding 'winner' of this namespace"
+    )
+    assert d["team-b/key-loser"].reason == R.REASON_DUPLICATE_API_KEY
+    assert (
+        d["team-b/key-loser"].message
+        == "an API key of this binding is already used by an older TenantBinding"
+    )
+    assert "'winner' of this namespace" in d["team-a/key-loser-here"].message
+    for key in ("team-b/loser", "team-b/key-loser"):
+        assert "team-a" not in d[key].message and "winner" not in d[key].message
+
+
 def test_guarantees_are_budgeted_against_the_reference_pool_or_1024_on_vllm(
     make_tc: Any, make_tb: Any
 ) -> None:

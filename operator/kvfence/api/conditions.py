@@ -9,9 +9,16 @@ READY: Final = "Ready"
 PROGRESSING: Final = "Progressing"
 DEGRADED: Final = "Degraded"
 
+#: kstatus' abnormal-true conditions (Flux, kpt, cli-utils), set on both kinds: ``Reconciling`` while
+#: the operator (or the rollout it started) is still working towards the spec, ``Stalled`` when it cannot
+#: get there without a change by someone. Both False otherwise; never both True.
+RECONCILING: Final = "Reconciling"
+STALLED: Final = "Stalled"
+
 # --- TenantBinding condition types ------------------------------------------------------------
 BOUND: Final = "Bound"
 DENIED: Final = "Denied"
+#: On bindings ``Ready`` mirrors ``Bound``: ``kubectl wait --for=condition=Ready`` works on both kinds.
 
 # --- reasons: TrustClass ----------------------------------------------------------------------
 REASON_AVAILABLE: Final = "EngineAvailable"
@@ -26,6 +33,8 @@ REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
 #: a shared prefix's configMapKeyRef names a ConfigMap or key that does not exist (the engines keep the
 #: last config they were given)
 REASON_SHARED_PREFIX_UNRESOLVED: Final = "SharedPrefixUnresolved"
+REASON_FORBIDDEN_EXTRA_ARGS: Final = "ForbiddenExtraArgs"
+REASON_RECONCILED: Final = "Reconciled"
 
 # --- reasons: TenantBinding -------------------------------------------------------------------
 REASON_BOUND: Final = "Bound"

@@ -144,7 +144,11 @@ def crd(
     short_names: list[str],
     scope: str,
     columns: list[dict[str, Any]],
+    scale: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    subresources: dict[str, Any] = {"status": {}}
+    if scale is not None:
+        subresources["scale"] = scale
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -168,7 +172,7 @@ def crd(
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": subresources,
                     "additionalPrinterColumns": columns,
                     "schema": {"openAPIV3Schema": object_schema(model)},
                 }
@@ -197,6 +201,12 @@ def trustclass_crd() -> dict[str, Any]:
         singular=trustclass.SINGULAR,
         short_names=trustclass.SHORT_NAMES,
         scope="Cluster",
+        # `kubectl scale trustclass NAME --replicas N` (and anything else that speaks /scale)
+        scale={
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
         columns=[
             {"name": "Runtime", "type": "string", "jsonPath": ".spec.engine.runtime"},
             {"name": "Model", "type": "string", "jsonPath": ".spec.engine.model.name"},

@@ -84,7 +84,9 @@ class TenantBindingStatus(KubeModel):
     observed_generation: int | None = Field(
         None, alias="observedGeneration", description="The .metadata.generation last reconciled."
     )
-    conditions: list[Condition] = conditions_field("Bound and Denied.")
+    conditions: list[Condition] = conditions_field(
+        "Bound and Denied; Ready (the same as Bound), Reconciling and Stalled as kstatus reads them."
+    )
     trust_class: str | None = Field(
         None, alias="trustClass", description="The trust class the tenant routes to."
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, JsonValue, model_validator
 
 from kvfence.api.common import (
     DNS_LABEL,
@@ -47,6 +47,83 @@ GPU_MEMORY_UTILIZATION_ON_REFERENCE = (
     "engine.gpuMemoryUtilization applies to the vllm runtime only: the reference engine runs on CPU "
     "and sizes its KV pool from engine.numBlocks"
 )
+
+#: Flags ``engine.extraArgs`` may not carry: each one chooses something tenant isolation relies on
+#: (prefix-cache hashing and on/off, KV transfer and KV events, the kvfence middleware and scheduler,
+#: classes or plugins loaded into the engine, a second config file, the signing keys). One list for
+#: both runtimes: a flag the other runtime does not know would only make its parser exit.
+FORBIDDEN_EXTRA_ARGS: tuple[str, ...] = (
+    # vllm serve
+    "--config",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--prefix-caching-hash-algo",
+    "--kv-transfer-config",
+    "--kv-events-config",
+    "--ec-transfer-config",
+    "--middleware",
+    "--scheduler-cls",
+    "--worker-cls",
+    "--worker-extension-cls",
+    "--io-processor-plugin",
+    "--logits-processors",
+    # kvfence-engine (--config as well)
+    "--signing-key-dir",
+)
+#: The longest argument ``engine.extraArgs`` admits (bounds the cost of the CRD's rule).
+MAX_EXTRA_ARG_LENGTH = 512
+EXTRA_ARGS_WHY = (
+    "kvfence sets this itself and tenant isolation relies on it (see docs/threat-model.md); "
+    "use the TrustClass field that chooses it"
+)
+
+
+def flag_name(arg: str) -> str | None:
+    """The option an argument names as the runtime's parser reads it, or ``None`` (not an option):
+    ``--a_b=1`` and ``--a-b.key`` (vLLM's JSON-field form) both name ``--a-b``."""
+    if not arg.startswith("--") or len(arg) <= 2:
+        return None
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+
+
+def refused_extra_args(args: list[str]) -> list[str]:
+    """The arguments of ``args`` that name a flag of :data:`FORBIDDEN_EXTRA_ARGS`, or abbreviate one
+    (argparse accepts any unique prefix), in order."""
+    out = []
+    for a in args:
+        name = flag_name(a)
+        if name is not None and any(f.startswith(name) for f in FORBIDDEN_EXTRA_ARGS):
+            out.append(a)
+    return out
+
+
+def extra_args_refusal(args: list[str]) -> str | None:
+    """Why ``args`` cannot be passed to the engine (for one argument, the message of the CRD's rule),
+    or ``None``."""
+    refused = refused_extra_args(args)
+    return f"engine.extraArgs: {', '.join(refused)} refused: {EXTRA_ARGS_WHY}" if refused else None
+
+
+def _prefixes_re(word: str) -> str:
+    """RE2 matching every non-empty prefix of ``word``, ``_`` standing for ``-`` as vLLM's parser reads it."""
+    out = ""
+    for ch in reversed(word):
+        atom = "[-_]" if ch == "-" else ch
+        out = f"{atom}({out})?" if out else atom
+    return out
+
+
+def extra_args_regex() -> str:
+    """RE2 of an argument :func:`refused_extra_args` refuses (the CRD's CEL rule uses it;
+    tests/operator/test_operator_crds.py sends the model's cases to the API server)."""
+    return "^--(" + "|".join(_prefixes_re(f.removeprefix("--")) for f in FORBIDDEN_EXTRA_ARGS) + ")($|[=.])"
+
+
+EXTRA_ARG_RULE: dict[str, JsonValue] = {
+    "rule": f"!self.matches('{extra_args_regex()}')",
+    "messageExpression": f"'engine.extraArgs: ' + self + ' refused: {EXTRA_ARGS_WHY}'",
+    "reason": "FieldValueForbidden",
+}
 
 
 class ModelSpec(KubeModel):
@@ -172,7 +249,17 @@ class EngineSpec(KubeModel):
         default_factory=list,
         alias="extraArgs",
         max_length=128,
-        description="Extra command-line arguments appended to the runtime's own.",
+        description="Extra command-line arguments appended to the runtime's own. Flags that choose what "
+        "tenant isolation relies on are refused, abbreviated or not: "
+        + ", ".join(FORBIDDEN_EXTRA_ARGS)
+        + ".",
+        json_schema_extra={
+            "items": {
+                "type": "string",
+                "maxLength": MAX_EXTRA_ARG_LENGTH,
+                "x-kubernetes-validations": [EXTRA_ARG_RULE],
+            }
+        },
     )
 
     @model_validator(mode="after")
@@ -475,7 +562,12 @@ class TrustClassSpec(KubeModel):
         "the operator); defaults to kvf-<name>. Immutable.",
     )
     engine: EngineSpec = Field(description="The engine that serves this class's tenants.")
-    replicas: int = Field(1, ge=0, le=1024, description="Engine replicas.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="Engine replicas; also written through the /scale subresource (kubectl scale).",
+    )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec,
         description="Compute resources per engine replica.",
@@ -516,12 +608,24 @@ class TrustClassStatus(KubeModel):
     observed_generation: int | None = Field(
         None, alias="observedGeneration", description="The .metadata.generation last reconciled."
     )
-    conditions: list[Condition] = conditions_field("Ready, Progressing and Degraded.")
+    conditions: list[Condition] = conditions_field(
+        "Ready, Progressing and Degraded; Reconciling and Stalled as kstatus (Flux, kpt) reads them."
+    )
     namespace: str | None = Field(None, description="The namespace holding the engine.")
     endpoint: str | None = Field(None, description="URL of the engine Service, as the router reaches it.")
+    desired_replicas: int | None = Field(
+        None,
+        alias="desiredReplicas",
+        description="Engine replicas the observed spec asks for (spec.replicas).",
+    )
     replicas: int | None = Field(None, description="Engine pods that exist.")
     ready_replicas: int | None = Field(None, alias="readyReplicas", description="Engine pods that are ready.")
     bound_tenants: int | None = Field(None, alias="boundTenants", description="Tenants bound to this class.")
+    selector: str | None = Field(
+        None,
+        description="Label selector of the engine pods (in status.namespace), as the /scale subresource "
+        "reports it.",
+    )
     signing_key_id: str | None = Field(
         None, alias="signingKeyId", description="Public fingerprint of the key the router signs with."
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.api.common import API_VERSION, TenantQuotas
-from kvfence.api.trustclass import TrustClass
+from kvfence.api.trustclass import TrustClass, extra_args_refusal
 from kvfence.contract import key_id
 from kvfence.engine.config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS, EngineConfig
 
@@ -580,6 +580,18 @@ def pod_disruption_budget(tc: TrustClass, opts: OperatorOptions, owner: Obj | No
     }
 
 
+class RefusedExtraArgs(ValueError):
+    """``engine.extraArgs`` names a flag that would undo tenant isolation (the message says which)."""
+
+
+def check_extra_args(tc: TrustClass) -> None:
+    """Refuse what the CRD's rule refuses, for a class stored before that rule existed: the operator
+    never renders an engine with such a flag."""
+    why = extra_args_refusal(tc.spec.engine.extra_args)
+    if why is not None:
+        raise RefusedExtraArgs(why)
+
+
 def children(
     tc: TrustClass,
     *,
@@ -590,6 +602,7 @@ def children(
     shared_texts: Mapping[str, str] | None = None,
 ) -> list[Obj]:
     """Every namespaced object of a trust class, in apply order (config and key before the engine)."""
+    check_extra_args(tc)
     cfg = engine_config(tc, tenant_quotas, shared_texts)
     current, previous, token = signing
     return [

@@ -48,6 +48,11 @@ MANAGED = {LABEL_MANAGED_BY: MANAGER}
 #: reconcile of the key, since a key already waiting in the queue is not queued again.
 COALESCE_SECONDS = 0.5
 
+#: How often a tenant namespace whose Secrets the operator may not watch is tried again: a RoleBinding
+#: granted there is noticed within this time (its bindings are then decided again, without being
+#: touched). Each try is one metadata-only LIST that RBAC refuses before it reaches storage.
+FORBIDDEN_RETRY_SECONDS = 3.0
+
 #: Set by ``main``: where kopf's own connection (its watches) gets its credentials from.
 LOGIN: dict[str, str | None] = {"kubeconfig": None}
 
@@ -112,7 +117,7 @@ class Controller:
             self.secret_watches = NamespaceSecretWatches(
                 MetadataWatchClient(self._secrets_api),
                 self.api_key_secret_event,
-                forbidden_retry_seconds=self.resync_seconds,
+                forbidden_retry_seconds=min(FORBIDDEN_RETRY_SECONDS, self.resync_seconds),
                 referenced=self.api_keys.secrets,
             )
             self.secret_watches.want(self.api_keys.namespaces())

@@ -93,6 +93,34 @@ def set_condition(
     return cond
 
 
+def kstatus_conditions(
+    existing: list[Obj], *, reconciling: Obj | None, stalled: tuple[str, str] | None, generation: int | None
+) -> list[Obj]:
+    """``Reconciling`` and ``Stalled`` as kstatus reads them: ``reconciling`` is the (reason, message)
+    of work in progress, ``stalled`` that of a state only a change by someone can leave; each False
+    (reason ``Reconciled``/``AsExpected``) otherwise. Stalled wins: never both True."""
+    if stalled is not None:
+        reconciling = None
+    return [
+        set_condition(
+            existing,
+            C.RECONCILING,
+            reconciling is not None,
+            (reconciling or {}).get("reason") or C.REASON_RECONCILED,
+            (reconciling or {}).get("message", ""),
+            generation,
+        ),
+        set_condition(
+            existing,
+            C.STALLED,
+            stalled is not None,
+            stalled[0] if stalled else C.REASON_AS_EXPECTED,
+            stalled[1] if stalled else "",
+            generation,
+        ),
+    ]
+
+
 def _strip_times(status: Obj) -> Obj:
     out = dict(status)
     out["conditions"] = sorted(
@@ -232,6 +260,11 @@ class Reconciler:
                 owner=owner,
                 shared_texts=shared_texts,
             )
+        except B.RefusedExtraArgs as e:
+            # Nothing is applied: the engine keeps running as last rendered, and never with the flag.
+            self._class_status(body, tc, degraded=(C.REASON_FORBIDDEN_EXTRA_ARGS, str(e)))
+            self._emit(Event(body, C.REASON_FORBIDDEN_EXTRA_ARGS, str(e), "Warning"))
+            return set()
         except ValueError as e:
             self._class_status(body, tc, degraded=(C.REASON_INVALID_ENGINE_CONFIG, str(e)))
             return set()
@@ -353,6 +386,8 @@ class Reconciler:
             status["namespace"] = tc.target_namespace
             status["endpoint"] = B.endpoint(tc, self.opts)
             status["boundTenants"] = self.state.bound_count.get(tc.name, 0)
+            status["desiredReplicas"] = tc.spec.replicas
+            status["selector"] = ",".join(f"{k}={v}" for k, v in sorted(B.selector_labels(tc.name).items()))
         if key is not None:
             status["signingKeyId"] = key_id(key)
         if degraded is not None:
@@ -361,6 +396,7 @@ class Reconciler:
                 set_condition(existing, C.READY, False, reason, msg, gen),
                 set_condition(existing, C.PROGRESSING, False, reason, msg, gen),
                 set_condition(existing, C.DEGRADED, True, reason, msg, gen),
+                *kstatus_conditions(existing, reconciling=None, stalled=(reason, msg), generation=gen),
             ]
         else:
             assert tc is not None
@@ -418,7 +454,17 @@ class Reconciler:
                 deg = set_condition(existing, C.DEGRADED, True, C.REASON_UNAVAILABLE, why, gen)
             else:
                 deg = set_condition(existing, C.DEGRADED, False, C.REASON_AS_EXPECTED, "", gen)
-            conds = [ready_c, prog, deg]
+            conds = [
+                ready_c,
+                prog,
+                deg,
+                *kstatus_conditions(
+                    existing,
+                    reconciling=None if deg["status"] == "True" or prog["status"] != "True" else prog,
+                    stalled=(deg["reason"], deg["message"]) if deg["status"] == "True" else None,
+                    generation=gen,
+                ),
+            ]
             old_ready: Obj = next((c for c in existing if c.get("type") == C.READY), {})
             if old_ready.get("status") != ready_c["status"]:
                 self._emit(
@@ -575,6 +621,13 @@ class Reconciler:
                 d.reason if d.denied else C.REASON_NOT_DENIED,
                 d.message if d.denied else "",
                 gen,
+            ),
+            set_condition(existing, C.READY, d.bound, bound_reason, d.message, gen),
+            *kstatus_conditions(
+                existing,
+                reconciling=None if d.bound or d.denied else {"reason": d.reason, "message": d.message},
+                stalled=(d.reason, d.message) if d.denied else None,
+                generation=gen,
             ),
         ]
         status: Obj = {"observedGeneration": gen, "conditions": conds}

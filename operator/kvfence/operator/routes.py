@@ -90,6 +90,13 @@ def _deny(reason: str, message: str, tc: str | None = None) -> Decision:
     return Decision(bound=False, denied=True, reason=reason, message=message, trust_class=tc)
 
 
+def _other(binding: str, namespace: str) -> str:
+    """An older binding as a denial message may name it: by name in the denied binding's own namespace,
+    not at all in another one (a tenant learns nothing about other tenants' namespaces)."""
+    ns, _, name = binding.partition("/")
+    return f"TenantBinding {name!r} of this namespace" if ns == namespace else "an older TenantBinding"
+
+
 def decide(
     classes: Mapping[str, ClassState],
     bindings: Iterable[TenantBinding],
@@ -139,7 +146,8 @@ def decide(
         owner = claimed_ids.get(spec.tenant_id)
         if owner is not None:
             out.decisions[b.key] = _deny(
-                C.REASON_DUPLICATE_TENANT_ID, f"tenant id {spec.tenant_id!r} is already bound by {owner}"
+                C.REASON_DUPLICATE_TENANT_ID,
+                f"tenant id {spec.tenant_id!r} is already bound by {_other(owner, b.namespace)}",
             )
             continue
         claimed_ids[spec.tenant_id] = b.key
@@ -176,7 +184,8 @@ def decide(
         clash = next((claimed_keys[h] for h in lookup.hashes if h in claimed_keys), None)
         if clash is not None:
             out.decisions[b.key] = _deny(
-                REASON_DUPLICATE_API_KEY, f"an API key of this binding is already used by {clash}"
+                REASON_DUPLICATE_API_KEY,
+                f"an API key of this binding is already used by {_other(clash, b.namespace)}",
             )
             continue
         guaranteed = effective.guaranteed_kv_blocks or 0

@@ -12,7 +12,9 @@ Two kinds of Secret matter, and each is watched as narrowly as RBAC can express 
   metadata-only watch runs per namespace that holds TenantBindings (:class:`NamespaceSecretWatches`),
   and the :class:`ApiKeyIndex` of the ``(namespace, name)`` pairs bindings reference drops every event
   of any other Secret before anything is queued. A namespace that did not opt in answers 403: its
-  bindings are ``Denied`` anyway, and the watch is tried again at each resync interval.
+  bindings are ``Denied`` anyway, and the watch is tried again every few seconds, so that a RoleBinding
+  granted later is noticed at once (the first list reports the Secrets the bindings read, which
+  decides them again).
 
 The index and the mapping functions are pure; :class:`MetadataWatchClient` and
 :class:`NamespaceSecretWatches` do the I/O (aiohttp, on kopf's event loop).

@@ -1,0 +1,166 @@
+"""GitOps-ready status on the real control plane: the conditions kstatus reads (Flux, kpt,
+cli-utils) and ``kubectl wait`` on both kinds, and the chart's Argo CD health checks (Lua, run by a
+real Lua runtime) against statuses the operator really wrote."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import lupa.lua54 as lua54
+import pytest
+from cluster.manifests import (
+    CPU_ANY_NAMESPACE,
+    condition,
+    keys_secret,
+    ready,
+    tenant_binding,
+    tenant_namespace,
+    trust_class,
+)
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGOCD = ROOT / "charts" / "kvfence" / "files" / "argocd"
+tc = functools.partial(trust_class, **CPU_ANY_NAMESPACE)
+
+
+def argocd_health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
+    """(status, message) of the chart's Argo CD health check of ``kind`` for ``obj``, the way Argo CD
+    runs it: the script's body with the object as the global ``obj``."""
+    rt = lua54.LuaRuntime(unpack_returned_tuples=True)
+    rt.globals().obj = _to_lua(rt, obj)
+    script = (ARGOCD / f"health-{kind}.lua").read_text()
+    hs = rt.execute(script)
+    return str(hs["status"]), str(hs["message"] or "")
+
+
+def _to_lua(rt: Any, v: Any) -> Any:
+    if isinstance(v, dict):
+        return rt.table_from({k: _to_lua(rt, x) for k, x in v.items()})
+    if isinstance(v, list):
+        return rt.table_from([_to_lua(rt, x) for x in v])
+    return v
+
+
+def kstatus(obj: dict[str, Any]) -> str:
+    """What kstatus' generic rules say of a custom resource (sigs.k8s.io/cli-utils/pkg/kstatus/status,
+    checkGenericProperties): InProgress until status.observedGeneration is the generation, InProgress
+    while Reconciling is True, Failed while Stalled is True, else Current."""
+    st = obj.get("status") or {}
+    if st.get("observedGeneration") != obj["metadata"]["generation"]:
+        return "InProgress"
+    if condition(obj, "Reconciling").get("status") == "True":
+        return "InProgress"
+    if condition(obj, "Stalled").get("status") == "True":
+        return "Failed"
+    return "Current"
+
+
+def current_conditions(obj: dict[str, Any]) -> bool:
+    """Every condition carries the generation it was computed from."""
+    gen = obj["metadata"]["generation"]
+    return all(c.get("observedGeneration") == gen for c in obj["status"]["conditions"])
+
+
+@pytest.fixture
+def cleanup(kv: Any, wait: Any) -> Any:
+    made: list[str] = []
+    yield made
+    for name in made:
+        kind = "namespace" if name.startswith("ns/") else "trustclass"
+        kv("delete", kind, name.removeprefix("ns/"), "--ignore-not-found", "--wait=false")
+    for name in made:
+        if not name.startswith("ns/"):
+            wait(lambda n=name: kv.json("get", "trustclass", n) is None, f"TrustClass {name} deleted", 120)
+
+
+def test_kubectl_wait_kstatus_and_argocd_health_follow_what_the_operator_writes(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    cleanup += [
+        "go-ok",
+        "go-stuck",
+        "go-zero",
+        "go-conflict",
+        "ns/go-tenants",
+        "ns/go-outsiders",
+        "ns/go-taken",
+    ]
+    nowhere = {"nodeSelector": {"kvfence.dev/test": "no-such-node"}}
+    kv("create", "namespace", "go-taken")
+    objs = [
+        tc("go-ok"),
+        tc("go-stuck", placement=nowhere),
+        tc("go-zero", replicas=0),
+        tc("go-conflict", namespace="go-taken", replicas=0),
+        *tenant_namespace("go-tenants", grant=True),
+        keys_secret("go-bound", "go-tenants", "sk-go-bound"),
+        tenant_binding("go-bound", "go-tenants", trust_class="go-ok"),
+        keys_secret("go-denied", "go-tenants", "sk-go-denied"),
+        tenant_binding("go-denied", "go-tenants", trust_class="go-missing"),
+    ]
+    assert kv.apply(*objs).returncode == 0
+    # kubectl wait on both kinds
+    res = kv("wait", "--for=condition=Ready", "trustclass/go-ok", "--timeout=180s", check=False)
+    assert res.returncode == 0, res.stderr + operator.tail()
+    res = kv("wait", "--for=condition=Ready", "-n", "go-tenants", "tenantbinding/go-bound", "--timeout=60s",
+             check=False)  # fmt: skip
+    assert res.returncode == 0, res.stderr + operator.tail()
+
+    def tc_state(name: str, status: str) -> dict[str, Any] | None:
+        obj = kv.json("get", "trustclass", name)
+        if obj and obj.get("status") and kstatus(obj) == status and current_conditions(obj):
+            return dict(obj)
+        return None
+
+    ok = wait(lambda: tc_state("go-ok", "Current"), "go-ok Current", 60, dump=operator.tail)
+    assert ready(kv, "go-ok")
+    assert condition(ok, "Reconciling")["status"] == "False"
+    assert condition(ok, "Stalled")["status"] == "False"
+    assert argocd_health("trustclass", ok)[0] == "Healthy"
+
+    stuck = wait(lambda: tc_state("go-stuck", "InProgress"), "go-stuck InProgress", 60, dump=operator.tail)
+    assert condition(stuck, "Reconciling")["status"] == "True"
+    assert condition(stuck, "Ready")["status"] == "False"
+    assert argocd_health("trustclass", stuck) == ("Progressing", "EngineRollingOut: 1/1 updated, 0/1 ready")
+
+    zero = wait(lambda: tc_state("go-zero", "Current"), "go-zero Current", 60, dump=operator.tail)
+    assert condition(zero, "Ready")["reason"] == "ScaledToZero"
+    assert argocd_health("trustclass", zero)[0] == "Suspended"
+
+    conflict = wait(lambda: tc_state("go-conflict", "Failed"), "go-conflict Failed", 60, dump=operator.tail)
+    assert condition(conflict, "Stalled")["reason"] == "NamespaceConflict"
+    assert condition(conflict, "Reconciling")["status"] == "False"
+    status, message = argocd_health("trustclass", conflict)
+    assert status == "Degraded" and message.startswith("NamespaceConflict: namespace 'go-taken' exists")
+    res = kv("wait", "--for=condition=Ready", "trustclass/go-conflict", "--timeout=2s", check=False)
+    assert res.returncode != 0
+
+    def tb_state(name: str, status: str) -> dict[str, Any] | None:
+        obj = kv.json("get", "tenantbinding", name, "-n", "go-tenants")
+        if obj and obj.get("status") and kstatus(obj) == status and current_conditions(obj):
+            return dict(obj)
+        return None
+
+    bound = wait(lambda: tb_state("go-bound", "Current"), "go-bound Current", 60, dump=operator.tail)
+    assert condition(bound, "Ready")["status"] == "True" and condition(bound, "Bound")["status"] == "True"
+    assert argocd_health("tenantbinding", bound)[0] == "Healthy"
+    denied = wait(lambda: tb_state("go-denied", "Failed"), "go-denied Failed", 60, dump=operator.tail)
+    assert condition(denied, "Stalled")["reason"] == "TrustClassNotFound"
+    assert condition(denied, "Ready")["status"] == "False"
+    assert argocd_health("tenantbinding", denied) == (
+        "Degraded",
+        "TrustClassNotFound: TrustClass 'go-missing' does not exist",
+    )
+
+    # a new generation: InProgress (kstatus) and Progressing (Argo CD) until the operator observed it
+    newer = {**ok, "metadata": {**ok["metadata"], "generation": ok["metadata"]["generation"] + 1}}
+    assert kstatus(newer) == "InProgress"
+    assert argocd_health("trustclass", newer)[0] == "Progressing"
+    # and one the operator has not written a status for yet
+    fresh = {k: v for k, v in bound.items() if k != "status"}
+    assert argocd_health("tenantbinding", fresh)[0] == "Progressing"
+    assert argocd_health("trustclass", {k: v for k, v in ok.items() if k != "status"})[0] == "Progressing"
