@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 from kvfence.api.common import TenantQuotas
 from kvfence.contract import key_id
@@ -394,13 +393,24 @@ def test_shared_prefixes_reach_the_engine_config_outside_the_restart_hash(make_t
     assert B.config_hash(cfg) == B.config_hash(plain)
 
 
-def test_shared_prefixes_are_refused_on_vllm_until_the_plugin_pins_them(make_tc: Any) -> None:
-    with pytest.raises(ValidationError, match="supported on the reference runtime only"):
-        make_tc(
-            engine={"runtime": "vllm", "image": "x", "model": {"name": "m"}},
-            resources={"gpu": {"count": 1}},
-            prefixCache={"sharedPrefixes": [{"name": "s", "form": "chat", "text": "x"}]},
+def test_shared_prefixes_reach_a_vllm_engine_config_too(make_tc: Any) -> None:
+    tc = make_tc(
+        engine={"runtime": "vllm", "image": "x", "model": {"name": "m"}},
+        resources={"gpu": {"count": 1}},
+        prefixCache={"sharedPrefixes": [{"name": "s", "form": "chat", "text": "You are a bot."}]},
+    )
+    cfg = B.engine_config(tc, None)
+    assert cfg["prefixCache"]["sharedPrefixes"] == [{"name": "s", "form": "chat", "text": "You are a bot."}]
+    # the plugin re-pins on a reload too: no restart
+    assert B.config_hash(cfg) == B.config_hash(
+        B.engine_config(
+            make_tc(
+                engine={"runtime": "vllm", "image": "x", "model": {"name": "m"}},
+                resources={"gpu": {"count": 1}},
+            ),
+            None,
         )
+    )
 
 
 @pytest.mark.parametrize("runtime", ["vllm", "reference"])

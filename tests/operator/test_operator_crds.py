@@ -147,14 +147,6 @@ pytestmark = pytest.mark.cluster
             "spec.prefixCache.sharedPrefixes",
             "needs the prefix cache",
         ),
-        (
-            {
-                "engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}},
-                "prefixCache": {"sharedPrefixes": [{"name": "sys", "form": "chat", "text": "a"}]},
-            },
-            "spec.prefixCache.sharedPrefixes",
-            "Forbidden: prefixCache.sharedPrefixes is supported on the reference runtime only so far",
-        ),
     ],
 )
 def test_bad_trustclass_is_rejected_with_the_field_named(

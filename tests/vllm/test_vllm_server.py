@@ -421,3 +421,67 @@ def test_a_quota_change_reaches_running_vllm_without_a_restart(stack: Stack) -> 
         stack.server.popen is not None and stack.server.popen.pid == pid and stack.server.popen.poll() is None
     )
     stack.server.set_quotas({"carol": {"maxBlocks": CAROL_MAX_BLOCKS}})
+
+
+def test_declared_shared_prefixes_reach_running_vllm_and_share_only_the_declared_part(
+    stack: Stack, solo_answers: list[tuple[list[int], list[float]]]
+) -> None:
+    """Last in the module: it declares the oracle's system prompt (both forms) as shared."""
+    pid = stack.server.popen.pid if stack.server.popen else None
+    stack.server.set_shared_prefixes(
+        [
+            {"name": "system", "form": "completion", "text": SYSTEM},
+            {"name": "system-chat", "form": "chat", "text": SYSTEM},
+        ]
+    )
+
+    def pinned() -> bool:
+        if stack.server.metrics().get("kvfence_engine_shared_prefixes_pinned") == 2:
+            return True
+        stack.post("alice", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+        return False
+
+    wait_until(pinned, "both shared prefixes pinned", timeout=60, interval=0.3)
+    assert stack.server.popen is not None and stack.server.popen.pid == pid  # no restart
+    pinned_blocks = stack.server.metrics()["kvfence_engine_kv_blocks_pinned"]
+    assert pinned_blocks >= 2
+    # Every tenant's first request on a suffix nobody sent: exactly the declared part (whole blocks),
+    # carol included, whose 2-block maximum could never hold this prompt: the shared part is not hers.
+    first = {}
+    for i, tenant in enumerate(("alice", "bob", "carol")):
+        body = {
+            "model": "tiny",
+            "prompt": SYSTEM + "\n" + text(7000 + i, 12),
+            "max_tokens": 2,
+            "temperature": 0,
+        }
+        status, doc = stack.post(tenant, "/v1/completions", body)
+        assert status == 200, (tenant, doc)
+        first[tenant] = cached_tokens(doc)
+    shared = first["alice"]
+    assert shared >= 128 and shared % 128 == 0 and set(first.values()) == {shared}, first
+    # alice's private suffix: hers on a repeat, never bob's (he gets the declared part, as cold)
+    secret = {"model": "tiny", "prompt": SYSTEM + "\n" + text(7100, 140), "max_tokens": 2, "temperature": 0}
+    assert stack.post("alice", "/v1/completions", secret)[0] == 200
+    assert cached_tokens(stack.post("alice", "/v1/completions", secret)[1]) > shared
+    assert cached_tokens(stack.post("bob", "/v1/completions", secret)[1]) == shared
+    # one token changed inside the declared prefix: nothing shared
+    changed = {**secret, "prompt": "W" + SYSTEM[1:] + "\n" + text(7200, 40)}
+    assert cached_tokens(stack.post("bob", "/v1/completions", changed)[1]) == 0
+    # The oracle again, now through the shared blocks: every answer still equals the cold server's.
+    reqs = oracle_requests()
+    with ThreadPoolExecutor(max_workers=len(reqs)) as pool:
+        results = list(pool.map(lambda r: stack.post(r[0], r[1], r[2]), reqs))
+    for (status, doc), (tenant, path, _), (want_ids, want_lps) in zip(
+        results, reqs, solo_answers, strict=True
+    ):
+        assert status == 200, doc
+        ids, lps = answer(path, doc)
+        assert ids == want_ids and all(abs(a - b) <= 1e-3 for a, b in zip(lps, want_lps, strict=True)), (
+            tenant,
+            path,
+        )
+        assert cached_tokens(doc) >= 128, (tenant, path, doc["usage"])  # both forms hit the shared part
+    assert counters(stack.server) == (0, 0, 0)
+    assert stack.server.metric("kvfence_engine_shared_prefix_hits_total") > 0
+    assert stack.server.metrics()["kvfence_engine_kv_blocks_pinned"] == pinned_blocks

@@ -163,8 +163,15 @@ class VllmServer:
 
     def set_quotas(self, tenants: dict[str, dict[str, int]]) -> None:
         """Rewrite the mounted engine config's per-tenant quotas (what the operator does on a change)."""
+        self._rewrite(lambda cfg: cfg["quotas"].__setitem__("tenants", tenants))
+
+    def set_shared_prefixes(self, prefixes: list[dict[str, str]]) -> None:
+        """Rewrite the mounted engine config's declared shared prefixes (the operator, on a change)."""
+        self._rewrite(lambda cfg: cfg["prefixCache"].__setitem__("sharedPrefixes", prefixes))
+
+    def _rewrite(self, change: Any) -> None:
         cfg = json.loads(self.config_path.read_text())
-        cfg["quotas"]["tenants"] = tenants
+        change(cfg)
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(cfg))
         os.replace(tmp, self.config_path)

@@ -84,6 +84,8 @@ class Harness:
     num_blocks: int = 64
     block_size: int = 16
     quotas: dict[str, Any] = field(default_factory=dict)
+    #: the engine config's prefixCache.sharedPrefixes (declared shared prefixes)
+    shared: list[dict[str, Any]] = field(default_factory=list)
     hash_fn: Callable[[Any], bytes] = sha256
     sched: Any = None
     _ids: Any = field(default_factory=lambda: itertools.count())
@@ -143,6 +145,7 @@ class Harness:
             "maxModelLen": 1024,
             "signingKeyDir": str(self.dir / "keys"),
             "quotas": {"default": default or {}, "tenants": tenants},
+            "prefixCache": {"sharedPrefixes": self.shared},
         }
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(cfg))
@@ -261,7 +264,7 @@ class Harness:
                     continue
                 bs = self.block_size
                 assert rec.tokens == list(req.all_token_ids[i * bs : (i + 1) * bs]), (req.request_id, i)
-                root = rec
-                while root.parent is not None:
+                root = rec  # where the request's namespace entered (after a shared prefix, if any)
+                while not root.root and root.parent is not None:
                     root = root.parent
                 assert root.namespace is not None and root.namespace[0][0] == req.cache_salt

@@ -42,7 +42,7 @@ from typing import Any
 from kvfence.engine.blocks import BlockPool, BlockState, KVBlock
 from kvfence.engine.config import QuotasConfig
 from kvfence.engine.eviction import plan_allocation, take_cold
-from kvfence.engine.quotas import AllocationError, QuotaBook, TenantAccount
+from kvfence.engine.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
 
 #: The account of blocks allocated outside any request's context (vLLM internals); never expected.
 UNATTRIBUTED = ""
@@ -57,20 +57,42 @@ class FenceError(Exception):
 
 
 class Record:
-    """What a cached block holds: its tokens, after which block, in which namespace (root only)."""
+    """What a cached block holds: its tokens, after which block, in which namespace (roots only: the
+    first block of a chain, and the first block after a declared shared prefix, where the request's own
+    namespace enters the chain)."""
 
-    __slots__ = ("namespace", "parent", "tokens")
+    __slots__ = ("namespace", "parent", "root", "tokens")
 
-    def __init__(self, parent: Record | None, tokens: list[int], namespace: Namespace | None) -> None:
+    def __init__(
+        self, parent: Record | None, tokens: list[int], namespace: Namespace | None, root: bool = False
+    ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.namespace = namespace
+        self.root = root or parent is None
 
     def root_namespace(self) -> Namespace | None:
         r = self
-        while r.parent is not None:
+        while not r.root and r.parent is not None:
             r = r.parent
         return r.namespace
+
+
+@dataclass(frozen=True, eq=False)
+class SharedPin:
+    """A declared shared prefix, computed and pinned: its full blocks (held forever, charged to
+    :data:`~kvfence.engine.quotas.SHARED_OWNER`), their vLLM block hashes and records."""
+
+    name: str
+    #: the rendered prefix's tokens (a request must begin with all of them)
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    hashes: tuple[Any, ...]
+    records: tuple[Record, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
 def same_chain(a: Record | None, b: Record | None) -> bool:
@@ -92,6 +114,8 @@ class FenceCounters:
     stale_reference: int = 0
     evictions_own: int = 0
     evictions_cross: int = 0
+    #: prompt tokens served from pinned shared prefixes
+    shared_hit_tokens: int = 0
     #: requests refused because they can never fit the tenant's maximum, by tenant
     quota_rejected: dict[str, int] = field(default_factory=dict)
     #: scheduling steps in which a request was held back for its tenant's maximum, by tenant
@@ -132,6 +156,8 @@ class TenantFence:
         self._reclaimable: dict[str, int] = {}
         self.total_reclaimable = 0
         self._set_flags(quotas)
+        #: the declared shared prefixes, pinned (set by the scheduler once their requests computed them)
+        self.shared: tuple[SharedPin, ...] = ()
         #: bumped on every change the stats export shows
         self.version = 0
 
@@ -435,23 +461,38 @@ class TenantFence:
         tokens: list[int],
         tenant_ns: Namespace,
         extras: Sequence[Any] | None = None,
+        shared: Sequence[Record] = (),
     ) -> tuple[int, str]:
         """How many leading blocks of a hit chain hold exactly ``tokens`` (a list, as records hold
         them) under ``tenant_ns``.
 
-        ``extras``: per-block extra keys (multimodal requests), None for text. The first failing block
-        ends the hit and is counted: as a cross-namespace access if its chain starts in another
-        namespace, otherwise as a hash collision.
+        ``extras``: per-block extra keys (multimodal requests), None for text. ``shared``: the records
+        of the declared shared prefix the request begins with (its first blocks must be exactly those
+        pinned blocks; the request's own namespace enters after them). The first failing block ends
+        the hit and is counted: as a cross-namespace access if its chain starts in another namespace,
+        otherwise as a hash collision.
         """
         bs = self.block_size
         records = self.records
         parent: Record | None = None
-        root_ns = (tenant_ns, extras[0] if extras is not None else None)
+        start = len(shared)
         for i, bid in enumerate(block_ids):
             rec = records[bid]
-            if rec is not None and rec.tokens == tokens[i * bs : (i + 1) * bs]:
-                if i == 0:
-                    ok = rec.parent is None and rec.namespace == root_ns
+            if i < start:
+                if rec is shared[i]:  # the pinned block itself (its tokens were compared at add)
+                    parent = rec
+                    continue
+            elif rec is not None and rec.tokens == tokens[i * bs : (i + 1) * bs]:
+                if i == start:  # where the request's namespace enters the chain
+                    ok = (
+                        rec.root
+                        and rec.parent is parent
+                        and rec.namespace
+                        == (
+                            tenant_ns,
+                            extras[i] if extras is not None else None,
+                        )
+                    )
                 else:
                     ok = rec.namespace == (
                         None if extras is None or extras[i] is None else (extras[i],)
@@ -481,6 +522,8 @@ class TenantFence:
         c = self.counters
         tenants = {}
         for acct in list(self.book.accounts.values()):
+            if acct.tenant == SHARED_OWNER:
+                continue  # pinned shared prefixes: reported apart from every tenant's blocks
             tenants[acct.tenant] = {
                 "active": acct.active,
                 "cached": len(acct.cold),
@@ -501,7 +544,10 @@ class TenantFence:
                 "free": len(self.pool.free),
                 "active": sum(t["active"] for t in tenants.values()),
                 "cached": sum(t["cached"] for t in tenants.values()),
+                "pinned": len({b for p in self.shared for b in p.block_ids}),
             },
+            "shared_prefixes": len(self.shared),
+            "shared_prefix_hit_tokens": c.shared_hit_tokens,
             "tenants": tenants,
         }
 
@@ -512,6 +558,7 @@ __all__ = [
     "FenceCounters",
     "FenceError",
     "Record",
+    "SharedPin",
     "TenantFence",
     "Verdict",
     "same_chain",

@@ -47,14 +47,30 @@ import vllm.v1.core.kv_cache_coordinator as _coord_mod
 import vllm.v1.core.sched.scheduler as _sched_mod
 from kvfence.contract import XARG_TENANT, XARG_TENANT_TAG, tenant_tag
 from kvfence.engine.blocks import BlockState
-from kvfence.engine.config import ConfigError, QuotasConfig, load_config
-from kvfence.vllm.fence import ACTIVE, UNATTRIBUTED, AllocationError, FenceError, Record, TenantFence, Verdict
+from kvfence.engine.config import ConfigError, EngineConfig, QuotasConfig, SharedPrefixConfig, load_config
+from kvfence.engine.quotas import SHARED_OWNER
+from kvfence.vllm.fence import (
+    ACTIVE,
+    UNATTRIBUTED,
+    AllocationError,
+    FenceError,
+    Record,
+    SharedPin,
+    TenantFence,
+    Verdict,
+)
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import ENV_ENGINE_CONFIG, KeySource
 from kvfence.vllm.stats import StatsWriter
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    get_request_block_hasher,
+    hash_block_tokens,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -78,6 +94,8 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     fence: TenantFence
     rid: str
     tenant_of: dict[str, str]
+    #: request id -> blocks of the declared shared prefix it begins with (requests that begin with one)
+    shared_of: dict[str, int]
 
     def get_num_free_blocks(self) -> int:
         free: int = self.free_block_queue.num_free_blocks
@@ -180,20 +198,28 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         tokens = request._all_token_ids  # the list behind all_token_ids (its slices cost no Python call)
         extras = extra_keys_of(request, num_full_blocks, block_size)
         ns = namespace_of(request)
+        # Where the request's namespace enters its chain: block 0, or the first block after the
+        # declared shared prefix it begins with (its blocks before that are the pinned ones).
+        root = self.shared_of.get(request.request_id, 0)
         parent = records[blocks[num_cached_blocks - 1].block_id] if num_cached_blocks > 0 else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is None:
                 parent = None
                 continue
-            if i > 0 and parent is None:
-                # Cannot happen with one full-attention group; fail safe: an entry that never verifies.
-                log.warning("kvfence: block %d cached without its parent's record", block.block_id)
+            if i < root or (i > 0 and parent is None):
+                # A shared block computed again instead of hit, or (never with one full-attention group)
+                # a block without its parent's record: fail safe, an entry that never verifies.
+                records[block.block_id] = parent = None
                 continue
             chunk = tokens[i * block_size : (i + 1) * block_size]  # a copy: the list slice
             # Only the root, and blocks with extra keys, store a namespace (block_namespace's rule,
             # without a call for every plain block on this hot path).
-            namespace = TenantFence.block_namespace(i, ns, extras) if i == 0 or extras is not None else None
+            if i == root:
+                namespace = TenantFence.block_namespace(0, ns, None if extras is None else extras[i:])
+                records[block.block_id] = parent = Record(parent, chunk, namespace, root=True)
+                continue
+            namespace = TenantFence.block_namespace(i, ns, extras) if extras is not None else None
             records[block.block_id] = parent = Record(parent, chunk, namespace)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
@@ -207,6 +233,33 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         out = super().cache_partial_block(request, block, *args, **kwargs)
         self.fence.records[block.block_id] = None
         return out
+
+
+def shared_salt(trust_class: str) -> str:
+    """The cache salt of the requests that compute declared shared prefixes: no router-derived salt
+    (base64url of an HMAC) can be it."""
+    return f"kvfence-shared/{trust_class}"
+
+
+def render_prefix(tok: Any, form: str, text: str) -> list[int]:
+    """The tokens every request carrying a declared prefix begins with, as vLLM's OpenAI server
+    tokenizes it: ``completion``: the prompt text with the tokenizer's special tokens (its last token
+    dropped: the text that follows may merge with it); ``chat``: what the chat template renders for a
+    leading system message, i.e. the common start of a conversation of that system message alone and
+    one followed by a user message (chat prompts are tokenized without added special tokens)."""
+    if form == "completion":
+        return list(tok.encode(text, add_special_tokens=True))[:-1]
+    system = [{"role": "system", "content": text}]
+    alone = tok.apply_chat_template(system, tokenize=False, add_generation_prompt=False)
+    more = tok.apply_chat_template(
+        [*system, {"role": "user", "content": "?"}], tokenize=False, add_generation_prompt=True
+    )
+    a = list(tok.encode(alone, add_special_tokens=False))
+    b = list(tok.encode(more, add_special_tokens=False))
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 def namespace_of(request: Request) -> tuple[Any, ...]:
@@ -244,6 +297,10 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
     reach_of: dict[str, int]
     lookups: dict[str, list[tuple[int, int]]]
     fence_block_size: int
+    #: request id -> the pinned prefix it begins with (the scheduler's dict)
+    shared_pin_of: dict[str, SharedPin]
+    #: pin request id -> (prefix name, its tokens, its full blocks): requests computing a shared prefix
+    pinning: dict[str, tuple[str, list[int], int]]
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
         blocks, num_tokens, boundary = super().get_computed_blocks(request)
@@ -255,7 +312,11 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         fence = self.fence
         ids = [b.block_id for b in hit]
         extras = extra_keys_of(request, len(ids), self.fence_block_size)
-        ok, verdict = fence.verify(ids, request._all_token_ids, namespace_of(request), extras)
+        pin = self.shared_pin_of.get(rid)
+        shared = pin.records[: min(pin.num_blocks, len(ids))] if pin is not None else ()
+        ok, verdict = fence.verify(ids, request._all_token_ids, namespace_of(request), extras, shared)
+        if pin is not None and ok >= pin.num_blocks:
+            fence.counters.shared_hit_tokens += pin.num_blocks * self.fence_block_size
         if ok < len(ids):
             log.warning(
                 "kvfence: prefix hit of request %s refused at block %d of %d (%s)",
@@ -350,9 +411,47 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         return out
 
     def free(self, request: Request) -> None:
-        super().free(request)
-        self.fence.release(request.request_id)
-        self.lookups.pop(request.request_id, None)
+        rid = request.request_id
+        plan = self.pinning.pop(rid, None)
+        if plan is not None:
+            self._pin(request, plan)
+        else:
+            super().free(request)
+        self.fence.release(rid)
+        self.lookups.pop(rid, None)
+
+    def _pin(self, request: Request, plan: tuple[str, list[int], int]) -> None:
+        """A request that computed a declared shared prefix finished: keep its prefix's full blocks
+        (their references are never dropped: never cold, never evicted, charged to SHARED_OWNER) and
+        free the rest."""
+        name, tokens, k = plan
+        blocks = self.coordinator.pop_blocks_for_free(request.request_id)
+        keep, rest = blocks[:k], blocks[k:]
+        records = [self.fence.records[b.block_id] for b in keep]
+        complete = (
+            request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            and len(keep) == k
+            and all(r is not None for r in records)
+            and len(request.block_hashes) >= k
+        )
+        if not complete:
+            log.error("kvfence: shared prefix %r could not be pinned (%s); not shared", name, request.status)
+            rest = blocks
+        if rest:
+            self.block_pool.free_blocks(reversed(rest))
+        if not complete:
+            return
+        pin = SharedPin(
+            name,
+            tuple(tokens),
+            tuple(b.block_id for b in keep),
+            tuple(request.block_hashes[:k]),
+            tuple(r for r in records if r is not None),
+        )
+        # Longest first: a prompt that begins with two declared prefixes shares the longer one.
+        self.fence.shared = tuple(sorted((*self.fence.shared, pin), key=lambda p: -len(p.tokens)))
+        self.fence.version += 1
+        log.info("kvfence: shared prefix %r pinned: %d blocks", name, k)
 
 
 def _file_stamp(path: str) -> tuple[int, int, int] | None:
@@ -423,17 +522,33 @@ class FenceMixin:
         self._key_stamp = self._keys.stamp()
         self._config_path = os.environ.get(ENV_ENGINE_CONFIG, "")
         self._config_stamp: tuple[int, int, int] | None = None
-        quotas = self._load_quotas() or QuotasConfig()
+        cfg = self._load_config()
+        quotas = cfg.quotas if cfg is not None else QuotasConfig()
         mgr = self.kv_cache_manager
         pool = mgr.block_pool
         if not isinstance(mgr, FencedKVCacheManager) or not isinstance(pool, FencedBlockPool):
             raise FenceError("vLLM did not build the fenced KV-cache manager and block pool")
         self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas)
         tenant_of: dict[str, str] = {}
-        pool.fence, pool.rid, pool.tenant_of = self.fence, "", tenant_of
+        shared_of: dict[str, int] = {}
+        pool.fence, pool.rid, pool.tenant_of, pool.shared_of = self.fence, "", tenant_of, shared_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
         mgr.admitted = self.fence._admitted
         mgr.tenant_of, mgr.reach_of, mgr.lookups = tenant_of, {}, {}
+        mgr.shared_pin_of, mgr.pinning = {}, {}
+        self._shared_of = shared_of
+        self._shared_pin_of: dict[str, SharedPin] = mgr.shared_pin_of
+        self._pinning: dict[str, tuple[str, list[int], int]] = mgr.pinning
+        #: pin request ids whose outputs are the scheduler's own (never sent to a client)
+        self._pin_ids: set[str] = set()
+        self._pin_epoch = 0
+        self._hash_fn: Any = None
+        self._hasher: Any = None
+        #: declared shared prefixes rendered to tokens, waiting for the first step to be computed
+        self._pins_todo = self._plan_pins(cfg.prefix_cache.shared_prefixes if cfg is not None else [])
+        self._shared_decls = cfg.prefix_cache.shared_prefixes if cfg is not None else []
+        #: pins no longer declared, released once the newly declared ones are pinned
+        self._retiring: list[SharedPin] = []
         self._tenant_of: dict[str, str] = mgr.tenant_of
         self._reach_of: dict[str, int] = mgr.reach_of
         self._refused: dict[str, str] = {}
@@ -479,7 +594,8 @@ class FenceMixin:
             super().add_request(request)  # type: ignore[misc]
             return
         self._tenant_of[rid] = tenant
-        if not self.fence.fits_alone(tenant, request.num_prompt_tokens + 1):
+        shared_tokens = self._shared_start(request) * self.block_size  # not charged to the tenant
+        if not self.fence.fits_alone(tenant, request.num_prompt_tokens + 1 - shared_tokens):
             self.fence.count("quota_rejected", tenant)
             log.warning(
                 "kvfence: request %s of tenant %r refused: its %d prompt tokens exceed the tenant's KV quota",
@@ -491,8 +607,8 @@ class FenceMixin:
         else:
             acct = self.fence.account(tenant)
             reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-            if acct.limited and self.fence.blocks_for(reach) > acct.max_blocks:
-                cut = acct.max_blocks * self.block_size - request.num_prompt_tokens
+            if acct.limited and self.fence.blocks_for(reach - shared_tokens) > acct.max_blocks:
+                cut = acct.max_blocks * self.block_size + shared_tokens - request.num_prompt_tokens
                 log.info(
                     "kvfence: request %s of tenant %r: max_tokens %d cut to %d to fit its KV quota",
                     rid,
@@ -502,12 +618,135 @@ class FenceMixin:
                 )
                 request.max_tokens = cut
                 reach = request.num_prompt_tokens + cut
-            self._reach_of[rid] = reach
+            self._reach_of[rid] = reach - shared_tokens
         super().add_request(request)  # type: ignore[misc]
+
+    # --- declared shared prefixes -----------------------------------------------------------------
+    def _plan_pins(self, decls: list[SharedPrefixConfig]) -> list[tuple[str, list[int], int]]:
+        """Render each declared prefix as vLLM renders requests (the model's tokenizer and chat
+        template): (name, tokens, full blocks). Fails the engine if it cannot (never a declaration
+        accepted and ignored)."""
+        if not decls:
+            return []
+        sched: Any = self
+        if not self.kv_cache_manager.enable_caching:
+            raise FenceError("prefixCache.sharedPrefixes needs prefix caching (--enable-prefix-caching)")
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+        try:
+            tok = cached_tokenizer_from_config(sched.vllm_config.model_config)
+        except Exception as e:  # any failure to load the tokenizer: say so and stop
+            raise FenceError(f"prefixCache.sharedPrefixes: cannot load the tokenizer: {e}") from None
+        if tok is None:
+            raise FenceError("prefixCache.sharedPrefixes needs the tokenizer (--skip-tokenizer-init is set)")
+        plans = []
+        for d in decls:
+            tokens = render_prefix(tok, d.form, d.text)
+            k = len(tokens) // self.block_size
+            if k == 0:
+                log.warning("kvfence: shared prefix %r is shorter than one block: nothing to share", d.name)
+                continue
+            plans.append((d.name, tokens, k))
+        return plans
+
+    def _redeclare(self, decls: list[SharedPrefixConfig]) -> None:
+        """A new declared list (the operator rewrote the config): pin what is new now, and release the
+        pins no longer declared once the new ones are in place (until then the old ones still serve)."""
+        try:
+            plans = self._plan_pins(decls)
+        except FenceError as e:
+            log.error("kvfence: shared prefixes not changed: %s", e)
+            return
+        self._shared_decls = decls
+        kept = {(p.name, p.tokens) for p in self.fence.shared}
+        self._pins_todo = [pl for pl in plans if (pl[0], tuple(pl[1])) not in kept]
+        wanted = {(name, tuple(tokens)) for name, tokens, _ in plans}
+        self._retiring = [p for p in self.fence.shared if (p.name, p.tokens) not in wanted]
+        log.info(
+            "kvfence: shared prefixes redeclared: %d to pin, %d to release",
+            len(self._pins_todo),
+            len(self._retiring),
+        )
+
+    def _release_retired(self) -> None:
+        """Drop the pins no longer declared: their blocks become ordinary cached blocks of the shared
+        namespace (cold, reclaimable by anyone); requests holding them keep them until they finish."""
+        retiring, self._retiring = self._retiring, []
+        gone = {id(p) for p in retiring}
+        self.fence.shared = tuple(p for p in self.fence.shared if id(p) not in gone)
+        self.fence.version += 1
+        pool = self.kv_cache_manager.block_pool
+        for pin in retiring:
+            pool.free_blocks(reversed([pool.blocks[bid] for bid in pin.block_ids]))
+            log.info("kvfence: shared prefix %r released", pin.name)
+
+    def _start_pins(self) -> None:
+        """Queue one request per planned prefix (its full blocks and one more token, one token to
+        generate) in the shared namespace; FencedKVCacheManager keeps its blocks when it finishes."""
+        sched: Any = self
+        if self._hasher is None:
+            self._hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
+            self._hasher = get_request_block_hasher(sched.hash_block_size, self._hash_fn)
+        todo, self._pins_todo = self._pins_todo, []
+        self._pin_epoch += 1
+        for name, tokens, k in todo:
+            rid = f"kvfence-shared-{name}-{self._pin_epoch}"
+            n = k * self.block_size
+            prompt = [*tokens[:n], tokens[n] if len(tokens) > n else tokens[-1]]
+            req = Request(
+                rid,
+                prompt,
+                SamplingParams(max_tokens=1, temperature=0.0),
+                None,
+                cache_salt=shared_salt(self._keys.trust_class),
+                block_hasher=self._hasher,
+            )
+            self._tenant_of[rid] = SHARED_OWNER
+            self._reach_of[rid] = len(prompt) + 1
+            self._pinning[rid] = (name, tokens, k)
+            self._pin_ids.add(rid)
+            super().add_request(req)  # type: ignore[misc]
+
+    def _shared_start(self, request: Request) -> int:
+        """If the request's prompt begins with a pinned prefix, token for token: its block hashes are
+        rewritten so that its first blocks are the pinned ones and its own namespace (its cache salt)
+        enters the chain at the first block after them; returns how many blocks it shares."""
+        pins = self.fence.shared
+        if not pins or request.lora_request is not None or request.mm_features:
+            return 0
+        if getattr(request, "prompt_embeds", None) is not None or not request.cache_salt:
+            return 0
+        prompt = request.prompt_token_ids
+        if prompt is None:
+            return 0
+        pin = next((p for p in pins if prompt[: len(p.tokens)] == list(p.tokens)), None)
+        if pin is None:
+            return 0
+        bs = self.block_size
+        n = min(pin.num_blocks, (int(request.num_prompt_tokens) - 1) // bs)
+        if n == 0:
+            return 0
+        tokens = request.all_token_ids
+        hashes = list(pin.hashes[:n])
+        prev = hashes[-1]
+        for i in range(n, len(request.block_hashes)):
+            extra, _ = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)
+            if i == n:  # the tenant's namespace enters here, as vLLM puts the salt into block 0
+                extra = (*(extra or ()), ("cache_salt", request.cache_salt))
+            prev = hash_block_tokens(self._hash_fn, prev, tokens[i * bs : (i + 1) * bs], extra)
+            hashes.append(prev)
+        request.block_hashes[:] = hashes
+        self._shared_of[request.request_id] = n
+        self._shared_pin_of[request.request_id] = pin
+        return n
 
     # --- scheduling -------------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._maybe_reload()
+        if self._pins_todo:
+            self._start_pins()
+        elif self._retiring and not self._pinning:
+            self._release_retired()
         held = self._hold_back()
         try:
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -548,6 +787,10 @@ class FenceMixin:
         outputs: dict[int, Any] = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         if self._refused:
             self._finish_refused(outputs)
+        if self._pin_ids:  # the pin requests' outputs are nobody's
+            for eco in outputs.values():
+                eco.outputs = [o for o in eco.outputs if o.request_id not in self._pin_ids]
+            self._pin_ids.intersection_update(self._pinning)
         return outputs
 
     def _finish_refused(self, outputs: dict[int, Any]) -> None:
@@ -570,16 +813,19 @@ class FenceMixin:
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
+        out = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
         self._tenant_of.pop(rid, None)
         self._reach_of.pop(rid, None)
-        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+        self._shared_of.pop(rid, None)
+        self._shared_pin_of.pop(rid, None)
+        return out
 
     def shutdown(self) -> None:
         self.stats.stop()
         super().shutdown()  # type: ignore[misc]
 
     # --- reloads ----------------------------------------------------------------------------------
-    def _load_quotas(self) -> QuotasConfig | None:
+    def _load_config(self) -> EngineConfig | None:
         if not self._config_path:
             log.warning("kvfence: %s is not set: every tenant gets an unlimited KV quota", ENV_ENGINE_CONFIG)
             return None
@@ -594,7 +840,7 @@ class FenceMixin:
             log.warning("kvfence: engine config not reloaded: %s", e)
             return None
         self._config_stamp = stamp
-        return cfg.quotas
+        return cfg
 
     def _maybe_reload(self) -> None:
         now = time.monotonic()
@@ -608,14 +854,17 @@ class FenceMixin:
         if self._config_path:
             stamp = _file_stamp(self._config_path)
             if stamp is not None and stamp != self._config_stamp:
-                quotas = self._load_quotas()
-                if quotas is not None:
+                cfg = self._load_config()
+                if cfg is not None:
+                    quotas = cfg.quotas
                     try:
                         self.fence.set_quotas(quotas)
                     except FenceError as e:
                         log.warning("kvfence: quotas not applied: %s", e)
                         return
                     log.info("kvfence: KV quotas reloaded (%d tenants listed)", len(quotas.tenants))
+                    if cfg.prefix_cache.shared_prefixes != self._shared_decls:
+                        self._redeclare(cfg.prefix_cache.shared_prefixes)
 
 
 class FencedSyncScheduler(FenceMixin, Scheduler):  # type: ignore[misc]

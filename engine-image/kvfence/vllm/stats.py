@@ -201,8 +201,23 @@ class FenceCollector:
             ("kvfence_engine_kv_blocks_free", "KV blocks free and holding no cache entry", "free"),
             ("kvfence_engine_kv_blocks_active", "KV blocks referenced by running requests", "active"),
             ("kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the prefix cache", "cached"),
+            (
+                "kvfence_engine_kv_blocks_pinned",
+                "KV blocks pinned for the declared shared prefixes (outside every tenant's quota)",
+                "pinned",
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=blocks.get(key, 0))
+        yield counter(
+            "kvfence_engine_shared_prefix_hits",
+            "Prompt tokens served from the trust class's declared, pinned shared prefixes",
+            s.get("shared_prefix_hit_tokens", 0),
+        )
+        yield GaugeMetricFamily(
+            "kvfence_engine_shared_prefixes_pinned",
+            "Declared shared prefixes computed and pinned",
+            value=s.get("shared_prefixes", 0),
+        )
         usage = GaugeMetricFamily(
             "kvfence_engine_tenant_kv_blocks",
             "KV blocks charged to a tenant: active (in use), cached (cold, evictable), reserved "

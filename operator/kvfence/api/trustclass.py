@@ -362,10 +362,6 @@ class PlacementSpec(KubeModel):
     )
 
 
-SHARED_PREFIXES_ON_VLLM = (
-    "prefixCache.sharedPrefixes is supported on the reference runtime only so far: the kvfence vLLM "
-    "plugin does not pin shared prefixes yet"
-)
 SHARED_PREFIX_MAX = 32
 SHARED_PREFIX_MAX_CHARS = 65536
 
@@ -522,13 +518,6 @@ class TrustClassSpec(KubeModel):
                     "reason": "FieldValueInvalid",
                 },
                 {
-                    "rule": "self.engine.runtime != 'vllm' || !has(self.prefixCache.sharedPrefixes) || "
-                    "size(self.prefixCache.sharedPrefixes) == 0",
-                    "message": SHARED_PREFIXES_ON_VLLM,
-                    "fieldPath": ".prefixCache.sharedPrefixes",
-                    "reason": "FieldValueForbidden",
-                },
-                {
                     "rule": "self.resources.gpu.count == 0 || "
                     "self.engine.tensorParallelSize <= self.resources.gpu.count",
                     "message": "engine.tensorParallelSize must not exceed resources.gpu.count",
@@ -594,12 +583,6 @@ class TrustClassSpec(KubeModel):
         alias="namespaceSelector",
         description="Namespaces whose TenantBindings may bind to this class. Unset: none; {}: all.",
     )
-
-    @model_validator(mode="after")
-    def _shared_prefixes_runtime(self) -> TrustClassSpec:
-        if self.engine.runtime == "vllm" and self.prefix_cache.shared_prefixes:
-            raise ValueError(SHARED_PREFIXES_ON_VLLM)
-        return self
 
 
 class TrustClassStatus(KubeModel):
