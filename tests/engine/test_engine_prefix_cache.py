@@ -150,3 +150,110 @@ def test_a_hit_requires_the_same_parent_block() -> None:
     # KV was computed after other tokens, so it must not be used.
     assert a.cached_prefix_tokens(c, arr(*A, *B, 9)) == 4
     assert a.metrics.value("kv_cache_hash_collision_total") == before + 1
+
+
+# --- the built-in algorithms' fast path --------------------------------------------------------------
+# sha256 and blake2b cannot be made to collide, so these plant an entry under the key another prompt's
+# walk computes (what a collision would look like) and check that the fast path still refuses it.
+def planted(algo: str) -> tuple[FencedAllocator, PrefixCache, CacheContext]:
+    a = setup(algo=algo)
+    assert a.prefix_cache is not None
+    return a, a.prefix_cache, ctx()
+
+
+def plant(
+    pc: PrefixCache, c: CacheContext, tokens: np.ndarray[Any, Any], block_index: int, victim: Any
+) -> None:
+    """Index ``victim`` under the key of block ``block_index`` of ``tokens`` in ``c``."""
+    pc.index[pc.keys(c, tokens.tobytes(), block_index + 1)[block_index]] = victim
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_fast_path_keys_equal_the_hash_function_chain(algo: str) -> None:
+    pc = PrefixCache(BS, EngineMetrics(), hash_algorithm=algo)
+    slow = PrefixCache(BS, EngineMetrics(), hash_fn=hash_function(algo))  # the generic path
+    tokens = arr(*range(40)).tobytes()
+    assert pc._seed is not None and slow._seed is None
+    assert pc.keys(ctx(), tokens, 10) == slow.keys(ctx(), tokens, 10)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_fast_path_refuses_a_planted_entry_with_other_tokens(algo: str) -> None:
+    a, pc, c = planted(algo)
+    p1, p2 = arr(*range(1, 10)), arr(*range(1, 5), 7, 7, 7, 7, 9)
+    cache_prompt(a, "s1", c, "a", p1)
+    victim = pc.index[pc.keys(c, p1.tobytes(), 2)[1]]  # p1's second block
+    plant(pc, c, p2, 1, victim)  # found by p2's second key; same parent, other tokens
+    assert a.cached_prefix_tokens(c, p2) == 4
+    assert a.metrics.value("kv_cache_hash_collision_total") == 1
+    assert a.cached_prefix_tokens(c, p1) == 8  # the genuine chain still hits
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_fast_path_refuses_a_planted_entry_with_another_parent(algo: str) -> None:
+    a, pc, c = planted(algo)
+    B = (5, 6, 7, 8)
+    cache_prompt(a, "y", c, "a", arr(0, 0, 0, 0, *B, 9))  # B stored after block (0,0,0,0)
+    cache_prompt(a, "x", c, "a", arr(1, 1, 1, 1, 9))  # (1,1,1,1) stored at the root
+    victim = pc.index[pc.keys(c, arr(0, 0, 0, 0, *B).tobytes(), 2)[1]]
+    plant(pc, c, arr(1, 1, 1, 1, *B), 1, victim)  # same tokens, computed after other tokens
+    assert a.cached_prefix_tokens(c, arr(1, 1, 1, 1, *B, 9)) == 4
+    assert a.metrics.value("kv_cache_hash_collision_total") == 1
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_fast_path_refuses_a_planted_entry_of_another_namespace(algo: str) -> None:
+    a, pc, c = planted(algo)
+    other = ctx("tenant/gold/b")
+    prompt = arr(*range(30, 39))
+    cache_prompt(a, "b1", other, "b", prompt)
+    plant(pc, c, prompt, 0, pc.index[pc.keys(other, prompt.tobytes(), 1)[0]])
+    assert a.cached_prefix_tokens(c, prompt) == 0
+    assert a.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 1
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_fast_path_treats_a_fenced_entry_as_a_miss(algo: str) -> None:
+    from kvfence.engine.blocks import BlockState
+
+    a, pc, c = planted(algo)
+    prompt = arr(*range(1, 10))
+    cache_prompt(a, "s1", c, "a", prompt)
+    second = pc.index[pc.keys(c, prompt.tobytes(), 2)[1]]
+    state = second.state
+    second.state = BlockState.FENCED
+    assert a.cached_prefix_tokens(c, prompt) == 4
+    second.state = state
+    assert a.cached_prefix_tokens(c, prompt) == 8
+    assert a.metrics.value("kv_cache_hash_collision_total") == 0
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_a_parent_handle_equal_but_not_identical_still_hits(algo: str) -> None:
+    """The identity check is only a shortcut: an equal handle object goes through verify() and hits."""
+    from kvfence.engine.blocks import BlockHandle
+
+    a, pc, c = planted(algo)
+    prompt = arr(*range(1, 14))
+    cache_prompt(a, "s1", c, "a", prompt)
+    second = pc.index[pc.keys(c, prompt.tobytes(), 2)[1]]
+    assert second.parent is not None
+    second.parent = BlockHandle(*second.parent)  # a copy
+    assert a.cached_prefix_tokens(c, prompt) == 12
+    assert a.metrics.value("kv_cache_hash_collision_total") == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=5, max_size=24), min_size=2, max_size=8),
+)
+def test_fast_path_and_generic_path_find_the_same_prefixes(prompts: list[list[int]]) -> None:
+    fast, slow = setup(), setup(hash_fn=hash_function("sha256"))
+    c = ctx()
+    for i, p in enumerate(prompts):
+        prompt = arr(*p)
+        assert cache_prompt(fast, f"s{i}", c, "a", prompt) == cache_prompt(slow, f"s{i}", c, "a", prompt)
+    for p in prompts:
+        assert fast.cached_prefix_tokens(c, arr(*p)) == slow.cached_prefix_tokens(c, arr(*p))
+    fast.check_consistency()
+    slow.check_consistency()

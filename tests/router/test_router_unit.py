@@ -428,3 +428,58 @@ def test_cli_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert "--routing-secret" in capsys.readouterr().err
+
+
+# --- the shared quota store of --workers (one process here; tests/router/test_router_workers.py
+# runs real forked workers) -------------------------------------------------------------------------
+def test_quota_managers_sharing_a_store_enforce_one_limit() -> None:
+    from kvfence.router.quota_store import SharedQuotaStore
+
+    clock = Clock()
+    store = SharedQuotaStore(slots=8)
+    w1, w2 = QuotaManager(clock=clock, store=store), QuotaManager(clock=clock, store=store)
+    quotas = Quotas(maxConcurrentRequests=2, requestsPerMinute=3, tokensPerMinute=600)
+    w1.sync([("t", quotas)])
+    w2.sync([("t", quotas)])  # finds the counters w1 made: does not refill them
+    a = w1.acquire("t", quotas, 250)
+    b = w2.acquire("t", quotas, 250)
+    assert isinstance(a, Reservation) and isinstance(b, Reservation)
+    c = w1.acquire("t", quotas, 10)
+    assert isinstance(c, Rejection) and c.quota == "concurrency"
+    w2.release(b, 250)
+    d = w1.acquire("t", quotas, 250)  # 500 of 600 tokens are out: 250 more do not fit
+    assert isinstance(d, Rejection) and d.quota == "tokens"
+    w1.release(a, 0)  # refunded on the shared bucket
+    e = w2.acquire("t", quotas, 250)
+    assert isinstance(e, Reservation)
+    w2.release(e, None)
+    f = w1.acquire("t", quotas, 1)  # the 4th request of the minute, across both
+    assert isinstance(f, Rejection) and f.quota == "requests"
+    state1, state2 = w1.state("t"), w2.state("t")
+    assert state1 is not None and state2 is not None and state1.inflight == state2.inflight == 0
+
+
+def test_a_manager_joining_a_shared_store_adopts_the_levels_clamped_to_its_limits() -> None:
+    from kvfence.router.quota_store import SharedQuotaStore
+
+    clock = Clock()
+    store = SharedQuotaStore(slots=8)
+    w1 = QuotaManager(clock=clock, store=store)
+    w1.sync([("t", Quotas(requestsPerMinute=60))])
+    for _ in range(50):
+        assert isinstance(w1.acquire("t", Quotas(requestsPerMinute=60), 1), Reservation)
+    w2 = QuotaManager(clock=clock, store=store)
+    w2.sync([("t", Quotas(requestsPerMinute=6))])  # a newer table: smaller
+    st = w2.state("t")
+    assert st is not None and st.rpm is not None and st.rpm.level == 6.0  # min(10 left, 6)
+
+
+def test_a_full_shared_store_refuses_a_new_tenant_by_name() -> None:
+    from kvfence.router.quota_store import QuotaStoreFull, SharedQuotaStore
+
+    store = SharedQuotaStore(slots=2)
+    q = QuotaManager(store=store)
+    q.sync([("a", Quotas()), ("b", Quotas())])
+    q.sync([("a", Quotas()), ("b", Quotas())])  # the same tenants again: their slots
+    with pytest.raises(QuotaStoreFull, match="holds 2 tenants"):
+        q.sync([("a", Quotas()), ("b", Quotas()), ("c", Quotas())])

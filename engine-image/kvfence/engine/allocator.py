@@ -308,7 +308,8 @@ class FencedAllocator:
         seq = _Sequence(seq_id, acct, ctx, blocks, handles, table)
         seq.num_hashed = len(hits)
         seq.parent_key = parent_key
-        seq.parent_handle = handles[len(hits) - 1] if hits else None
+        # the last hit's own handle object: children registered under it pass lookup's identity check
+        seq.parent_handle = (hits[-1].cache_handle or handles[len(hits) - 1]) if hits else None
         self._seqs[seq_id] = seq
         cached_tokens = len(hits) * self.block_size
         if prompt is not None and ctx is not None and cache is not None and max_hits is None:
@@ -403,7 +404,7 @@ class FencedAllocator:
                     break
                 if canon is block:
                     registered += 1
-                parent = BlockHandle(canon.block_id, canon.generation)
+                parent = canon.cache_handle  # what verify() compares a child's parent with
                 seq.num_hashed = i + 1
             seq.parent_key, seq.parent_handle = key, parent
             return registered
@@ -631,6 +632,8 @@ class FencedAllocator:
                 for key, b in cache.index.items():
                     if b.block_hash != key or b.state is BlockState.FREE:
                         fail(f"cache entry for block {b.block_id} is stale")
+                    if b.cache_handle != (b.block_id, b.generation):
+                        fail(f"cache entry for block {b.block_id} carries a handle of another generation")
             if counts[BlockState.FREE] + sum(usage.values()) != self.num_blocks:
                 fail("blocks are unaccounted for")
             return Accounting(

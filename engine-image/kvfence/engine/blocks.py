@@ -61,6 +61,9 @@ class KVBlock:
     context: CacheContext | None = None
     parent: BlockHandle | None = None
     tokens: bytes | None = None
+    #: the block's handle while it holds the entry: the object its children store as ``parent``, so a
+    #: lookup can check a child's parent by identity first (verify() compares by value)
+    cache_handle: BlockHandle | None = None
     # --- intrusive list links ---
     prev: KVBlock | None = field(default=None, repr=False)
     next: KVBlock | None = field(default=None, repr=False)
@@ -76,6 +79,7 @@ class KVBlock:
         self.context = None
         self.parent = None
         self.tokens = None
+        self.cache_handle = None
 
 
 class BlockList:

@@ -479,9 +479,11 @@ class HttpServer:
             for conn in list(self.connections):
                 conn.check_timeouts(now)
 
-    async def start(self, host: str, port: int, backlog: int = 2048) -> None:
+    async def start(self, host: str, port: int, backlog: int = 2048, reuse_port: bool = False) -> None:
+        """Listen; with ``reuse_port`` (SO_REUSEPORT) several worker processes each listen on the same
+        port and the kernel spreads new connections over them."""
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True
+            lambda: _Connection(self), host, port, backlog=backlog, reuse_address=True, reuse_port=reuse_port
         )
         self._ticker = self.loop.create_task(self._run_ticker())
 

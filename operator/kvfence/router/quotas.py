@@ -25,31 +25,77 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvfence.api.routing import Quotas
+from kvfence.router.quota_store import (
+    CELLS,
+    INFLIGHT,
+    RPM_LEVEL,
+    TPM_LEVEL,
+    Cells,
+    LocalQuotaStore,
+    QuotaStore,
+)
 
 
 class TokenBucket:
-    __slots__ = ("capacity", "level", "rate", "updated")
+    """A bucket whose level and last-refill time live in ``cells`` (see :mod:`.quota_store`); the
+    capacity and rate are this worker's, from the routing table. ``fresh`` cells start full (or
+    empty); cells another worker or an earlier limit left are adopted, clamped to the capacity."""
 
-    def __init__(self, per_minute: int, now: float, full: bool = True) -> None:
+    __slots__ = ("_at", "_cells", "capacity", "rate")
+
+    def __init__(
+        self,
+        per_minute: int,
+        now: float,
+        full: bool = True,
+        cells: Cells | None = None,
+        at: int = 0,
+        fresh: bool = True,
+    ) -> None:
+        self._cells: Cells = cells if cells is not None else array("d", (0.0, 0.0))
+        self._at = at
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
-        self.level = self.capacity if full else 0.0
-        self.updated = now
+        if fresh or self.updated == 0.0:
+            self.level = self.capacity if full else 0.0
+            self.updated = now
+        else:
+            self.refill(now)
+            self.level = min(self.level, self.capacity)
+
+    @property
+    def level(self) -> float:
+        return self._cells[self._at]
+
+    @level.setter
+    def level(self, v: float) -> None:
+        self._cells[self._at] = v
+
+    @property
+    def updated(self) -> float:
+        return self._cells[self._at + 1]
+
+    @updated.setter
+    def updated(self, v: float) -> None:
+        self._cells[self._at + 1] = v
 
     def refill(self, now: float) -> None:
-        if now > self.updated:
-            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
-            self.updated = now
+        cells, at = self._cells, self._at
+        if now > cells[at + 1]:
+            cells[at] = min(self.capacity, cells[at] + (now - cells[at + 1]) * self.rate)
+            cells[at + 1] = now
 
     def wait_for(self, amount: float) -> float:
         """Seconds until ``amount`` is available (0 if it is now). Call after :meth:`refill`."""
-        if self.level >= amount:
+        level = self.level
+        if level >= amount:
             return 0.0
-        return (amount - self.level) / self.rate
+        return (amount - level) / self.rate
 
     def resize(self, per_minute: int, now: float) -> None:
         self.refill(now)
@@ -72,27 +118,53 @@ def per_replica(limit: int | None, replicas: int) -> int | None:
 
 
 class TenantQuota:
-    __slots__ = ("inflight", "limits", "rpm", "tpm")
+    __slots__ = ("_base", "_cells", "limits", "rpm", "tpm")
 
-    def __init__(self, limits: Limits, now: float, full: bool = True) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        now: float,
+        full: bool = True,
+        cells: Cells | None = None,
+        base: int = 0,
+        fresh: bool = True,
+    ) -> None:
+        self._cells: Cells = cells if cells is not None else array("d", bytes(8 * CELLS))
+        self._base = base
         self.limits = limits
-        self.inflight = 0
-        self.rpm = TokenBucket(limits.rpm, now, full) if limits.rpm else None
-        self.tpm = TokenBucket(limits.tpm, now, full) if limits.tpm else None
+        self.rpm = self._bucket(limits.rpm, RPM_LEVEL, now, full, fresh)
+        self.tpm = self._bucket(limits.tpm, TPM_LEVEL, now, full, fresh)
+
+    def _bucket(
+        self, per_minute: int | None, at: int, now: float, full: bool, fresh: bool
+    ) -> TokenBucket | None:
+        if not per_minute:
+            return None
+        return TokenBucket(per_minute, now, full, self._cells, self._base + at, fresh)
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight, over every worker sharing the cells."""
+        return int(self._cells[self._base + INFLIGHT])
+
+    @inflight.setter
+    def inflight(self, v: int) -> None:
+        self._cells[self._base + INFLIGHT] = v
 
     def update(self, limits: Limits, now: float) -> None:
         self.limits = limits
-        self.rpm = _resized(self.rpm, limits.rpm, now)
-        self.tpm = _resized(self.tpm, limits.tpm, now)
+        self.rpm = self._resized(self.rpm, limits.rpm, RPM_LEVEL, now)
+        self.tpm = self._resized(self.tpm, limits.tpm, TPM_LEVEL, now)
 
-
-def _resized(bucket: TokenBucket | None, per_minute: int | None, now: float) -> TokenBucket | None:
-    if not per_minute:
-        return None
-    if bucket is None:
-        return TokenBucket(per_minute, now)
-    bucket.resize(per_minute, now)
-    return bucket
+    def _resized(
+        self, bucket: TokenBucket | None, per_minute: int | None, at: int, now: float
+    ) -> TokenBucket | None:
+        if not per_minute:
+            return None
+        if bucket is None:  # a limit that was off: the cells' level (if any) is adopted, else full
+            return self._bucket(per_minute, at, now, True, False)
+        bucket.resize(per_minute, now)
+        return bucket
 
 
 @dataclass(slots=True)
@@ -112,11 +184,16 @@ class Rejection:
 
 class QuotaManager:
     def __init__(
-        self, replicas: int = 1, clock: Callable[[], float] = time.monotonic, join_empty: bool = False
+        self,
+        replicas: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        join_empty: bool = False,
+        store: QuotaStore | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError("replicas must be >= 1")
         self.replicas = replicas
+        self.store: QuotaStore = store if store is not None else LocalQuotaStore()
         self.clock = clock
         self._state: dict[str, TenantQuota] = {}
         self._quotas: dict[str, Quotas] = {}
@@ -140,34 +217,46 @@ class QuotaManager:
             tpm=per_replica(q.tokens_per_minute, r),
         )
 
+    def _new_state(self, name: str, limits: Limits, now: float, full: bool) -> TenantQuota:
+        cells, base, fresh = self.store.cells_for(name)
+        st = self._state[name] = TenantQuota(limits, now, full, cells, base, fresh)
+        return st
+
     def sync(self, tenants: Iterable[tuple[str, Quotas]]) -> None:
         """Apply a (re)loaded table: new limits, same counters. Tenants gone from the table are
         forgotten once nothing of theirs is in flight."""
-        now = self.clock()
-        full = not self._join_empty
-        self._join_empty = False
-        quotas: dict[str, Quotas] = {}
-        for name, q in tenants:
-            quotas[name] = q
-            limits = self.limits_for(q)
-            st = self._state.get(name)
-            if st is None:
-                self._state[name] = TenantQuota(limits, now, full)
-            elif st.limits != limits:
-                st.update(limits, now)
-        self._quotas = quotas
-        for name in [n for n, st in self._state.items() if n not in quotas and st.inflight == 0]:
-            del self._state[name]
+        with self.store.lock:
+            now = self.clock()
+            full = not self._join_empty
+            self._join_empty = False
+            quotas: dict[str, Quotas] = {}
+            for name, q in tenants:
+                quotas[name] = q
+                limits = self.limits_for(q)
+                st = self._state.get(name)
+                if st is None:
+                    self._new_state(name, limits, now, full)
+                elif st.limits != limits:
+                    st.update(limits, now)
+            self._quotas = quotas
+            for name in [n for n, st in self._state.items() if n not in quotas and st.inflight == 0]:
+                del self._state[name]
 
     def state(self, tenant: str) -> TenantQuota | None:
         return self._state.get(tenant)
 
     def acquire(self, tenant: str, quotas: Quotas, tokens: int) -> Reservation | Rejection:
-        """Admit one request that may use up to ``tokens`` tokens, or say why not. All or nothing."""
-        st = self._state.get(tenant)
-        now = self.clock()
-        if st is None:  # a table swap raced with this request: start the tenant's state now
-            st = self._state[tenant] = TenantQuota(self.limits_for(quotas), now)
+        """Admit one request that may use up to ``tokens`` tokens, or say why not. All or nothing.
+        With a shared store, the check and the charge are one step under its lock: two workers cannot
+        both take the last unit."""
+        with self.store.lock:
+            st = self._state.get(tenant)
+            now = self.clock()
+            if st is None:  # a table swap raced with this request: start the tenant's state now
+                st = self._new_state(tenant, self.limits_for(quotas), now, True)
+            return self._admit(st, tenant, tokens, now)
+
+    def _admit(self, st: TenantQuota, tenant: str, tokens: int, now: float) -> Reservation | Rejection:
         lim = st.limits
         if lim.concurrent is not None and st.inflight >= lim.concurrent:
             return Rejection(
@@ -207,13 +296,14 @@ class QuotaManager:
             return 0.0
         r.released = True
         st = r.quota
-        st.inflight -= 1
-        if used_tokens is None:
-            return r.tokens
-        bucket = st.tpm
-        if bucket is not None:
-            bucket.refill(self.clock())
-            bucket.level = min(bucket.capacity, bucket.level + r.tokens - float(used_tokens))
+        with self.store.lock:
+            st.inflight -= 1
+            if used_tokens is None:
+                return r.tokens
+            bucket = st.tpm
+            if bucket is not None:
+                bucket.refill(self.clock())
+                bucket.level = min(bucket.capacity, bucket.level + r.tokens - float(used_tokens))
         return float(used_tokens)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -32,6 +33,7 @@ from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.quota_store import QuotaStore, SharedQuotaStore
 from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
 from kvfence.router.source import SecretSource
@@ -62,15 +64,19 @@ class RouterConfig:
     access_log: bool = False  # one JSON line per API request on the logger kvfence.router.access
     keepalive_timeout: float = KEEPALIVE_TIMEOUT  # idle client connections
     request_timeout: float = REQUEST_TIMEOUT  # a client's whole request, once started
+    workers: int = 1  # processes serving the port (SO_REUSEPORT), sharing the quota counters
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
 
 class RouterState:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, store: QuotaStore | None = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
         # Following the router Service, this replica may join others that admitted requests already.
-        self.quotas = QuotaManager(replicas=config.replicas, join_empty=bool(config.router_service))
+        # ``store``: the counters shared by this replica's worker processes (None: one worker).
+        self.quotas = QuotaManager(
+            replicas=config.replicas, join_empty=bool(config.router_service), store=store
+        )
         self.metrics.router_replicas.set(config.replicas)
         self.proxy = Proxy(self.metrics, config.proxy)
         self.router_service: ServiceKey | None = None
@@ -91,6 +97,7 @@ class RouterState:
             on_result=lambda r: self.metrics.reloads.inc((r,)),
         )
         self.draining = False
+        self.worker = 0  # which of the --workers processes this is
         self.tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -327,7 +334,7 @@ async def readyz(state: RouterState, request: Request) -> Answer:
     why = state.not_ready_reason
     if why:
         return error_response(503, why, "not_ready", "service_unavailable")
-    return _json({"status": "ready", "tenants": len(state.table.tenants)})
+    return _json({"status": "ready", "tenants": len(state.table.tenants), "worker": state.worker})
 
 
 Route = Callable[[RouterState, Request], Awaitable[Answer]]
@@ -422,9 +429,16 @@ def log_access(request: Request, status: int, seconds: float) -> None:
 
 # --- serving ----------------------------------------------------------------------------------------
 async def serve(
-    config: RouterConfig, host: str, port: int, shutdown_timeout: float, drain_delay: float
+    config: RouterConfig,
+    host: str,
+    port: int,
+    shutdown_timeout: float,
+    drain_delay: float,
+    store: QuotaStore | None = None,
+    worker: int = 0,
 ) -> None:
-    state = RouterState(config)
+    state = RouterState(config, store)
+    state.worker = worker
     await state.start()
     routes = (
         API_ROUTES if not config.metrics_port else {p: r for p, r in API_ROUTES.items() if p != "/metrics"}
@@ -436,17 +450,18 @@ async def serve(
         keepalive_timeout=config.keepalive_timeout,
         request_timeout=config.request_timeout,
     )
-    await api.start(host, port)
+    shared_port = config.workers > 1
+    await api.start(host, port, reuse_port=shared_port)
     ops: HttpServer | None = None
     if config.metrics_port:
         ops = HttpServer(dispatcher(state, OPS_ROUTES), protocol_error, max_body=64 * 1024)
-        await ops.start(host, config.metrics_port)
+        await ops.start(host, config.metrics_port, reuse_port=shared_port)
         log.info("metrics and probes on %s:%d", host, config.metrics_port)
     # Everything alive now (modules, the app, the table) lives as long as the process: keep it out of
     # the cyclic GC's generations, so that full collections stay short (they show up in p99 latency).
     gc.collect()
     gc.freeze()
-    log.info("kvfence-router listening on %s:%d", host, port)
+    log.info("kvfence-router listening on %s:%d (pid %d)", host, port, os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -502,6 +517,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve /metrics (and /healthz, /readyz) on this port only, not on the API port, so that "
         "tenants cannot read other tenants' names and traffic; 0: on the API port "
         "[KVFENCE_ROUTER_METRICS_PORT]",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=int(_env("KVFENCE_ROUTER_WORKERS", "1")),
+        help="worker processes serving the same port (SO_REUSEPORT: the kernel spreads connections); "
+        "per-tenant quotas are counted in memory they share, so the limits hold exactly across them "
+        "[KVFENCE_ROUTER_WORKERS]",
     )
     p.add_argument(
         "--replicas",
@@ -582,6 +605,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--routing-secret must be NAMESPACE/NAME")
     if args.replicas < 1:
         p.error("--replicas must be >= 1")
+    if not 1 <= args.workers <= 256:
+        p.error("--workers must be between 1 and 256")
     if args.router_service:
         namespace, _, name = args.router_service.partition("/")
         if not namespace or not name or "/" in name:
@@ -605,6 +630,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         access_log=args.access_log,
         keepalive_timeout=args.keepalive_timeout,
         request_timeout=args.request_timeout,
+        workers=args.workers,
         proxy=ProxyConfig(
             connect_timeout=args.connect_timeout,
             read_timeout=args.read_timeout,
@@ -617,12 +643,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    run = serve(config_from_args(args), args.host, args.port, args.shutdown_timeout, args.drain_delay)
+def run_worker(
+    config: RouterConfig, args: argparse.Namespace, store: QuotaStore | None, worker: int = 0
+) -> None:
+    """One serving process: its own event loop, the API port shared with its siblings."""
+    run = serve(config, args.host, args.port, args.shutdown_timeout, args.drain_delay, store, worker)
     try:
         import uvloop  # the faster event loop; the router runs (slower) without it
     except ImportError:
@@ -630,6 +655,72 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(run)
     else:
         uvloop.run(run)
+
+
+def supervise(config: RouterConfig, args: argparse.Namespace) -> int:
+    """``--workers N``: fork N serving processes that share the port and the quota counters, pass
+    SIGTERM/SIGINT on to them (each drains as one router would), and wait. A worker that dies on
+    its own takes the others down (exit 1): its in-flight counts would otherwise stay charged, so
+    the whole router restarts clean rather than run with quotas it can no longer count exactly."""
+    store = SharedQuotaStore()
+    children: dict[int, int] = {}
+    for i in range(config.workers):
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                run_worker(config, args, store, i)
+            except BaseException:
+                log.exception("router worker %d failed", i)
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        children[pid] = i
+    log.info("kvfence-router: %d workers (pids %s)", config.workers, ", ".join(map(str, children)))
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid not in children:
+            continue
+        i = children.pop(pid)
+        rc = os.waitstatus_to_exitcode(status)
+        if not stopping:
+            log.error("router worker %d (pid %d) exited with %d: stopping the others", i, pid, rc)
+            code = 1
+            forward(signal.SIGTERM, None)
+            # A worker that died holding the shared lock would leave the others stuck in it: give
+            # them the drain time, then kill what is left.
+            signal.signal(signal.SIGALRM, lambda *_: forward(signal.SIGKILL, None))
+            signal.alarm(int(args.drain_delay + args.shutdown_timeout) + 5)
+        elif rc != 0:
+            code = 1
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = config_from_args(args)
+    if config.workers > 1:
+        raise SystemExit(supervise(config, args))
+    run_worker(config, args, None)
 
 
 if __name__ == "__main__":
