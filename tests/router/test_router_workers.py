@@ -160,8 +160,11 @@ def test_sigterm_stops_every_worker_cleanly(logs: Path, fake_gold: Proc, fake_si
     path = logs / "routing-workers-stop.json"
     write_table(path, standard_table(fake_gold.url, fake_silver.url))
     router = start_router(logs, path, "--workers", str(WORKERS))
-    found = re.search(r"(\d+) workers \(pids ([\d, ]+)\)", router.output())
-    assert found, router.output()
+    found = wait_until(
+        lambda: re.search(r"(\d+) workers \(pids ([\d, ]+)\)", router.output()),
+        "the supervisor's line naming its workers",
+        30,
+    )
     pids = [int(p) for p in found.group(2).split(", ")]
     assert router.process is not None
     assert router.process.stop() == 0, router.output()

@@ -679,10 +679,11 @@ def supervise(config: RouterConfig, args: argparse.Namespace) -> int:
         children[pid] = i
     log.info("kvfence-router: %d workers (pids %s)", config.workers, ", ".join(map(str, children)))
     stopping = False
+    forwarded = 0  # the signal passed on to the workers
 
     def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal stopping, forwarded
+        stopping, forwarded = True, signum
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
@@ -707,7 +708,9 @@ def supervise(config: RouterConfig, args: argparse.Namespace) -> int:
             # them the drain time, then kill what is left.
             signal.signal(signal.SIGALRM, lambda *_: forward(signal.SIGKILL, None))
             signal.alarm(int(args.drain_delay + args.shutdown_timeout) + 5)
-        elif rc != 0:
+        elif rc not in (0, -forwarded):
+            # (-forwarded: a worker still starting, before its own handlers, ended by the very signal
+            # it was asked to stop with: a clean stop all the same)
             code = 1
     return code
 
