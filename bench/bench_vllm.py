@@ -1,7 +1,7 @@
 """What the kvfence scheduler plugin costs inside vLLM, next to stock vLLM (a benchmark, not a test).
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
-        [--quick] [--rounds 5] [--profile] [--async-scheduling] [--variants "no quotas,quotas"]
+        [--quick] [--rounds 5] [--profile] [--async-scheduling] [--variants "no quotas,quotas"] [--hit-rate]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -574,12 +574,80 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
         )
 
 
+HIT_TENANTS = ["h0", "h1", "h2", "h3"]
+#: about 1,000 tokens of the tiny model's tokenizer: the system prompt every tenant's requests start with
+HIT_SYSTEM = " ".join(
+    f"Rule {i}: answer the customer politely, cite the manual section, never guess prices." for i in range(40)
+)
+
+
+def hit_rates(config: Any, rounds: int, seed: int) -> list[list[str]]:
+    """The shared-system-prompt workload of bench/bench_engine.py on vLLM's own scheduler (one trust
+    class, 4 tenants; one system prompt + a 256-token context per tenant + a 64-token question per
+    request, one request at a time): the prefix-cache hit rate (tokens) of stock vLLM without a salt
+    ("global", no isolation), the plugin with TrustClass scope, with Tenant scope, and with Tenant scope
+    plus the system prompt declared as a shared prefix, in a roomy pool and a tight one."""
+    from vllm_engine.vllmsched import salt_of
+
+    rows = []
+    for pool_label in ("roomy", "tight"):
+        for mode in ("Tenant", "Tenant+shared", "TrustClass", "global"):
+            with tempfile.TemporaryDirectory(prefix="kvfence-bench-hits-") as tmp:
+                shared = [{"name": "system", "form": "completion", "text": HIT_SYSTEM}]
+                probe = Harness(
+                    Path(tmp) / "probe", num_blocks=256, block_size=BLOCK_SIZE, shared=shared, config=config
+                )
+                probe.step()
+                probe.run()
+                system = list(probe.fence.shared[0].tokens)  # the declared prompt, as vLLM tokenizes it
+                probe.sched.shutdown()
+                per_request = -(-(len(system) + 256 + 64) // BLOCK_SIZE)
+                blocks = NUM_BLOCKS if pool_label == "roomy" else 3 * per_request
+                h = Harness(
+                    Path(tmp) / "run",
+                    num_blocks=blocks,
+                    block_size=BLOCK_SIZE,
+                    shared=shared if mode == "Tenant+shared" else [],
+                    stock=mode == "global",
+                    config=config,
+                )
+                if mode == "Tenant+shared":
+                    h.step()  # the plugin computes and pins the declared prefix
+                    h.run()
+                rng = random.Random(seed)
+                context = {t: [rng.randrange(VOCAB) for _ in range(256)] for t in HIT_TENANTS}
+                hits = total = 0
+                for _ in range(rounds):
+                    for t in HIT_TENANTS:
+                        prompt = [*system, *context[t], *(rng.randrange(VOCAB) for _ in range(64))]
+                        scope = "TrustClass" if mode == "TrustClass" else "Tenant"
+                        salt = "" if mode == "global" else salt_of(t, scope)
+                        req = h.add(t, prompt, 1, salt=salt)
+                        hits += h.hits(h.step(), req.request_id)
+                        total += len(prompt)
+                        h.run()
+                h.sched.shutdown()
+            label = {
+                "Tenant": "Tenant (kvfence default)",
+                "Tenant+shared": "Tenant + declared shared prefix",
+                "TrustClass": "TrustClass",
+                "global": "global (stock vLLM, no salt)",
+            }[mode]
+            rows.append([pool_label, label, str(blocks), f"{100 * hits / total:.1f}%"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 3)")
     ap.add_argument("--requests-per-user", type=int, default=None, help="default 8; quick 2")
     ap.add_argument("--seed", type=int, default=20261201)
+    ap.add_argument(
+        "--hit-rate",
+        action="store_true",
+        help="only the prefix-cache hit rates of the shared-system-prompt workload (four modes)",
+    )
     ap.add_argument("--profile", action="store_true", help="profile even when within the target")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument(
@@ -603,6 +671,18 @@ def main() -> None:
         config.scheduler_config = copy.copy(config.scheduler_config)
         config.scheduler_config.async_scheduling = True
     sc = config.scheduler_config
+    if a.hit_rate:
+        n_rounds = 6 if a.quick else 12
+        rows = hit_rates(config, n_rounds, a.seed)
+        table(
+            f"Prefix-cache hit rate on vLLM's scheduler, shared-system-prompt workload ({n_rounds} rounds x "
+            f"{len(HIT_TENANTS)} tenants, one at a time; the declared system prompt + 256-token tenant "
+            f"context + 64-token question; blocks of {BLOCK_SIZE}; tight pool = 3 requests' blocks; vLLM "
+            f"{vllm.__version__})",
+            ["pool", "mode", "blocks", "hit rate (tokens)"],
+            rows,
+        )
+        return
     streams = workload(per_user, a.seed)
     n_req = sum(len(s) for s in streams.values())
     load_before = os.getloadavg()[0]
