@@ -5,10 +5,8 @@ real Lua runtime) against statuses the operator really wrote."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
-import lupa.lua54 as lua54
 import pytest
 from cluster.manifests import (
     CPU_ANY_NAMESPACE,
@@ -19,30 +17,11 @@ from cluster.manifests import (
     tenant_namespace,
     trust_class,
 )
+from support.argocd import argocd_health
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
-ARGOCD = ROOT / "charts" / "kvfence" / "files" / "argocd"
 tc = functools.partial(trust_class, **CPU_ANY_NAMESPACE)
-
-
-def argocd_health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
-    """(status, message) of the chart's Argo CD health check of ``kind`` for ``obj``, the way Argo CD
-    runs it: the script's body with the object as the global ``obj``."""
-    rt = lua54.LuaRuntime(unpack_returned_tuples=True)
-    rt.globals().obj = _to_lua(rt, obj)
-    script = (ARGOCD / f"health-{kind}.lua").read_text()
-    hs = rt.execute(script)
-    return str(hs["status"]), str(hs["message"] or "")
-
-
-def _to_lua(rt: Any, v: Any) -> Any:
-    if isinstance(v, dict):
-        return rt.table_from({k: _to_lua(rt, x) for k, x in v.items()})
-    if isinstance(v, list):
-        return rt.table_from([_to_lua(rt, x) for x in v])
-    return v
 
 
 def kstatus(obj: dict[str, Any]) -> str:

@@ -252,3 +252,80 @@ def test_a_table_too_large_for_a_secret_is_refused() -> None:
 
     with pytest.raises(RoutingTableTooLarge):
         encode_table(_big_table(40_000))
+
+
+def _edited(tb: Any, accepted: dict[str, Any], generation: int = 2) -> Any:
+    """``tb`` as a binding whose status records ``accepted`` (a spec) as its last accepted one."""
+    body = tb.model_dump(by_alias=True)
+    body["metadata"]["generation"] = generation
+    body["status"] = {"acceptedSpec": accepted, "acceptedGeneration": 1}
+    return type(tb).model_validate(body)
+
+
+def test_an_edit_that_cannot_be_accepted_keeps_the_last_accepted_spec(make_tc: Any, make_tb: Any) -> None:
+    tc = make_tc(
+        engine={"adapters": [{"name": "a1", "source": "x"}]},
+        quotas={"defaults": {"requestsPerMinute": 60}, "limits": {"requestsPerMinute": 600}},
+    )
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    accepted = make_tb("acme", "acme", quotas={"requestsPerMinute": 120}).spec.wire()
+    lookups = keys(("team-a/acme", "secret-1"))
+    for edit, reason in [
+        ({"quotas": {"requestsPerMinute": 6000}}, C.REASON_QUOTA_EXCEEDS_LIMIT),
+        ({"allowedAdapters": ["a9"]}, C.REASON_ADAPTER_NOT_IN_CLASS),
+        ({"trustClassName": "platinum"}, C.REASON_TRUST_CLASS_NOT_FOUND),
+    ]:
+        tb = _edited(make_tb("acme", "acme", **edit), accepted)
+        out = R.decide(classes, [tb], NS, lookups, OPTS)
+        d = out.decisions["team-a/acme"]
+        assert d.bound and not d.denied, edit
+        assert d.refused is not None and d.refused.reason == reason, edit
+        # Served exactly as accepted: its quota, its adapters, its class.
+        route = out.table.tenants["acme"]
+        assert route.quotas.requests_per_minute == 120 and route.allowed_adapters == [], edit
+        assert route.trust_class == "gold" and d.served_spec == tb.accepted_spec()
+
+    # A key rotation to a Secret that does not exist yet: the old Secret's keys keep working.
+    tb = _edited(make_tb("acme", "acme", apiKeySecretRef={"name": "new-keys"}), accepted)
+    missing = {
+        "team-a/acme": R.KeyLookup(error=C.REASON_SECRET_NOT_FOUND, message="not found"),
+        R.accepted_key("team-a/acme"): R.KeyLookup(hashes=(hash_api_key("secret-1"),)),
+    }
+    out = R.decide(classes, [tb], NS, missing, OPTS)
+    d = out.decisions["team-a/acme"]
+    assert d.bound and d.refused is not None and d.refused.reason == C.REASON_SECRET_NOT_FOUND
+    assert out.table.tenants["acme"].api_key_hashes == [hash_api_key("secret-1")]
+
+    # An acceptable edit is the new spec in force.
+    tb = _edited(make_tb("acme", "acme", quotas={"requestsPerMinute": 300}), accepted)
+    out = R.decide(classes, [tb], NS, lookups, OPTS)
+    d = out.decisions["team-a/acme"]
+    assert d.bound and d.refused is None and d.served_spec == tb.spec
+    assert out.table.tenants["acme"].quotas.requests_per_minute == 300
+
+
+def test_a_revocation_is_not_masked_by_the_last_accepted_spec(make_tc: Any, make_tb: Any) -> None:
+    tc = make_tc(quotas={"limits": {"requestsPerMinute": 600}})
+    accepted = make_tb("acme", "acme").spec.wire()
+    pending = _edited(make_tb("acme", "acme", quotas={"requestsPerMinute": 6000}), accepted)
+    lookups = keys(("team-a/acme", "secret-1"))
+    cases: list[tuple[dict[str, R.ClassState], dict[str, Any], dict[str, R.KeyLookup], str]] = [
+        # the namespace no longer admitted
+        ({"gold": R.ClassState(tc, (KEY,))}, {"team-a": {}}, lookups, C.REASON_NAMESPACE_NOT_ADMITTED),
+        # the class deleted
+        ({}, NS, lookups, C.REASON_TRUST_CLASS_NOT_FOUND),
+        ({"gold": R.ClassState(tc, (KEY,), deleting=True)}, NS, lookups, C.REASON_TRUST_CLASS_NOT_FOUND),
+        # the keys removed from the Secret both specs name
+        ({"gold": R.ClassState(tc, (KEY,))}, NS, {"team-a/acme": R.KeyLookup()}, C.REASON_NO_API_KEYS),
+    ]
+    for classes, ns, lk, reason in cases:
+        for tb in (pending, _edited(make_tb("acme", "acme"), accepted, generation=1)):
+            out = R.decide(classes, [tb], ns, lk, OPTS)
+            d = out.decisions["team-a/acme"]
+            # The refusal reported is the binding's own spec's (checked in order: class, namespace,
+            # quotas, keys): what must change for the current spec to be accepted.
+            expect = (
+                C.REASON_QUOTA_EXCEEDS_LIMIT if tb is pending and reason == C.REASON_NO_API_KEYS else reason
+            )
+            assert d.denied and not d.bound and d.reason == expect, reason
+            assert "acme" not in out.table.tenants, reason

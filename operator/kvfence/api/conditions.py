@@ -19,6 +19,10 @@ STALLED: Final = "Stalled"
 BOUND: Final = "Bound"
 DENIED: Final = "Denied"
 #: On bindings ``Ready`` mirrors ``Bound``: ``kubectl wait --for=condition=Ready`` works on both kinds.
+#: Whether the object's current spec is the one in force. False: an edit could not be accepted and the
+#: last accepted spec is served instead (its reason is the refusal's), as a Deployment keeps its old
+#: ReplicaSet. Set on both kinds.
+SPEC_ACCEPTED: Final = "SpecAccepted"
 
 # --- reasons: TrustClass ----------------------------------------------------------------------
 REASON_AVAILABLE: Final = "EngineAvailable"
@@ -35,6 +39,7 @@ REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
 REASON_SHARED_PREFIX_UNRESOLVED: Final = "SharedPrefixUnresolved"
 REASON_FORBIDDEN_EXTRA_ARGS: Final = "ForbiddenExtraArgs"
 REASON_RECONCILED: Final = "Reconciled"
+REASON_ACCEPTED: Final = "Accepted"
 
 # --- reasons: TenantBinding -------------------------------------------------------------------
 REASON_BOUND: Final = "Bound"

@@ -85,12 +85,24 @@ class TenantBindingStatus(KubeModel):
         None, alias="observedGeneration", description="The .metadata.generation last reconciled."
     )
     conditions: list[Condition] = conditions_field(
-        "Bound and Denied; Ready (the same as Bound), Reconciling and Stalled as kstatus reads them."
+        "Bound and Denied; Ready (the same as Bound); SpecAccepted (False: the tenant is served with its "
+        "last accepted spec); Reconciling and Stalled as kstatus reads them."
     )
     trust_class: str | None = Field(
         None, alias="trustClass", description="The trust class the tenant routes to."
     )
     api_keys: int | None = Field(None, alias="apiKeys", description="API keys found in the Secret.")
+    accepted_spec: dict[str, Any] | None = Field(
+        None,
+        alias="acceptedSpec",
+        description="The last spec the operator accepted: the tenant is served with it. An edit that "
+        "cannot be accepted (a quota above the class's limits, an adapter the class does not serve, an "
+        "API-key Secret that does not exist or holds no keys) leaves it in force, with SpecAccepted=False "
+        "saying why.",
+    )
+    accepted_generation: int | None = Field(
+        None, alias="acceptedGeneration", description="The .metadata.generation of acceptedSpec."
+    )
 
 
 class TenantBinding(KubeModel):
@@ -113,3 +125,13 @@ class TenantBinding(KubeModel):
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    def accepted_spec(self) -> TenantBindingSpec | None:
+        """The last accepted spec recorded in the status (None: none, or one that no longer parses)."""
+        raw = self.status.accepted_spec
+        if raw is None:
+            return None
+        try:
+            return TenantBindingSpec.model_validate(raw)
+        except ValueError:
+            return None

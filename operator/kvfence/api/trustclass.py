@@ -612,6 +612,15 @@ class TrustClassStatus(KubeModel):
     signing_key_id: str | None = Field(
         None, alias="signingKeyId", description="Public fingerprint of the key the router signs with."
     )
+    accepted_spec: dict[str, Any] | None = Field(
+        None,
+        alias="acceptedSpec",
+        description="The last spec the operator rendered and applied. A later spec it cannot accept "
+        "(InvalidSpec) leaves the class routed with this one, Degraded, until the spec is fixed.",
+    )
+    accepted_generation: int | None = Field(
+        None, alias="acceptedGeneration", description="The .metadata.generation of acceptedSpec."
+    )
 
 
 class TrustClass(KubeModel):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
@@ -30,6 +30,7 @@ from kvfence.operator.builders import (
 )
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
 from kvfence.operator.reconciler import ROUTING, Key, Reconciler, Requeue, class_key
+from kvfence.operator.routes import accepted_key
 from kvfence.operator.secretwatch import (
     DELETED,
     SIGNING_SECRET_FIELD_SELECTOR,
@@ -283,6 +284,13 @@ async def trustclass_event(name: str, type: str | None, meta: kopf.Meta, memo: A
     c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
+def _secret_name(spec: Any) -> str | None:
+    """The API-key Secret a binding spec (as stored) names, or None."""
+    ref = spec.get("apiKeySecretRef") if isinstance(spec, Mapping) else None
+    name = ref.get("name") if isinstance(ref, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
 @kopf.on.event(GROUP, VERSION, "tenantbindings")
 async def tenantbinding_event(
     namespace: str | None,
@@ -290,6 +298,7 @@ async def tenantbinding_event(
     type: str | None,
     meta: kopf.Meta,
     spec: kopf.Spec,
+    status: kopf.Status,
     memo: Any,
     **_: Any,
 ) -> None:
@@ -302,10 +311,15 @@ async def tenantbinding_event(
     if type == "DELETED":
         c.binding_generations.pop(key, None)
         c.track_binding(key, namespace or "", None)
+        c.track_binding(accepted_key(key), namespace or "", None)
     else:
         c.binding_generations[key] = generation
-        ref = spec.get("apiKeySecretRef") or {}
-        c.track_binding(key, namespace or "", ref.get("name") if isinstance(ref, dict) else None)
+        name_now = _secret_name(spec)
+        c.track_binding(key, namespace or "", name_now)
+        # While an edit is refused the tenant is served with its last accepted spec: the Secret that one
+        # names is watched too, so removing its keys still revokes within seconds.
+        name_then = _secret_name(dict(status or {}).get("acceptedSpec"))
+        c.track_binding(accepted_key(key), namespace or "", name_then if name_then != name_now else None)
     c.enqueue(ROUTING, COALESCE_SECONDS)
 
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from kvfence.api import conditions as C
 from kvfence.api.common import API_VERSION, TenantQuotas
 from kvfence.api.routing import ROUTING_SECRET_NAME, hash_api_key
-from kvfence.api.tenantbinding import TenantBinding
+from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.operator import builders as B
@@ -35,6 +35,9 @@ Key = tuple[str, ...]
 ROUTING: Key = ("routing",)
 FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
+#: status fields holding the last accepted spec (both kinds) and its generation
+ACCEPTED_SPEC = "acceptedSpec"
+ACCEPTED_GENERATION = "acceptedGeneration"
 
 
 class Requeue(Exception):
@@ -134,6 +137,27 @@ def status_differs(desired: Obj, live: Obj | None) -> bool:
     return _strip_times(desired) != _strip_times(live or {})
 
 
+def _with_removals(new: Obj, old: Obj) -> Obj:
+    """``new`` as a JSON merge patch over ``old``: every key of ``old`` that ``new`` lacks is null."""
+    out: Obj = {}
+    for k, v in new.items():
+        was = old.get(k)
+        out[k] = _with_removals(v, was) if isinstance(v, dict) and isinstance(was, dict) else v
+    for k in old:
+        if k not in new:
+            out[k] = None
+    return out
+
+
+def status_patch(desired: Obj, live: Obj) -> Obj:
+    """The merge patch that writes ``desired``: ``acceptedSpec`` replaced whole (a field the new spec
+    no longer sets must not survive from the old one)."""
+    out = dict(desired)
+    if isinstance(desired.get(ACCEPTED_SPEC), dict) and isinstance(live.get(ACCEPTED_SPEC), dict):
+        out[ACCEPTED_SPEC] = _with_removals(desired[ACCEPTED_SPEC], live[ACCEPTED_SPEC])
+    return out
+
+
 def _rolled_out_with(dep: Obj, kid: str) -> bool:
     """Whether every pod of the engine Deployment runs the template that carries key id ``kid``."""
     spec, st = dep.get("spec") or {}, dep.get("status") or {}
@@ -144,6 +168,17 @@ def _rolled_out_with(dep: Obj, kid: str) -> bool:
         and st.get("observedGeneration", 0) >= (dep.get("metadata") or {}).get("generation", 1)
         and (want == 0 or (st.get("updatedReplicas", 0) >= want and st.get("availableReplicas", 0) >= want))
     )
+
+
+def accepted_trust_class(body: Obj) -> TrustClass | None:
+    """The TrustClass as last accepted (``status.acceptedSpec``), or None (none, or it fails too)."""
+    spec = (body.get("status") or {}).get(ACCEPTED_SPEC)
+    if not isinstance(spec, dict):
+        return None
+    try:
+        return TrustClass.model_validate({**body, "spec": spec})
+    except ValidationError:
+        return None
 
 
 @dataclass
@@ -217,7 +252,25 @@ class Reconciler:
         try:
             tc = TrustClass.model_validate(body)
         except ValidationError as e:
-            self._class_status(body, None, degraded=(C.REASON_INVALID_SPEC, str(e)))
+            # Nothing is applied; the class stays routed with its last accepted spec, if it has one
+            # (see :func:`accepted_trust_class`), as its engines keep running as last rendered.
+            last = accepted_trust_class(body)
+            msg = str(e)
+            if last is not None:
+                msg = (
+                    f"generation {meta.get('generation')} is not accepted; serving the last accepted spec "
+                    f"(generation {(body.get('status') or {}).get(ACCEPTED_GENERATION)}): {msg}"
+                )
+            was: Obj = next(
+                (c for c in (body.get("status") or {}).get("conditions", []) if c.get("type") == C.DEGRADED),
+                {},
+            )
+            if (was.get("reason"), was.get("observedGeneration")) != (
+                C.REASON_INVALID_SPEC,
+                meta.get("generation"),
+            ):
+                self._emit(Event(body, C.REASON_INVALID_SPEC, msg[:1024], "Warning"))
+            self._class_status(body, None, degraded=(C.REASON_INVALID_SPEC, msg))
             return set()
         ns_name = tc.target_namespace
         self.state.class_namespace[name] = ns_name
@@ -346,9 +399,10 @@ class Reconciler:
         # Take the class out of the routing table first: nothing may route to what is going away.
         follow = self.reconcile_routing()
         try:
-            tc_ns = TrustClass.model_validate(body).target_namespace
+            tc_ns: str | None = TrustClass.model_validate(body).target_namespace
         except ValidationError:
-            tc_ns = None
+            last = accepted_trust_class(body)
+            tc_ns = None if last is None else last.target_namespace
         if tc_ns:
             live_ns = self.kube.get("v1", "Namespace", tc_ns)
             if (
@@ -390,6 +444,12 @@ class Reconciler:
             status["selector"] = ",".join(f"{k}={v}" for k, v in sorted(B.selector_labels(tc.name).items()))
         if key is not None:
             status["signingKeyId"] = key_id(key)
+        if degraded is None and tc is not None:
+            # Everything the spec asks for was rendered and applied: it is the spec in force.
+            status[ACCEPTED_SPEC], status[ACCEPTED_GENERATION] = body.get("spec") or {}, gen
+        elif isinstance(live_status.get(ACCEPTED_SPEC), dict):
+            status[ACCEPTED_SPEC] = live_status[ACCEPTED_SPEC]
+            status[ACCEPTED_GENERATION] = live_status.get(ACCEPTED_GENERATION)
         if degraded is not None:
             reason, msg = degraded
             conds = [
@@ -477,7 +537,9 @@ class Reconciler:
                 )
         status["conditions"] = conds
         if status_differs(status, live_status):
-            self.kube.patch_status(API_VERSION, "TrustClass", meta["name"], None, status)
+            self.kube.patch_status(
+                API_VERSION, "TrustClass", meta["name"], None, status_patch(status, live_status)
+            )
         return rolled
 
     # --- routing ---------------------------------------------------------------------------------
@@ -497,7 +559,10 @@ class Reconciler:
             try:
                 tc = TrustClass.model_validate(body)
             except ValidationError:
-                continue
+                last = accepted_trust_class(body)
+                if last is None:
+                    continue
+                tc = last
             deleting = bool(body["metadata"].get("deletionTimestamp"))
             keys = () if deleting else self._signing_keys(tc)
             classes[tc.name] = R.ClassState(tc, keys, deleting)
@@ -510,7 +575,11 @@ class Reconciler:
                 continue
             bindings.append(b)
             raw[b.key] = body
-        lookups = {b.key: self._api_keys(b) for b in bindings}
+        lookups = {b.key: self._api_keys(b, b.spec, b.key) for b in bindings}
+        for b in bindings:
+            accepted = b.accepted_spec()
+            if accepted is not None and accepted.api_key_secret_ref != b.spec.api_key_secret_ref:
+                lookups[R.accepted_key(b.key)] = self._api_keys(b, accepted, R.accepted_key(b.key))
         live_keys = set(lookups)
         for k in list(self.state.keys):
             if k not in live_keys:
@@ -571,10 +640,12 @@ class Reconciler:
         cached = self.state.keys.get(binding)
         return None if cached is None else cached[2]
 
-    def _api_keys(self, b: TenantBinding) -> R.KeyLookup:
-        ref = b.spec.api_key_secret_ref
+    def _api_keys(self, b: TenantBinding, spec: TenantBindingSpec, cache_key: str) -> R.KeyLookup:
+        """The API keys of ``spec``'s Secret (cached under ``cache_key``: the binding's key, or
+        :func:`routes.accepted_key` of it for the Secret of its last accepted spec)."""
+        ref = spec.api_key_secret_ref
         ident = (ref.name, ref.key, str(b.metadata.get("resourceVersion", "")))
-        cached = self.state.keys.get(b.key)
+        cached = self.state.keys.get(cache_key)
         watched = self.state.secret_versions.get((b.namespace, ref.name))
         if cached is not None and cached[0][:2] == ident[:2] and watched in (None, cached[2]):
             return cached[1]
@@ -603,7 +674,7 @@ class Reconciler:
                 )
         if lookup.error is None:
             version = str(((secret or {}).get("metadata") or {}).get("resourceVersion", ""))
-            self.state.keys[b.key] = (ident, lookup, version)
+            self.state.keys[cache_key] = (ident, lookup, version)
         return lookup
 
     def _binding_status(self, body: Obj, d: R.Decision) -> None:
@@ -623,24 +694,54 @@ class Reconciler:
                 gen,
             ),
             set_condition(existing, C.READY, d.bound, bound_reason, d.message, gen),
-            *kstatus_conditions(
-                existing,
-                reconciling=None if d.bound or d.denied else {"reason": d.reason, "message": d.message},
-                stalled=(d.reason, d.message) if d.denied else None,
-                generation=gen,
-            ),
         ]
+        accepted_spec, accepted_gen = live_status.get(ACCEPTED_SPEC), live_status.get(ACCEPTED_GENERATION)
+        refused = d.refused
+        if d.bound and refused is None and d.served_spec is not None:
+            accepted_spec, accepted_gen = d.served_spec.wire(), gen
+        if refused is not None:
+            refusal = (
+                f"generation {gen} is not accepted: {refused.message}; the tenant is served with its last "
+                f"accepted spec (generation {accepted_gen})"
+            )
+            conds.append(set_condition(existing, C.SPEC_ACCEPTED, False, refused.reason, refusal, gen))
+        elif d.bound:
+            conds.append(set_condition(existing, C.SPEC_ACCEPTED, True, C.REASON_ACCEPTED, "", gen))
+        else:
+            conds.append(set_condition(existing, C.SPEC_ACCEPTED, False, d.reason, d.message, gen))
+        conds += kstatus_conditions(
+            existing,
+            reconciling=None
+            if d.bound or d.denied or refused is not None
+            else {"reason": d.reason, "message": d.message},
+            # A refused edit needs a change by someone (the tenant is served meanwhile).
+            stalled=(d.reason, d.message)
+            if d.denied
+            else (refused.reason, conds[-1]["message"])
+            if refused is not None
+            else None,
+            generation=gen,
+        )
         status: Obj = {"observedGeneration": gen, "conditions": conds}
+        if accepted_spec is not None:
+            status[ACCEPTED_SPEC] = accepted_spec
+            status[ACCEPTED_GENERATION] = accepted_gen
         if d.trust_class:
             status["trustClass"] = d.trust_class
         if d.api_keys is not None:
             status["apiKeys"] = d.api_keys
         if not status_differs(status, live_status):
             return
-        self.kube.patch_status(API_VERSION, "TenantBinding", meta["name"], meta["namespace"], status)
+        self.kube.patch_status(
+            API_VERSION, "TenantBinding", meta["name"], meta["namespace"], status_patch(status, live_status)
+        )
         old = {c.get("type"): c for c in existing}
         if (
             old.get(C.BOUND, {}).get("status") != conds[0]["status"]
             or old.get(C.DENIED, {}).get("reason") != conds[1]["reason"]
         ):
             self._emit(Event(body, d.reason, d.message, "Normal" if d.bound or not d.denied else "Warning"))
+        spec_c = conds[3]
+        was = old.get(C.SPEC_ACCEPTED, {})
+        if refused is not None and (was.get("status"), was.get("reason")) != ("False", refused.reason):
+            self._emit(Event(body, refused.reason, spec_c["message"], "Warning"))

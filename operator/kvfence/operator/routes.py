@@ -24,12 +24,14 @@ from kvfence.api.routing import (
     TrustClassRoute,
     encode_table,
 )
-from kvfence.api.tenantbinding import TenantBinding
+from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorOptions, endpoint
 
 REASON_DUPLICATE_API_KEY = C.REASON_DUPLICATE_API_KEY
 REASON_KV_OVERCOMMITTED = C.REASON_KV_OVERCOMMITTED
+#: suffix of the pseudo binding key under which the Secret of a last accepted spec is read and watched
+ACCEPTED_SUFFIX = "#accepted"
 
 
 def api_keys_from_secret(secret: Mapping[str, Any], key: str | None) -> list[str]:
@@ -72,6 +74,26 @@ class Decision:
     trust_class: str | None = None
     api_keys: int | None = None
     quotas: TenantQuotas | None = None
+    #: the spec the tenant is served with (the binding's own, or its last accepted one)
+    served_spec: TenantBindingSpec | None = None
+    #: why the binding's current spec was not accepted, when the tenant is served with its last
+    #: accepted spec instead (None: the current spec is the one served)
+    refused: Decision | None = None
+
+
+@dataclass(frozen=True)
+class _Admit:
+    """A spec that passed every check (nothing claimed yet)."""
+
+    spec: TenantBindingSpec
+    cls: ClassState
+    effective: TenantQuotas
+    hashes: tuple[str, ...]
+
+
+def accepted_key(binding: str) -> str:
+    """Key of the API-key lookup of a binding's last accepted spec, when it names another Secret."""
+    return binding + ACCEPTED_SUFFIX
 
 
 @dataclass
@@ -126,68 +148,50 @@ def decide(
             signing_keys=[base64.b64encode(k).decode() for k in state.signing_keys],
         )
 
-    for b in sorted(bindings, key=_sort_key):
-        spec, cname = b.spec, b.spec.trust_class_name
+    def evaluate(b: TenantBinding, spec: TenantBindingSpec, lookup: KeyLookup) -> Decision | _Admit:
+        """What ``spec`` of binding ``b`` would get, claiming nothing (the tenant id is claimed)."""
+        cname = spec.trust_class_name
         found = classes.get(cname)
         if found is None or found.deleting:
-            out.decisions[b.key] = _deny(
-                C.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist"
-            )
-            continue
+            return _deny(C.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist")
         cs = found
         selector = cs.tc.spec.namespace_selector
         ns_labels = dict(namespace_labels.get(b.namespace, {}))
         if selector is None or not selector.matches(ns_labels):
-            out.decisions[b.key] = _deny(
+            return _deny(
                 C.REASON_NAMESPACE_NOT_ADMITTED,
                 f"namespace {b.namespace!r} is not admitted by TrustClass {cname!r} (namespaceSelector)",
             )
-            continue
-        owner = claimed_ids.get(spec.tenant_id)
-        if owner is not None:
-            out.decisions[b.key] = _deny(
-                C.REASON_DUPLICATE_TENANT_ID,
-                f"tenant id {spec.tenant_id!r} is already bound by {_other(owner, b.namespace)}",
-            )
-            continue
-        claimed_ids[spec.tenant_id] = b.key
         class_adapters = {a.name for a in cs.tc.spec.engine.adapters}
         missing = sorted(set(spec.allowed_adapters) - class_adapters)
         if missing:
-            out.decisions[b.key] = _deny(
+            return _deny(
                 C.REASON_ADAPTER_NOT_IN_CLASS, f"adapters {missing} are not served by TrustClass {cname!r}"
             )
-            continue
         over = spec.quotas.exceeds(cs.tc.spec.quotas.limits)
         if over:
-            out.decisions[b.key] = _deny(
+            return _deny(
                 C.REASON_QUOTA_EXCEEDS_LIMIT, f"quotas above the limits of TrustClass {cname!r}: {over}"
             )
-            continue
         effective = spec.quotas.merged_over(cs.tc.spec.quotas.defaults)
         if (
             effective.guaranteed_kv_blocks is not None
             and effective.max_kv_blocks is not None
             and effective.guaranteed_kv_blocks > effective.max_kv_blocks
         ):
-            out.decisions[b.key] = _deny(
+            return _deny(
                 C.REASON_QUOTA_EXCEEDS_LIMIT, "effective guaranteedKVBlocks exceeds effective maxKVBlocks"
             )
-            continue
-        lookup = keys.get(b.key, KeyLookup(error=C.REASON_SECRET_NOT_FOUND, message="API keys not read yet"))
         if lookup.error is not None:
-            out.decisions[b.key] = _deny(lookup.error, lookup.message)
-            continue
+            return _deny(lookup.error, lookup.message)
         if not lookup.hashes:
-            out.decisions[b.key] = _deny(C.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
-            continue
+            return _deny(C.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
         clash = next((claimed_keys[h] for h in lookup.hashes if h in claimed_keys), None)
         if clash is not None:
-            out.decisions[b.key] = _deny(
+            return _deny(
                 REASON_DUPLICATE_API_KEY,
                 f"an API key of this binding is already used by {_other(clash, b.namespace)}",
             )
-            continue
         guaranteed = effective.guaranteed_kv_blocks or 0
         used = guaranteed_used.get(cname, 0)
         budget = cs.tc.spec.engine.kv_block_budget
@@ -200,24 +204,50 @@ def decide(
                 else f"guaranteedKVBlocks {guaranteed} would overcommit the {budget} blocks "
                 f"of TrustClass {cname!r} ({used} already guaranteed)"
             )
-            out.decisions[b.key] = _deny(REASON_KV_OVERCOMMITTED, message)
-            continue
+            return _deny(REASON_KV_OVERCOMMITTED, message)
         if cname not in routes:
-            out.decisions[b.key] = Decision(
+            return Decision(
                 bound=False,
                 denied=False,
                 reason=C.REASON_TRUST_CLASS_NOT_READY,
                 message=f"TrustClass {cname!r} has no signing key yet",
                 trust_class=cname,
             )
+        return _Admit(spec, cs, effective, lookup.hashes)
+
+    for b in sorted(bindings, key=_sort_key):
+        owner = claimed_ids.get(b.spec.tenant_id)
+        if owner is not None:
+            out.decisions[b.key] = _deny(
+                C.REASON_DUPLICATE_TENANT_ID,
+                f"tenant id {b.spec.tenant_id!r} is already bound by {_other(owner, b.namespace)}",
+            )
             continue
-        guaranteed_used[cname] = used + guaranteed
-        for h in lookup.hashes:
+        claimed_ids[b.spec.tenant_id] = b.key
+        lookup = keys.get(b.key, KeyLookup(error=C.REASON_SECRET_NOT_FOUND, message="API keys not read yet"))
+        got = evaluate(b, b.spec, lookup)
+        refused: Decision | None = None
+        accepted = b.accepted_spec()
+        if isinstance(got, Decision) and accepted is not None and accepted != b.spec:
+            # An edit that cannot be accepted: the tenant keeps its last accepted spec (as a
+            # Deployment keeps its old ReplicaSet), unless that one is refused too (a revocation).
+            same_ref = accepted.api_key_secret_ref == b.spec.api_key_secret_ref
+            old_lookup = lookup if same_ref else keys.get(accepted_key(b.key), lookup)
+            previous = evaluate(b, accepted, old_lookup)
+            if isinstance(previous, _Admit):
+                refused, got = got, previous
+        if isinstance(got, Decision):
+            out.decisions[b.key] = got
+            continue
+        admit, cname = got, got.spec.trust_class_name
+        effective = admit.effective
+        guaranteed_used[cname] = guaranteed_used.get(cname, 0) + (effective.guaranteed_kv_blocks or 0)
+        for h in admit.hashes:
             claimed_keys[h] = b.key
-        tenants[spec.tenant_id] = TenantRoute(
+        tenants[b.spec.tenant_id] = TenantRoute(
             trust_class=cname,
-            api_key_hashes=sorted(set(lookup.hashes)),
-            allowed_adapters=sorted(spec.allowed_adapters),
+            api_key_hashes=sorted(set(admit.hashes)),
+            allowed_adapters=sorted(admit.spec.allowed_adapters),
             quotas=Quotas(
                 max_concurrent_requests=effective.max_concurrent_requests,
                 requests_per_minute=effective.requests_per_minute,
@@ -226,20 +256,22 @@ def decide(
             ),
             binding=b.key,
         )
-        defaults = cs.tc.spec.quotas.defaults
+        defaults = admit.cls.tc.spec.quotas.defaults
         if (effective.max_kv_blocks, effective.guaranteed_kv_blocks) != (
             defaults.max_kv_blocks,
             defaults.guaranteed_kv_blocks,
         ):
-            out.tenant_quotas.setdefault(cname, {})[spec.tenant_id] = effective
+            out.tenant_quotas.setdefault(cname, {})[b.spec.tenant_id] = effective
         out.decisions[b.key] = Decision(
             bound=True,
             denied=False,
             reason=C.REASON_BOUND,
-            message=f"tenant {spec.tenant_id!r} routes to TrustClass {cname!r}",
+            message=f"tenant {b.spec.tenant_id!r} routes to TrustClass {cname!r}",
             trust_class=cname,
-            api_keys=len(set(lookup.hashes)),
+            api_keys=len(set(admit.hashes)),
             quotas=effective,
+            served_spec=admit.spec,
+            refused=refused,
         )
     out.table = RoutingTable(trust_classes=routes, tenants=dict(sorted(tenants.items())))
     return out

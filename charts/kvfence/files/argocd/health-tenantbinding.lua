@@ -18,6 +18,10 @@ local function say(cond)
   end
   return cond.reason
 end
+if c.Bound ~= nil and c.Bound.status == "True" and c.SpecAccepted ~= nil and c.SpecAccepted.status == "False" then
+  -- an edit was refused: the tenant is served with its last accepted spec, the sync did not take
+  return {status = "Degraded", message = say(c.SpecAccepted)}
+end
 if c.Bound ~= nil and c.Bound.status == "True" then
   return {status = "Healthy", message = say(c.Bound)}
 end

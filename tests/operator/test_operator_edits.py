@@ -1,0 +1,310 @@
+"""A bad edit never takes a tenant offline (issue 12, item 4), on the real control plane with traffic
+through the real router to a real engine (tests/operator/livestack.py).
+
+An edit the operator cannot accept keeps the tenant served with its last accepted spec, says so in
+``SpecAccepted=False`` (reason, observedGeneration) and a Warning Event, and survives an operator
+restart (the accepted spec is kept in the binding's status); only a revocation takes access away, and
+within seconds. A TrustClass whose spec stops validating stays routed with its last accepted spec.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster.manifests import condition, keys_secret, secret, tenant_binding, tenant_namespace, trust_class
+from router.support import Proc
+from support.argocd import argocd_health
+from support.livestack import (
+    EngineMount,
+    Traffic,
+    complete,
+    engine_slice,
+    host_ip,
+    router_kubeconfig,
+    start_engine,
+    start_router,
+)
+
+pytestmark = pytest.mark.cluster
+
+ROUTER_NS = "kvfence-system"
+CLASS = "edits"
+CLASS_NS = f"kvf-{CLASS}"
+TENANT_NS = "team-edits"
+MODEL = "tiny"
+KEY = "sk-edits-0123456789"
+
+
+def tc_body(**over: Any) -> dict[str, Any]:
+    return trust_class(
+        CLASS,
+        replicas=1,
+        resources={"gpu": {"count": 0}},
+        engine={
+            "image": "kvfence/engine:dev",
+            "model": {"name": "kvfence/tiny", "servedName": MODEL},
+            "numBlocks": 512,
+        },
+        namespaceSelector={"matchLabels": {"kvfence.dev/tenants": CLASS}},
+        quotas={"defaults": {"requestsPerMinute": 6000}, "limits": {"requestsPerMinute": 60000}},
+        **over,
+    )
+
+
+def binding(**spec: Any) -> dict[str, Any]:
+    return tenant_binding("acme", TENANT_NS, "acme", CLASS, **spec)
+
+
+class Live:
+    def __init__(self, kv: Any, router: Proc, engine: Proc) -> None:
+        self.kv, self.router, self.engine = kv, router, engine
+
+    def tb(self) -> dict[str, Any]:
+        obj: dict[str, Any] = self.kv.json("get", "tb", "acme", "-n", TENANT_NS)
+        return obj
+
+    def served(self) -> dict[str, Any]:
+        route: dict[str, Any] = self.kv.routing_table()["tenants"].get("acme", {})
+        return route
+
+
+@pytest.fixture(scope="module")
+def live(
+    operator: Any, cluster: Any, kv: Any, wait: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Live]:
+    logs: Path = tmp_path_factory.mktemp("edits")
+    assert kv.apply(tc_body(), *tenant_namespace(TENANT_NS, label=CLASS, grant=True)).returncode == 0
+    assert kv.apply(keys_secret("acme", TENANT_NS, KEY), binding()).returncode == 0
+    wait(
+        lambda: condition(kv.json("get", "tb", "acme", "-n", TENANT_NS), "Bound").get("status") == "True",
+        "acme Bound",
+        120,
+        dump=operator.tail,
+    )
+    host = host_ip()
+    from support.ports import free_port
+
+    mount = EngineMount(kv, CLASS_NS, logs / "engine", host, free_port(), refresh=1.0)
+    mount.start()
+    procs: list[Proc] = []
+    try:
+        procs.append(start_engine(mount, logs))
+        cluster.apply([engine_slice(CLASS_NS, host, mount.port)])
+        procs.append(
+            start_router(router_kubeconfig(cluster, ROUTER_NS, logs / "router-kubeconfig"), ROUTER_NS, logs)
+        )
+        env = Live(kv, procs[1], procs[0])
+        wait(lambda: complete(env.router, KEY, MODEL) == 200, "a completion through the router", 60)
+        yield env
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        mount.stop()
+        kv("delete", "trustclass", CLASS, "--ignore-not-found", "--wait=false")
+        kv("delete", "namespace", TENANT_NS, "--ignore-not-found", "--wait=false")
+
+
+def refused(obj: dict[str, Any], reason: str) -> bool:
+    c = condition(obj, "SpecAccepted")
+    return (
+        c.get("status") == "False"
+        and c.get("reason") == reason
+        and c.get("observedGeneration") == obj["metadata"]["generation"]
+        and condition(obj, "Ready").get("status") == "True"
+        and condition(obj, "Bound").get("status") == "True"
+        and condition(obj, "Denied").get("status") == "False"
+    )
+
+
+def warning_events(kv: Any, reason: str) -> list[dict[str, Any]]:
+    ev = kv.json("get", "events", "-n", TENANT_NS, "--field-selector", f"reason={reason}")
+    return [e for e in (ev or {}).get("items", []) if e.get("type") == "Warning"]
+
+
+def test_a_bad_edit_keeps_the_tenant_served_with_its_last_accepted_spec(
+    live: Live, operator: Any, kv: Any, wait: Any
+) -> None:
+    accepted_gen = live.tb()["status"]["acceptedGeneration"]
+    assert live.served()["quotas"]["requestsPerMinute"] == 6000
+    edits = [
+        # a quota above the class's limits
+        ({"quotas": {"requestsPerMinute": 600000}}, "QuotaExceedsClassLimit"),
+        # an adapter the class does not serve
+        ({"allowedAdapters": ["nope"]}, "AdapterNotInTrustClass"),
+        # a key rotation to a Secret that does not exist yet
+        ({"apiKeySecretRef": {"name": "acme-keys-v2"}}, "ApiKeySecretNotFound"),
+    ]
+    with Traffic(live.router, KEY, MODEL).running() as traffic:
+        for spec, reason in edits:
+            assert kv.apply(binding(**spec)).returncode == 0
+            wait(
+                lambda r=reason: refused(live.tb(), r), f"SpecAccepted=False {reason}", 60, dump=operator.tail
+            )
+            wait(lambda r=reason: warning_events(kv, r), f"a Warning Event {reason}", 30)
+            tb = live.tb()
+            assert tb["status"]["acceptedGeneration"] == accepted_gen
+            # Argo CD says Degraded (the sync did not take), kstatus Stalled, kubectl wait Ready still.
+            health, message = argocd_health("tenantbinding", tb)
+            assert health == "Degraded" and message.startswith(reason), (health, message)
+            assert condition(tb, "Stalled").get("status") == "True"
+            assert f"generation {accepted_gen}" in condition(tb, "SpecAccepted")["message"]
+            # still served exactly as accepted
+            route = live.served()
+            assert route["quotas"]["requestsPerMinute"] == 6000 and not route.get("allowedAdapters")
+            assert complete(live.router, KEY, MODEL) == 200
+
+        # An operator restart while the edit is refused: the accepted spec lives in the status.
+        operator.stop()
+        operator.start()
+        operator.wait_ready()
+        wait(lambda: operator.reconciles("routing") >= 2, "routing decisions after the restart", 60)
+        assert refused(live.tb(), "ApiKeySecretNotFound")
+        assert complete(live.router, KEY, MODEL) == 200
+
+    assert traffic.statuses and not traffic.failures(), traffic.failures()[:5]
+    # The rotation completes: the new Secret appears, the new spec is accepted, the new key works.
+    new_key = "sk-edits-rotated-0123456789"
+    assert kv.apply(secret("acme-keys-v2", TENANT_NS, k0=new_key)).returncode == 0
+    wait(
+        lambda: (
+            condition(live.tb(), "SpecAccepted").get("status") == "True"
+            and live.tb()["status"]["acceptedGeneration"] == live.tb()["metadata"]["generation"]
+        ),
+        "the rotation accepted",
+        60,
+        dump=operator.tail,
+    )
+    wait(lambda: complete(live.router, new_key, MODEL) == 200, "the new key served", 30)
+    # The old key went with its Secret leaving the spec in force (that is the rotation).
+    wait(lambda: complete(live.router, KEY, MODEL) == 401, "the old key retired", 30)
+
+
+def test_a_revocation_takes_access_away_within_seconds_even_while_an_edit_is_refused(
+    live: Live, operator: Any, kv: Any, wait: Any
+) -> None:
+    key = "sk-edits-rotated-0123456789"
+    # Make sure the previous test's end state is what this one starts from.
+    assert (
+        kv.apply(
+            secret("acme-keys-v2", TENANT_NS, k0=key), binding(apiKeySecretRef={"name": "acme-keys-v2"})
+        ).returncode
+        == 0
+    )
+    wait(lambda: complete(live.router, key, MODEL) == 200, "served", 60)
+    assert (
+        kv.apply(
+            binding(apiKeySecretRef={"name": "acme-keys-v2"}, quotas={"requestsPerMinute": 600000})
+        ).returncode
+        == 0
+    )
+    wait(lambda: refused(live.tb(), "QuotaExceedsClassLimit"), "the edit refused", 60, dump=operator.tail)
+    assert complete(live.router, key, MODEL) == 200
+
+    # Keys removed from the Secret in force: a revocation, whatever the pending edit.
+    kv(
+        "patch",
+        "secret",
+        "acme-keys-v2",
+        "-n",
+        TENANT_NS,
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/data/k0"}]',
+    )
+    wait(lambda: complete(live.router, key, MODEL) == 401, "keys removed: 401 within seconds", 10, 0.2)
+    tb = live.tb()
+    assert condition(tb, "Bound").get("status") == "False" and condition(tb, "Denied").get("status") == "True"
+
+    # Keys back, then the namespace no longer admitted: revoked within seconds too.
+    assert kv.apply(secret("acme-keys-v2", TENANT_NS, k0=key)).returncode == 0
+    wait(lambda: complete(live.router, key, MODEL) == 200, "served again", 30)
+    kv("label", "namespace", TENANT_NS, "kvfence.dev/tenants-", "--overwrite")
+    wait(
+        lambda: complete(live.router, key, MODEL) == 401,
+        "namespace not admitted: 401 within seconds",
+        10,
+        0.2,
+    )
+    kv("label", "namespace", TENANT_NS, f"kvfence.dev/tenants={CLASS}", "--overwrite")
+    wait(lambda: complete(live.router, key, MODEL) == 200, "admitted again", 30)
+
+
+def test_a_trust_class_whose_spec_stops_validating_stays_routed_with_its_last_accepted_spec(
+    live: Live, operator: Any, kv: Any, wait: Any, cluster: Any
+) -> None:
+    """A spec the apiserver stored but the operator refuses (written under a CRD without the rule, as
+    after an upgrade or with an older CRD installed): the CRD's rule is lifted for the write only."""
+    key = "sk-edits-rotated-0123456789"
+    secret_v2 = secret("acme-keys-v2", TENANT_NS, k0=key)
+    assert kv.apply(secret_v2, binding(apiKeySecretRef={"name": "acme-keys-v2"})).returncode == 0
+    wait(lambda: complete(live.router, key, MODEL) == 200, "served", 60)
+    accepted = kv.json("get", "trustclass", CLASS)["status"]["acceptedGeneration"]
+    crd = kv.json("get", "crd", "trustclasses.kvfence.dev")
+    original = copy.deepcopy(crd)
+    pc = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "prefixCache"
+    ]
+    pc["x-kubernetes-validations"] = [
+        r for r in pc.get("x-kubernetes-validations", []) if "needs the prefix cache" not in r["message"]
+    ]
+    for k in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        crd["metadata"].pop(k, None)
+    crd.pop("status", None)
+    try:
+        kv("replace", "-f", "-", input=json.dumps(crd))
+        bad = tc_body(
+            prefixCache={
+                "enabled": False,
+                "sharedPrefixes": [{"name": "sys", "form": "completion", "text": "x"}],
+            }
+        )
+        res = kv.apply(bad)
+        assert res.returncode == 0, res.stderr
+        stored = kv.json("get", "trustclass", CLASS)
+        assert stored["spec"]["prefixCache"]["enabled"] is False, (res.stdout, stored["spec"])
+    finally:
+        original["metadata"] = {"name": original["metadata"]["name"]}
+        original.pop("status", None)
+        kv.apply(original)
+
+    def degraded() -> bool:
+        obj = kv.json("get", "trustclass", CLASS)
+        c = condition(obj, "Degraded")
+        return bool(
+            c.get("status") == "True"
+            and c.get("reason") == "InvalidSpec"
+            and c.get("observedGeneration") == obj["metadata"]["generation"]
+            and f"generation {accepted}" in c.get("message", "")
+        )
+
+    wait(
+        degraded,
+        "Degraded: InvalidSpec, serving the last accepted spec",
+        60,
+        dump=lambda: json.dumps(kv.json("get", "trustclass", CLASS), indent=1)[-3000:] + operator.tail(30),
+    )
+    wait(lambda: warning_events_cluster(kv, "InvalidSpec"), "a Warning Event InvalidSpec", 30)
+    # Still routed, the binding still Bound, the tenant still served.
+    assert CLASS in kv.routing_table()["trustClasses"]
+    assert condition(live.tb(), "Bound").get("status") == "True"
+    assert complete(live.router, key, MODEL) == 200
+    # Fixed: accepted again.
+    assert kv.apply(tc_body()).returncode == 0
+    wait(
+        lambda: (
+            kv.json("get", "trustclass", CLASS)["status"].get("acceptedGeneration")
+            == kv.json("get", "trustclass", CLASS)["metadata"]["generation"]
+        ),
+        "the fixed spec accepted",
+        60,
+    )
+
+
+def warning_events_cluster(kv: Any, reason: str) -> list[dict[str, Any]]:
+    ev = kv.json("get", "events", "-A", "--field-selector", f"reason={reason}")
+    return [e for e in (ev or {}).get("items", []) if e.get("type") == "Warning"]
