@@ -151,3 +151,28 @@ def test_a_new_declaration_is_pinned_without_a_restart_and_the_old_one_released(
     assert h.hits(h.step(), r.request_id) == len(t) // 16 * 16
     h.run()
     h.check()
+
+
+def test_a_forced_collision_after_the_shared_part_is_refused_and_counted(tmp_path: Path) -> None:
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm_engine.vllmsched import weak_hash
+
+    h = Harness(tmp_path, num_blocks=128, shared=DECLARED[:1], hash_fn=weak_hash)
+    # The plugin hashes with the engine's algorithm; here with the weak one too, which ignores the salt:
+    # bob's first block after the shared part then has alice's key.
+    init_none_hash(weak_hash)
+    h.sched._hash_fn = weak_hash
+    h.sched._hasher = get_request_block_hasher(16, weak_hash)
+    h.step()
+    h.run()
+    shared = prefix_tokens(h, "support")
+    n = len(shared) // 16
+    secret = [*shared, *range(3000, 3040)]
+    h.add("alice", [*secret, 1])
+    h.run()
+    before = h.fence.counters.cross_access_rejected
+    b = h.add("bob", [*secret, 2])
+    assert h.hits(h.step(), b.request_id) == n * 16  # the declared part, not one block of alice's
+    assert h.fence.counters.cross_access_rejected == before + 1
+    h.run()
+    h.check()
