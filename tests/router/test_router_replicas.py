@@ -37,6 +37,7 @@ from router.support import (
     start_router,
     write_table,
 )
+from support import prom
 from support.waiting import wait_until
 
 from kvfence.api.routing import hash_api_key
@@ -91,12 +92,7 @@ def slice_of(engine: Proc, ready: bool = True) -> dict[str, Any]:
 
 def router_metrics(router: Proc) -> dict[str, float]:
     _, _, data = request("GET", router.url + "/metrics")
-    out = {}
-    for line in data.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    return prom.samples(data.decode())
 
 
 def metric(router: Proc, prefix: str) -> float:
@@ -254,7 +250,7 @@ def test_one_tenants_burst_spills_to_other_replicas_instead_of_queueing_behind_i
     assert metric(r, 'kvfence_router_affinity_total{trust_class="gold",result="spill"}') > spills
 
 
-def test_a_replica_that_is_not_ready_gets_nothing_and_a_ready_one_takes_traffic_within_a_second(
+def test_a_replica_that_is_not_ready_gets_nothing_and_a_ready_one_takes_its_tenants_next_request(
     replicas: Replicas,
 ) -> None:
     r, engines = replicas.router, replicas.engines
@@ -279,13 +275,20 @@ def test_a_replica_that_is_not_ready_gets_nothing_and_a_ready_one_takes_traffic_
 
         replicas.publish(slice_of(new, ready=True))
         became_ready = time.monotonic()
-
-        def reached() -> bool:
-            post(r, tenant, {"model": "tiny", "prompt": "now", "max_tokens": 1})
-            return engine_metric(new, REQUESTS) > 0
-
-        wait_until(reached, "the new replica to take its tenant's traffic", timeout=1.0, interval=0.02)
-        print(f"new replica served within {time.monotonic() - became_ready:.3f}s of its slice turning ready")
+        serving = f'kvfence_router_engine_endpoint_serving{{trust_class="gold",engine="{HOST}:{new.port}"}}'
+        # The router learns it from its EndpointSlice watch (no polling interval of its own): measured
+        # and reported, not asserted (tests never assert wall-clock times; 5-30 ms on the dev machine).
+        wait_until(
+            lambda: router_metrics(r).get(serving) == 1, "the router to serve the new replica", 30, 0.01
+        )
+        print(
+            f"the router served the new replica {time.monotonic() - became_ready:.3f}s after its slice "
+            "turned ready"
+        )
+        # From then on its tenant's very next request goes to it (its home on the ring).
+        status, doc = post(r, tenant, {"model": "tiny", "prompt": "now", "max_tokens": 1})
+        assert status == 200, doc
+        assert engine_metric(new, REQUESTS) == 1
     finally:
         replicas.withdraw(new)
     wait_until(lambda: f"{HOST}:{new.port}" not in replicas.serving(r), "the new replica to leave", 10, 0.05)
