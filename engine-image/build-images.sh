@@ -257,6 +257,8 @@ from transformers import AutoTokenizer
 assert m.version('vllm') == '$VLLM_VERSION+cpu', m.version('vllm')
 assert json.load(open('/opt/kvfence/models/tiny/config.json'))['model_type'] == 'llama'
 assert len(AutoTokenizer.from_pretrained('/opt/kvfence/models/tiny')('hello kvfence')['input_ids']) > 0
+from safetensors import safe_open
+assert len(list(safe_open('/opt/kvfence/models/tiny/model.safetensors', 'pt').keys())) > 0
 " || die "kvfence/engine-vllm-cpu: vLLM, the kvfence plugin or the model is missing"
       save engine-vllm-cpu
       ;;
