@@ -30,6 +30,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2esupport import (
+    VLLM_MANIFEST,
     Kube,
     Router,
     Tenant,
@@ -41,14 +42,18 @@ from e2esupport import (
     local_stack,
     port_forward,
     undeploy,
+    vllm_tenants,
+    wait_router_serves,
 )
 
 _KUBE: Kube | None = None
 _MODE, _DETAIL = choose_target()
 
-# The NetworkPolicy and revocation tests need a cluster; in the process-level mode there is none (never
-# a skip: they are not collected, and the report header says so).
-collect_ignore = ["test_e2e_networkpolicy.py", "test_e2e_revocation.py"] if _MODE == "local" else []
+# The NetworkPolicy, revocation and vLLM tests need a cluster; in the process-level mode there is none
+# (never a skip: they are not collected, and the report header says so).
+collect_ignore = (
+    ["test_e2e_networkpolicy.py", "test_e2e_revocation.py", "test_e2e_vllm.py"] if _MODE == "local" else []
+)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -74,7 +79,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     kubeconfig = detail if mode == "cluster" else kind_cluster(detail, logs)
     rebuilt = False
     if os.environ.get("KVFENCE_E2E_CONTAINERD"):
-        rebuilt = import_images_into_containerd(os.environ["KVFENCE_E2E_CONTAINERD"])
+        rebuilt = import_images_into_containerd(os.environ["KVFENCE_E2E_CONTAINERD"], with_vllm=True)
     kube = Kube(kubeconfig, logs, env=dict(os.environ))
     _KUBE = kube
     extra = [v for v in os.environ.get("KVFENCE_E2E_HELM_VALUES", "").split(",") if v]
@@ -84,6 +89,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
             yield r
     finally:
         if not keep:
+            kube.run("delete", "--ignore-not-found", "--wait=true", "-f", str(VLLM_MANIFEST), check=False)
             undeploy(kube)
             if mode == "kind":
                 import subprocess
@@ -96,6 +102,23 @@ def kube(router: Router) -> Kube:
     """The cluster under test (cluster and kind modes only)."""
     assert _KUBE is not None, "no cluster in this mode"
     return _KUBE
+
+
+@pytest.fixture(scope="session")
+def vllm(router: Router, kube: Kube) -> dict[str, Tenant]:
+    """The tenants of the vLLM class (e2e/manifests/vllm-cpu.yaml), once its engine is Ready and the
+    router serves them. Applied only now (test_e2e_vllm.py runs last): vLLM starting on CPU takes both
+    of a small node's cores for a while, which the reference engines' health checks must not share."""
+    t = vllm_tenants()
+    assert set(t) == {"hooli", "umbrella"}, t
+    kube.run("apply", "-f", str(VLLM_MANIFEST))
+    kube.run("wait", "--for=condition=Ready", "trustclass/vllm-cpu", "--timeout=900s", timeout=960)
+    for b in t.values():
+        kube.run(
+            "wait", "--for=condition=Bound", f"tenantbinding/{b.binding}", "-n", b.namespace, "--timeout=300s"
+        )
+    wait_router_serves(router, t, timeout=600)
+    return t
 
 
 @pytest.fixture(scope="session")

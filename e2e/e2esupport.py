@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import http.client
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,12 +31,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from support import waiting
+from support import prom, waiting
 from support.ports import free_port
 from support.process import ManagedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+#: The e2e suite's vLLM trust class and its two tenants (not in examples/: `make up` runs without the
+#: 6 GB CPU vLLM image).
+VLLM_MANIFEST = ROOT / "e2e" / "manifests" / "vllm-cpu.yaml"
 CHART = ROOT / "charts" / "kvfence"
 T = TypeVar("T")
 
@@ -51,13 +56,22 @@ class Tenant:
     requests_per_minute: int | None
 
 
-def load_docs(name: str) -> list[dict[str, Any]]:
+def load_docs(name: str | Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
 
 
 def example_tenants() -> dict[str, Tenant]:
-    classes = {d["metadata"]["name"]: d for d in load_docs("10-trustclasses.yaml")}
-    docs = load_docs("20-tenants.yaml")
+    return tenants_of(load_docs("10-trustclasses.yaml"), load_docs("20-tenants.yaml"))
+
+
+def vllm_tenants() -> dict[str, Tenant]:
+    docs = load_docs(VLLM_MANIFEST)
+    return tenants_of([d for d in docs if d["kind"] == "TrustClass"], docs)
+
+
+def tenants_of(class_docs: list[dict[str, Any]], docs: list[dict[str, Any]]) -> dict[str, Tenant]:
+    """The tenants the TenantBindings (and their key Secrets) in ``docs`` make, of ``class_docs``."""
+    classes = {d["metadata"]["name"]: d for d in class_docs}
     secrets = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Secret"}
     out = {}
     for b in (d for d in docs if d["kind"] == "TenantBinding"):
@@ -67,9 +81,9 @@ def example_tenants() -> dict[str, Tenant]:
         raw = data[ref["key"]] if ref.get("key") else next(iter(data.values()))
         tc = classes[spec["trustClassName"]]
         model = tc["spec"]["engine"]["model"]
-        rpm = spec.get("quotas", {}).get("requestsPerMinute") or tc["spec"]["quotas"]["defaults"].get(
-            "requestsPerMinute"
-        )
+        rpm = spec.get("quotas", {}).get("requestsPerMinute") or tc["spec"].get("quotas", {}).get(
+            "defaults", {}
+        ).get("requestsPerMinute")
         out[spec["tenantId"]] = Tenant(
             id=spec["tenantId"],
             trust_class=spec["trustClassName"],
@@ -132,6 +146,16 @@ class Router:
 def cached_tokens(resp: Response) -> int:
     usage = resp.json().get("usage") or {}
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition, keyed by its name with labels."""
+    return prom.samples(text)
+
+
+def metric_sum(samples: dict[str, float], name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets)."""
+    return prom.total(samples, name)
 
 
 def wait_until(fn: Callable[[], T], what: str, timeout: float = 300.0, interval: float = 1.0) -> T:
@@ -296,25 +320,28 @@ def port_forward(kube: Kube) -> Iterator[Router]:
         proc.stop()
 
 
-def wait_router_serves(router: Router) -> None:
-    """Until the router knows every example tenant and has seen every example class's engine healthy.
-    The operator writes the routing table as soon as the engines exist, and the router follows that
-    Secret through the API (or, with routingTableSource=volume, the kubelet's refresh); an engine that
-    was still starting when the router first probed it is re-probed every half second."""
-    tenants = example_tenants().values()
-    for t in tenants:
+def wait_router_serves(
+    router: Router, tenants: dict[str, Tenant] | None = None, timeout: float = 300
+) -> None:
+    """Until the router knows every tenant (the example tenants by default) and has seen each one's
+    class's engine healthy. The operator writes the routing table as soon as the engines exist, and the
+    router follows that Secret through the API (or, with routingTableSource=volume, the kubelet's
+    refresh); an engine that was still starting when the router first probed it is re-probed every
+    half second."""
+    ts = (tenants or example_tenants()).values()
+    for t in ts:
         wait_until(
             lambda t=t: router.request("GET", "/v1/models", key=t.api_key).status == 200,
             f"the router to know tenant {t.id}",
-            300,
+            timeout,
             2,
         )
-    for cls in sorted({t.trust_class for t in tenants}):
+    for cls in sorted({t.trust_class for t in ts}):
         line = f'kvfence_router_engine_healthy{{trust_class="{cls}"}} 1'.encode()
         wait_until(
             lambda line=line: line in router.request("GET", "/metrics").body.split(b"\n"),
             f"the router to see the {cls} engine healthy",
-            300,
+            timeout,
         )
 
 
@@ -334,16 +361,48 @@ def _sources_newer_than(archives: list[Path]) -> bool:
     return any(p.exists() and p.stat().st_mtime > built for p in sources)
 
 
-def import_images_into_containerd(socket_path: str) -> bool:
-    """For clusters whose node runs containerd on this machine (the project's own cluster with a real
-    node, `make up`): build the images if needed and import them (no registry involved). True if they
-    were rebuilt (pods already running keep the old image of the same tag)."""
-    out = Path(os.environ.get("OUT", ROOT / "build" / "images"))
-    version = next(
+def _version() -> str:
+    return next(
         line.split('"')[1]
         for line in (ROOT / "pyproject.toml").read_text().splitlines()
         if line.startswith("version = ")
     )
+
+
+def vllm_cpu_sources_key() -> str:
+    """What the CPU vLLM image is built from, hashed: the vLLM pins, the Dockerfiles and build scripts,
+    the kvfence sources (its plugin is in the image) and the tiny model's script. Its archive is reused
+    while this is unchanged (a 6 GB image is not rebuilt and re-saved for nothing)."""
+    files = [ROOT / "pyproject.toml", ROOT / "setup.py", ROOT / "tests" / "vllm" / "tinymodel.py"]
+    for top in ("operator", "engine-image"):
+        files += [p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    h = hashlib.sha256()
+    for p in sorted(f for f in files if f.exists()):
+        h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def vllm_cpu_archive(out: Path) -> Path:
+    """The CPU vLLM image's archive, rebuilt (engine-image/build-images.sh vllm-cpu) unless the one in
+    ``out`` was built from these very sources."""
+    archive = out / f"kvfence-engine-vllm-cpu-{_version()}.oci.tar"
+    stamp = archive.with_name(archive.name + ".sources")
+    key = vllm_cpu_sources_key()
+    if archive.exists() and stamp.exists() and stamp.read_text().strip() == key:
+        return archive
+    stamp.unlink(missing_ok=True)
+    subprocess.run([str(ROOT / "engine-image" / "build-images.sh"), "vllm-cpu"], check=True)
+    stamp.write_text(key + "\n")
+    return archive
+
+
+def import_images_into_containerd(socket_path: str, with_vllm: bool = False) -> bool:
+    """For clusters whose node runs containerd on this machine (the project's own cluster with a real
+    node, `make up`): build the images if needed and import them (no registry involved). True if they
+    were rebuilt (pods already running keep the old image of the same tag). ``with_vllm`` (the e2e
+    suite) adds the CPU vLLM engine image, rebuilt only when its sources changed."""
+    out = Path(os.environ.get("OUT", ROOT / "build" / "images"))
+    version = _version()
     archives = [out / f"kvfence-{n}-{version}.oci.tar" for n in ("control-plane", "engine-reference")]
     missing = not all(a.exists() for a in archives)
     rebuild = missing or _sources_newer_than(archives) or os.environ.get("KVFENCE_E2E_REBUILD") == "1"
@@ -351,7 +410,12 @@ def import_images_into_containerd(socket_path: str) -> bool:
         subprocess.run(
             [str(ROOT / "engine-image" / "build-images.sh"), "control-plane", "reference"], check=True
         )
+    if with_vllm:
+        t0 = time.monotonic()
+        archives.append(vllm_cpu_archive(out))
+        print(f"e2e: CPU vLLM image archive ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     for a in archives:
+        t0 = time.monotonic()
         subprocess.run(
             [
                 "ctr",
@@ -365,6 +429,7 @@ def import_images_into_containerd(socket_path: str) -> bool:
             check=True,
             capture_output=True,
         )
+        print(f"e2e: imported {a.name} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return rebuild
 
 

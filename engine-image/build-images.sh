@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build kvfence's container images with podman (or docker), without any container registry.
 #
-#   engine-image/build-images.sh [control-plane] [reference] [vllm]     (default: control-plane reference)
+#   engine-image/build-images.sh [control-plane] [reference] [vllm-cpu] [vllm]
+#                                                                  (default: control-plane reference)
 #
 # 1. Base image: unless $BASE_IMAGE names one that exists locally, a Debian bookworm root filesystem
 #    is made with debootstrap (python3, python3-venv, ca-certificates) and imported as
@@ -12,6 +13,11 @@
 # 3. Images, built with --network none from that context: nothing is downloaded during the build.
 #      kvfence/control-plane:<version>     kvfence-operator and kvfence-router (the Helm chart's image)
 #      kvfence/engine-reference:<version>  the CPU reference engine
+#      kvfence/engine-vllm-cpu:<version>   vLLM for CPU (engine-image/vllm.env) + the kvfence plugin +
+#                                          a tiny model built in, from a wheelhouse downloaded on this
+#                                          machine (engine-image/vllm-wheelhouse.sh, cached in
+#                                          ~/.cache/kvfence/wheels): about 6 GB, what the e2e suite's
+#                                          vLLM class runs
 #      kvfence/engine-vllm:<version>       vLLM + the kvfence middleware and scheduler: needs the
 #                                          vllm/vllm-openai base pulled beforehand (VLLM_IMAGE), so
 #                                          never built offline
@@ -19,7 +25,7 @@
 #    an archive per image in $OUT, kvfence-<image>-<version>.oci.tar (an OCI archive with podman, a
 #    docker archive with docker; `kind load image-archive` and `ctr images import` read both).
 #
-# Environment: CONTAINER_TOOL (podman), OUT (build/images), BASE_IMAGE, DEBIAN_MIRROR
+# Environment: CONTAINER_TOOL (podman), OUT (build/images), BASE_IMAGE, VLLM_CPU_BASE_IMAGE, DEBIAN_MIRROR
 # (http://deb.debian.org/debian), PYTHON (.venv/bin/python), KVFENCE_OFFLINE (0), VLLM_IMAGE.
 #
 # podman on hosts with a hybrid cgroup hierarchy (this project's CI machines): crun fails there, so
@@ -66,15 +72,15 @@ command -v "$TOOL" >/dev/null || die "$TOOL is not installed (apt-get install po
 mkdir -p "$OUT"
 
 # --- 1. base image -------------------------------------------------------------------------------
-make_base() {
-  local tarball="$OUT/debian-$SUITE-rootfs.tar"
+make_base() {  # TAG TARBALL INCLUDES: a debootstrapped Debian root filesystem imported as TAG
+  local tag="$1" tarball="$2" includes="$3"
   if [ ! -s "$tarball" ]; then
     command -v debootstrap >/dev/null || die "debootstrap is not installed (apt-get install debootstrap)"
     [ "$(id -u)" = 0 ] || die "debootstrap needs root to make $tarball"
     local rootfs="$OUT/rootfs"
     rm -rf "$rootfs"
-    log "debootstrap $SUITE from $MIRROR"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    log "debootstrap $SUITE from $MIRROR ($includes)"
+    debootstrap --variant=minbase --include="$includes" \
       "$SUITE" "$rootfs" "$MIRROR" >"$OUT/debootstrap.log" 2>&1 \
       || die "debootstrap failed; see $OUT/debootstrap.log"
     # Smaller and reproducible-ish: no apt lists, caches, logs or docs.
@@ -83,17 +89,30 @@ make_base() {
     tar --numeric-owner -C "$rootfs" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
     rm -rf "$rootfs"
   fi
-  log "import $tarball as $LOCAL_BASE"
-  tool import --change 'CMD ["/bin/bash"]' --change 'ENV LANG=C.UTF-8' "$tarball" "$LOCAL_BASE" >/dev/null
+  log "import $tarball as $tag"
+  tool import --change 'CMD ["/bin/bash"]' --change 'ENV LANG=C.UTF-8' "$tarball" "$tag" >/dev/null
 }
 
+BASE_INCLUDES=python3,python3-venv,ca-certificates
 if [ -n "${BASE_IMAGE:-}" ]; then
   image_exists "$BASE_IMAGE" || die "BASE_IMAGE=$BASE_IMAGE is not a local image"
   BASE="$BASE_IMAGE"
 else
-  image_exists "$LOCAL_BASE" || make_base
+  image_exists "$LOCAL_BASE" || make_base "$LOCAL_BASE" "$OUT/debian-$SUITE-rootfs.tar" "$BASE_INCLUDES"
   BASE="$LOCAL_BASE"
 fi
+# vLLM for CPU also needs libnuma (its CPU kernels link it): a base of its own, so the other images
+# keep theirs. With BASE_IMAGE, VLLM_CPU_BASE_IMAGE names one that has libnuma.so.1.
+vllm_cpu_base() {
+  if [ -n "${VLLM_CPU_BASE_IMAGE:-}" ]; then
+    image_exists "$VLLM_CPU_BASE_IMAGE" || die "VLLM_CPU_BASE_IMAGE=$VLLM_CPU_BASE_IMAGE is not a local image"
+    echo "$VLLM_CPU_BASE_IMAGE"
+    return
+  fi
+  local tag="localhost/kvfence/debian-base-vllm-cpu:$SUITE"
+  image_exists "$tag" || make_base "$tag" "$OUT/debian-$SUITE-vllm-cpu-rootfs.tar" "$BASE_INCLUDES,libnuma1"
+  echo "$tag"
+}
 
 # --- 2. wheels -------------------------------------------------------------------------------------
 CTX="$OUT/context"
@@ -113,12 +132,12 @@ fi
 ls "$CTX"/wheels/kvfence-*.whl >/dev/null
 
 # --- 3. images -------------------------------------------------------------------------------------
-build() {
+build() {  # NAME DOCKERFILE [BUILD ARGS...]; the context is $BUILD_CTX (default $CTX)
   local name="$1" dockerfile="$2"; shift 2
   local tag="localhost/kvfence/$name:$VERSION"
   log "build $tag from $dockerfile"
   tool build --network none "${PULL_NEVER[@]}" -f "$ROOT/engine-image/$dockerfile" -t "$tag" \
-    -t "docker.io/kvfence/$name:$VERSION" "$@" "$CTX"
+    -t "docker.io/kvfence/$name:$VERSION" "$@" "${BUILD_CTX:-$CTX}"
 }
 
 smoke() {  # the image's entry point runs as 65532 on a read-only root filesystem with a /tmp mount
@@ -214,12 +233,41 @@ for image in "${IMAGES[@]}"; do
         --config /etc/kvfence/config/engine.json
       save engine-reference
       ;;
+    vllm-cpu)
+      # shellcheck source=vllm.env
+      . "$ROOT/engine-image/vllm.env"
+      wheelhouse="$(PYTHON="$PYTHON" "$ROOT/engine-image/vllm-wheelhouse.sh")"
+      vctx="$OUT/vllm-cpu-context"
+      rm -rf "$vctx"
+      mkdir -p "$vctx/wheels"
+      # Hard links where the cache is on the same filesystem (3 GB not copied), else a copy.
+      cp -al "$wheelhouse" "$vctx/vllm-wheels" 2>/dev/null || cp -a "$wheelhouse" "$vctx/vllm-wheels"
+      cp "$CTX"/wheels/kvfence-*.whl "$vctx/wheels/"
+      cp "$ROOT/tests/vllm/tinymodel.py" "$vctx/"
+      vbase="$(vllm_cpu_base)"
+      BUILD_CTX="$vctx" build engine-vllm-cpu Dockerfile.vllm-cpu --build-arg "BASE_IMAGE=$vbase" \
+        --build-arg "VLLM_VERSION=$VLLM_VERSION" --build-arg "VLLM_TORCH_VERSION=$VLLM_TORCH_VERSION"
+      rm -rf "$vctx"
+      smoke engine-vllm-cpu --help
+      # vLLM's CLI, the kvfence plugin and the built-in model, on a read-only root filesystem.
+      tool run --rm --network none --read-only --tmpfs /tmp --entrypoint python3 \
+        -e VLLM_TARGET_DEVICE=cpu "localhost/kvfence/engine-vllm-cpu:$VERSION" -c "
+import importlib.metadata as m, json, kvfence.vllm.middleware, kvfence.vllm.scheduler, vllm.entrypoints.cli.main
+from transformers import AutoTokenizer
+assert m.version('vllm') == '$VLLM_VERSION+cpu', m.version('vllm')
+assert json.load(open('/opt/kvfence/models/tiny/config.json'))['model_type'] == 'llama'
+assert len(AutoTokenizer.from_pretrained('/opt/kvfence/models/tiny')('hello kvfence')['input_ids']) > 0
+from safetensors import safe_open
+assert len(list(safe_open('/opt/kvfence/models/tiny/model.safetensors', 'pt').keys())) > 0
+" || die "kvfence/engine-vllm-cpu: vLLM, the kvfence plugin or the model is missing"
+      save engine-vllm-cpu
+      ;;
     vllm)
       image_exists "$VLLM_IMAGE" || die "the vLLM base $VLLM_IMAGE is not a local image: pull it where a registry is reachable (pin it by digest), or set VLLM_IMAGE"
       build engine-vllm Dockerfile.vllm --build-arg "VLLM_IMAGE=$VLLM_IMAGE"
       save engine-vllm
       ;;
-    *) die "unknown image $image (control-plane, reference, vllm)" ;;
+    *) die "unknown image $image (control-plane, reference, vllm-cpu, vllm)" ;;
   esac
 done
 # Intermediate build stages are of no further use.

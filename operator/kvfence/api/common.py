@@ -8,6 +8,7 @@ the rules that span fields.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
@@ -31,6 +32,29 @@ Quantity = Annotated[
         }
     ),
 ]
+
+#: A whole number of bytes as a Kubernetes quantity without sign, fraction or exponent (``1Gi``,
+#: ``512Mi``, ``2G``, ``1073741824``): a memory size the operator hands a runtime as exact bytes.
+BYTE_QUANTITY_PATTERN = r"^[1-9][0-9]*(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+_BYTE_SUFFIXES = {
+    "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+}  # fmt: skip
+
+
+#: Written as a string (``"1Gi"``), which the CRD's pattern checks like the operator does.
+ByteQuantity = Annotated[str, Field(pattern=BYTE_QUANTITY_PATTERN, max_length=32)]
+
+
+def quantity_bytes(q: str) -> int:
+    """The bytes of a :data:`ByteQuantity` (``"1Gi"`` -> 1073741824)."""
+    m = re.match(BYTE_QUANTITY_PATTERN, q)
+    if not m:
+        raise ValueError(f"{q!r} is not a quantity of bytes")
+    suffix = m.group(1) or ""
+    return int(q[: len(q) - len(suffix)]) * _BYTE_SUFFIXES[suffix]
+
 
 #: A free-form Kubernetes object (core/v1 types we pass through verbatim: Affinity, Toleration).
 FreeForm = Annotated[

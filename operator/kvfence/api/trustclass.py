@@ -10,6 +10,7 @@ from kvfence.api.common import (
     DNS_LABEL,
     QUOTA_FIELDS,
     RESOURCE_NAME,
+    ByteQuantity,
     Condition,
     FreeForm,
     KubeModel,
@@ -29,6 +30,7 @@ NAMESPACE_PREFIX = "kvf-"
 MAX_NAME_LENGTH = 63 - len(NAMESPACE_PREFIX)
 
 Runtime = Literal["vllm", "reference"]
+Device = Literal["GPU", "CPU"]
 HashAlgorithm = Literal["sha256", "blake2b"]
 
 #: The reference engine's KV pool when ``engine.numBlocks`` is unset.
@@ -47,6 +49,22 @@ GPU_MEMORY_UTILIZATION_ON_REFERENCE = (
     "engine.gpuMemoryUtilization applies to the vllm runtime only: the reference engine runs on CPU "
     "and sizes its KV pool from engine.numBlocks"
 )
+GPU_DEVICE_ON_REFERENCE = (
+    "engine.device GPU applies to the vllm runtime only: the reference engine runs on CPU"
+)
+KV_CACHE_MEMORY_ON_REFERENCE = (
+    "engine.kvCacheMemory applies to the vllm runtime only: the reference engine sizes its KV pool from "
+    "engine.numBlocks"
+)
+KV_CACHE_MEMORY_REQUIRED_ON_CPU = (
+    "engine.kvCacheMemory is required with engine.device CPU: without it vLLM's CPU backend reserves "
+    "a fraction of the whole node's memory (gpuMemoryUtilization, 0.9 by default), not of the pod's"
+)
+KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION = (
+    "set engine.kvCacheMemory or engine.gpuMemoryUtilization, not both: vLLM sizes its KV cache from "
+    "kvCacheMemory and then ignores gpuMemoryUtilization"
+)
+GPU_COUNT_ON_CPU = "engine.device CPU requests no GPU: resources.gpu.count must be 0"
 
 #: Flags ``engine.extraArgs`` may not carry: each one chooses something tenant isolation relies on
 #: (prefix-cache hashing and on/off, KV transfer and KV events, the kvfence middleware and scheduler,
@@ -185,6 +203,31 @@ class EngineSpec(KubeModel):
                     "fieldPath": ".gpuMemoryUtilization",
                     "reason": "FieldValueForbidden",
                 },
+                {
+                    "rule": "self.runtime != 'reference' || !has(self.device) || self.device == 'CPU'",
+                    "message": GPU_DEVICE_ON_REFERENCE,
+                    "fieldPath": ".device",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.runtime != 'reference' || !has(self.kvCacheMemory)",
+                    "message": KV_CACHE_MEMORY_ON_REFERENCE,
+                    "fieldPath": ".kvCacheMemory",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.runtime != 'vllm' || !has(self.device) || self.device != 'CPU' "
+                    "|| has(self.kvCacheMemory)",
+                    "message": KV_CACHE_MEMORY_REQUIRED_ON_CPU,
+                    "fieldPath": ".kvCacheMemory",
+                    "reason": "FieldValueRequired",
+                },
+                {
+                    "rule": "!has(self.kvCacheMemory) || !has(self.gpuMemoryUtilization)",
+                    "message": KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION,
+                    "fieldPath": ".kvCacheMemory",
+                    "reason": "FieldValueForbidden",
+                },
             ]
         }
     )
@@ -196,6 +239,12 @@ class EngineSpec(KubeModel):
     image: str = Field(min_length=1, max_length=1024, description="Container image of the engine.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", alias="imagePullPolicy", description="Image pull policy of the engine container."
+    )
+    device: Device | None = Field(
+        None,
+        description="Where vllm runs: GPU (unset means GPU) or CPU, vLLM's CPU backend in an image built "
+        "for it (engine-image/Dockerfile.vllm-cpu); CPU needs resources.gpu.count 0 and kvCacheMemory. "
+        "The reference runtime runs on CPU only (unset or CPU).",
     )
     model: ModelSpec = Field(description="The base model.")
     adapters: list[AdapterSpec] = Field(
@@ -227,6 +276,13 @@ class EngineSpec(KubeModel):
         description="Fraction of GPU memory vLLM may use (weights, activations and the KV pool, which "
         "vLLM sizes from it). vllm only; unset: vLLM's own default. Refused on the reference runtime, "
         "which runs on CPU (its pool is numBlocks).",
+    )
+    kv_cache_memory: ByteQuantity | None = Field(
+        None,
+        alias="kvCacheMemory",
+        description="Memory of vLLM's KV cache per replica (vLLM's --kv-cache-memory-bytes), a whole "
+        "number of bytes such as 1Gi. vllm only; required with device CPU; on GPU it replaces "
+        "gpuMemoryUtilization (set one of them). Refused on the reference runtime (its pool is numBlocks).",
     )
     block_size: int | None = Field(
         None,
@@ -281,7 +337,20 @@ class EngineSpec(KubeModel):
             raise ValueError(NUM_BLOCKS_ON_VLLM)
         if self.runtime == "reference" and self.gpu_memory_utilization is not None:
             raise ValueError(GPU_MEMORY_UTILIZATION_ON_REFERENCE)
+        if self.runtime == "reference" and self.device == "GPU":
+            raise ValueError(GPU_DEVICE_ON_REFERENCE)
+        if self.runtime == "reference" and self.kv_cache_memory is not None:
+            raise ValueError(KV_CACHE_MEMORY_ON_REFERENCE)
+        if self.on_vllm_cpu and self.kv_cache_memory is None:
+            raise ValueError(KV_CACHE_MEMORY_REQUIRED_ON_CPU)
+        if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
+            raise ValueError(KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION)
         return self
+
+    @property
+    def on_vllm_cpu(self) -> bool:
+        """vLLM on its CPU backend (``device: CPU``)."""
+        return self.runtime == "vllm" and self.device == "CPU"
 
     @property
     def kv_block_budget(self) -> int:
@@ -525,8 +594,17 @@ class TrustClassSpec(KubeModel):
                     "reason": "FieldValueInvalid",
                 },
                 {
-                    "rule": "self.engine.runtime != 'vllm' || self.resources.gpu.count >= 1",
-                    "message": "the vllm runtime needs at least one GPU (resources.gpu.count)",
+                    "rule": "self.engine.runtime != 'vllm' || self.resources.gpu.count >= 1 "
+                    "|| (has(self.engine.device) && self.engine.device == 'CPU')",
+                    "message": "the vllm runtime needs at least one GPU (resources.gpu.count), unless "
+                    "engine.device is CPU",
+                    "fieldPath": ".resources.gpu.count",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "!has(self.engine.device) || self.engine.device != 'CPU' "
+                    "|| self.resources.gpu.count == 0",
+                    "message": GPU_COUNT_ON_CPU,
                     "fieldPath": ".resources.gpu.count",
                     "reason": "FieldValueInvalid",
                 },
@@ -583,6 +661,13 @@ class TrustClassSpec(KubeModel):
         alias="namespaceSelector",
         description="Namespaces whose TenantBindings may bind to this class. Unset: none; {}: all.",
     )
+
+    @model_validator(mode="after")
+    def _device_resources(self) -> TrustClassSpec:
+        """The CRD's rule on a CPU engine's GPUs, for what the operator reads."""
+        if self.engine.device == "CPU" and self.resources.gpu.count > 0:
+            raise ValueError(GPU_COUNT_ON_CPU)
+        return self
 
 
 class TrustClassStatus(KubeModel):

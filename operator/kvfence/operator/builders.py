@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.api.common import API_VERSION, TenantQuotas
+from kvfence.api.common import API_VERSION, TenantQuotas, quantity_bytes
 from kvfence.api.trustclass import TrustClass, extra_args_refusal
 from kvfence.contract import key_id
 from kvfence.engine.config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS, EngineConfig
@@ -61,6 +61,9 @@ VLLM_SCHEDULER = "kvfence.vllm.scheduler.FencedScheduler"
 #: (in the API-server process) reads them for /metrics: a file in the pod's /tmp emptyDir.
 VLLM_STATS_FILE_ENV = "KVFENCE_VLLM_STATS_FILE"
 VLLM_STATS_FILE = f"{TMP_DIR}/kvfence-vllm-stats.json"
+#: The environment of vLLM on its CPU backend (``engine.device: CPU``): the device, and OpenMP threads
+#: left where the kubelet puts the container (vLLM's own core binding assumes it owns the node's cores).
+VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 @dataclass(frozen=True)
@@ -266,8 +269,9 @@ def vllm_args(tc: TrustClass) -> list[str]:
     """Arguments of ``vllm serve`` (the image's entrypoint) for this class.
 
     The model comes first, as vLLM's positional argument (vLLM 0.32 warns that ``--model`` will be
-    removed). ``--block-size`` only when the class sets one: otherwise vLLM keeps its attention
-    backend's choice (its CPU backend refuses 16, for one); ``--gpu-memory-utilization`` likewise
+    removed). ``--kv-cache-memory-bytes`` when the class sizes the KV cache (``kvCacheMemory``, which
+    vLLM's CPU backend needs). ``--block-size`` only when the class sets one: otherwise vLLM keeps its
+    attention backend's choice (its CPU backend refuses 16, for one); ``--gpu-memory-utilization`` likewise
     (unset: vLLM's own default). The kvfence scheduler (per-tenant KV quotas, verified prefix hits,
     tenant-partitioned eviction) is always on: quotas apply with or without prefix caching.
     """
@@ -283,6 +287,8 @@ def vllm_args(tc: TrustClass) -> list[str]:
     if eng.gpu_memory_utilization is not None:
         # Where it always was: a class stored with it set keeps byte-identical pods.
         args += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+    if eng.kv_cache_memory is not None:
+        args += ["--kv-cache-memory-bytes", str(quantity_bytes(eng.kv_cache_memory))]
     args += ["--dtype", eng.dtype]
     if eng.block_size is not None:
         args += ["--block-size", str(eng.block_size)]
@@ -455,6 +461,8 @@ def deployment(
             {"name": "HF_HOME", "value": "/cache/huggingface"},
             {"name": VLLM_STATS_FILE_ENV, "value": VLLM_STATS_FILE},
         ]
+        if eng.on_vllm_cpu:
+            container["env"] += [{"name": k, "value": v} for k, v in VLLM_CPU_ENV.items()]
         container["volumeMounts"] += [
             {"name": "cache", "mountPath": "/cache"},
             {"name": "dshm", "mountPath": SHM_DIR},
