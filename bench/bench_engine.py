@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "engine-image")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("engine-image", "tests")]
+
+from engine.oracle import check_consistency  # noqa: E402
 
 from kvfence.contract import CacheScope, cache_namespace  # noqa: E402
+from kvfence.contract.engine_config import QuotasConfig  # noqa: E402
 from kvfence.engine.allocator import AllocationError, FencedAllocator  # noqa: E402
-from kvfence.engine.config import QuotasConfig  # noqa: E402
 from kvfence.engine.metrics import EngineMetrics  # noqa: E402
 from kvfence.engine.prefix_cache import CacheContext, PrefixCache  # noqa: E402
 from kvfence.engine.shared_prefixes import Pinned, shared_namespace  # noqa: E402
@@ -94,7 +96,7 @@ def bench_allocator(n: int) -> None:
                         a.writer_done(h, r)
 
         dt = best_of(run, 3)
-        a.check_consistency()
+        check_consistency(a)
         label = f"{blocks}-block sequences, tp={tp}" + (", prefix cache (lookup+commit)" if cache else "")
         rows.append([label, f"{n / dt:,.0f}", f"{n * blocks / dt:,.0f}", f"{dt / n * 1e6:.1f}"])
     table(

@@ -468,10 +468,10 @@ def _script(name: str) -> str:
 def local_stack(workdir: Path) -> Iterator[Router]:
     """Reference engines and the router as processes, configured from examples/ by the operator's own
     pure functions (engine config builder, binding decisions, routing table)."""
-    from kvfence.api.routing import hash_api_key
     from kvfence.api.tenantbinding import TenantBinding
     from kvfence.api.trustclass import TrustClass
     from kvfence.contract import new_signing_key
+    from kvfence.contract.routing import hash_api_key
     from kvfence.operator import builders, routes
     from kvfence.operator.builders import OperatorOptions
 

@@ -12,9 +12,9 @@ import yaml
 from chart.chartsupport import ROOT
 from cluster.localcluster import LocalCluster
 
-from kvfence.api.routing import hash_api_key
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
+from kvfence.contract.routing import hash_api_key
 from kvfence.operator import builders, routes
 from kvfence.operator.builders import OperatorOptions
 

@@ -19,7 +19,7 @@ from chart.chartsupport import CHART, helm
 from cluster.localcluster import LocalCluster
 from support.waiting import wait_until
 
-from kvfence.api.routing import ROUTING_SECRET_NAME
+from kvfence.contract.routing import ROUTING_SECRET_NAME
 from kvfence.operator.builders import SIGNING_SECRET_NAME
 
 pytestmark = pytest.mark.cluster

@@ -28,7 +28,7 @@ from chart.chartsupport import (
 
 from kvfence import contract
 from kvfence.api import crdgen
-from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
+from kvfence.contract.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
 from kvfence.operator import builders, rbac
 from kvfence.router import source
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvfence.api.routing import hash_api_key
+from kvfence.contract.routing import hash_api_key
 from kvfence.operator import rbac
 
 API_VERSION = "kvfence.dev/v1alpha1"

@@ -18,7 +18,7 @@ import numpy as np
 from support.process import ManagedProcess
 
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
-from kvfence.engine.config import EngineConfig
+from kvfence.contract.engine_config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.engine.model import ByteTokenizer
 

@@ -7,10 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from engine.oracle import check_consistency
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
+from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.allocator import (
     AllocationError,
     FencedAllocator,
@@ -19,7 +21,6 @@ from kvfence.engine.allocator import (
     StaleReference,
 )
 from kvfence.engine.blocks import BlockHandle, BlockList, BlockState, KVBlock
-from kvfence.engine.config import QuotasConfig
 from kvfence.engine.metrics import EngineMetrics
 from kvfence.engine.prefix_cache import CacheContext, PrefixCache
 
@@ -75,10 +76,10 @@ def test_block_list_is_intrusive_and_o1() -> None:
 def test_allocation_is_all_or_nothing() -> None:
     a = make(num_blocks=8)
     a.allocate_sequence("s1", "t", 6 * BS)
-    before = a.check_consistency()
+    before = check_consistency(a)
     with pytest.raises(PoolExhausted, match="needs 3 blocks"):
         a.allocate_sequence("s2", "t", 3 * BS)
-    assert a.check_consistency() == before
+    assert check_consistency(a) == before
     assert not a.is_open("s2")
 
 
@@ -89,7 +90,7 @@ def test_quota_hard_maximum_is_refused_with_a_clear_error_and_counted() -> None:
         a.allocate_sequence("s2", "small", 2 * BS)
     assert a.metrics.value("kvfence_engine_quota_rejected_total", {"tenant": "small"}) == 1
     a.allocate_sequence("s3", "other", 10 * BS)  # other tenants are not limited by it
-    acc = a.check_consistency()
+    acc = check_consistency(a)
     assert acc.usage == {"small": 2, "other": 10}
 
 
@@ -97,10 +98,10 @@ def test_tenant_at_its_maximum_evicts_its_own_cold_blocks_first() -> None:
     a = make(quotas={"tenants": {"t": {"maxBlocks": 4}}})
     p1 = toks(*range(1, 12))  # 2 full blocks (cached) and a partial one
     run_seq(a, "s1", "t", p1)
-    acc = a.check_consistency()
+    acc = check_consistency(a)
     assert acc.usage["t"] == 2 and acc.cold == 2  # the partial block went back to the free list
     a.allocate_sequence("s2", "t", 4 * BS)  # needs its whole quota: must evict its own cold blocks
-    acc = a.check_consistency()
+    acc = check_consistency(a)
     assert acc.cold == 0 and acc.usage["t"] == 4
     assert a.metrics.value("kvfence_engine_kv_evictions_total", {"kind": "own"}) == 2
 
@@ -112,25 +113,25 @@ def test_guaranteed_share_is_reserved_and_protected_from_other_tenants() -> None
         a.allocate_sequence("x1", "noisy", 7 * BS)
     a.allocate_sequence("x1", "noisy", 6 * BS)
     a.allocate_sequence("g1", "g", 4 * BS)  # the reservation is still there
-    a.check_consistency()
+    check_consistency(a)
     a.release("x1")
     a.release("g1")
     # Now "g" caches 3 full blocks (within its guarantee): "noisy" may not evict them.
     run_seq(a, "g2", "g", toks(*range(1, 14)))
-    acc = a.check_consistency()
+    acc = check_consistency(a)
     assert acc.usage == {"g": 3}
     with pytest.raises(PoolExhausted):
         a.allocate_sequence("x2", "noisy", 8 * BS)
     a.allocate_sequence("x2", "noisy", 6 * BS)  # 7 free minus g's 1 unused reserved block
-    assert a.check_consistency().usage["g"] == 3
+    assert check_consistency(a).usage["g"] == 3
 
 
 def test_cross_tenant_reclaim_only_beyond_the_guarantee() -> None:
     a = make(num_blocks=8, quotas={"tenants": {"g": {"guaranteedBlocks": 2}}})
     run_seq(a, "g1", "g", toks(*range(1, 22)))  # 5 full cached blocks, 1 partial freed
-    assert a.check_consistency().usage == {"g": 5}
+    assert check_consistency(a).usage == {"g": 5}
     a.allocate_sequence("n1", "noisy", 6 * BS)  # 3 free + 3 of g's 5 cold (5 - guaranteed 2)
-    acc = a.check_consistency()
+    acc = check_consistency(a)
     assert acc.usage == {"g": 2, "noisy": 6}
     assert a.metrics.value("kvfence_engine_kv_evictions_total", {"kind": "cross"}) == 3
     with pytest.raises(PoolExhausted):
@@ -159,7 +160,7 @@ def test_fence_holds_a_block_until_every_writer_signalled() -> None:
     assert got.handles[0].generation == h.generation + 1
     with pytest.raises(ValueError, match="out of range"):
         a.writer_done(fenced[1], 3)
-    a.check_consistency()
+    check_consistency(a)
 
 
 def test_stale_handles_are_refused_and_counted() -> None:
@@ -192,7 +193,7 @@ def test_prefix_hits_share_blocks_only_inside_a_namespace() -> None:
     assert not set(got.table.tolist()) & set(b.table.tolist())
     assert all(a.owner_of(i) == "b" for i in b.table.tolist())
     assert a.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 0
-    a.check_consistency()
+    check_consistency(a)
 
 
 def test_a_prompt_is_never_entirely_served_from_cache() -> None:
@@ -237,13 +238,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         prompt = np.array(prefix + tuple(tail), dtype=np.int32)
         sid = f"s{self.n}"
         self.n += 1
-        before = self.a.check_consistency()
+        before = check_consistency(self.a)
         gens = [b.generation for b in self.a.pool.blocks]
         try:
             got = self.a.allocate_sequence(sid, tenant, len(prompt) + extra, ctx=ctx(tenant), prompt=prompt)
         except AllocationError as e:
             event(f"open refused: {type(e).__name__}")
-            assert self.a.check_consistency() == before  # all or nothing
+            assert check_consistency(self.a) == before  # all or nothing
             assert [b.generation for b in self.a.pool.blocks] == gens
             return
         event(f"open: prefix hit {got.num_cached_tokens > 0}")
@@ -293,11 +294,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     def grow(self, data: st.DataObject, more: int) -> None:
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         n = len(self.a.handles(sid)) * BS + more
-        before = self.a.check_consistency()
+        before = check_consistency(self.a)
         try:
             self.a.grow(sid, n)
         except AllocationError:
-            assert self.a.check_consistency() == before
+            assert check_consistency(self.a) == before
 
     @rule()
     def stale_use_is_refused(self) -> None:
@@ -310,7 +311,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        acc = self.a.check_consistency()  # ref counts, lists, usage, quotas, accounting
+        acc = check_consistency(self.a)  # ref counts, lists, usage, quotas, accounting
         for t, used in acc.usage.items():
             assert used <= self.a.book.accounts[t].max_blocks
 
@@ -335,7 +336,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for h, ranks in self.pending.items():
             for r in sorted(ranks):
                 self.a.writer_done(h, r)
-        acc = self.a.check_consistency()
+        acc = check_consistency(self.a)
         assert acc.active == 0 and acc.fenced == 0  # every freed block came back
         assert acc.free + acc.cold == acc.num_blocks
 

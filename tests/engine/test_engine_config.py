@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvfence.contract import CacheScope
-from kvfence.engine.config import ConfigError, EngineConfig, load_config, load_signing_keys
+from kvfence.contract.engine_config import ConfigError, EngineConfig, load_config, load_signing_keys
 
 MINIMAL = {
     "trustClass": "gold",

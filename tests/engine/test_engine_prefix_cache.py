@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from engine.oracle import check_consistency
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,7 +104,7 @@ def test_forced_collisions_are_caught_by_exact_verification_and_counted() -> Non
     assert a.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 0
     # The genuine prefix still hits.
     assert a.cached_prefix_tokens(c, p1) == 8
-    a.check_consistency()
+    check_consistency(a)
 
 
 @settings(max_examples=60, deadline=None)
@@ -121,7 +122,7 @@ def test_with_a_weak_hash_every_hit_is_still_an_exact_prefix(prompts: list[list[
             # a hit of n tokens must be a prefix some earlier prompt really had
             assert any(len(s) >= got and np.array_equal(s[:got], prompt[:got]) for s in stored)
         stored.append(prompt)
-    a.check_consistency()
+    check_consistency(a)
 
 
 def test_an_entry_of_another_namespace_is_refused_and_counted() -> None:
@@ -136,7 +137,7 @@ def test_an_entry_of_another_namespace_is_refused_and_counted() -> None:
     a.commit("b1", system, len(system))  # b's blocks cannot take a's keys
     a.release("b1")
     assert a.cached_prefix_tokens(ctx("tenant/gold/a"), system) == 8
-    a.check_consistency()
+    check_consistency(a)
 
 
 def test_a_hit_requires_the_same_parent_block() -> None:
@@ -255,5 +256,5 @@ def test_fast_path_and_generic_path_find_the_same_prefixes(prompts: list[list[in
         assert cache_prompt(fast, f"s{i}", c, "a", prompt) == cache_prompt(slow, f"s{i}", c, "a", prompt)
     for p in prompts:
         assert fast.cached_prefix_tokens(c, arr(*p)) == slow.cached_prefix_tokens(c, arr(*p))
-    fast.check_consistency()
-    slow.check_consistency()
+    check_consistency(fast)
+    check_consistency(slow)

@@ -12,10 +12,11 @@ from typing import Any
 
 import yaml
 from engine.enginelib import TOKENIZER, Client, EngineProcess, Signer, config_dict
+from engine.oracle import check_consistency
 from support import prom
 
+from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.allocator import FencedAllocator
-from kvfence.engine.config import QuotasConfig
 from kvfence.engine.quotas import QuotaExceeded
 
 
@@ -46,7 +47,7 @@ def test_new_limits_apply_to_live_accounts_and_keep_their_blocks() -> None:
     a.set_quotas(quotas())
     for seq in ("s1", "s2"):
         a.free_sequence(seq)
-    a.check_consistency()
+    check_consistency(a)
 
 
 def test_engine_applies_rewritten_quotas_without_restart(

@@ -26,6 +26,7 @@ from engine.enginelib import (
     make_config,
     sse_events,
 )
+from engine.oracle import check_consistency
 from support import prom
 
 from kvfence.contract import (
@@ -36,7 +37,7 @@ from kvfence.contract import (
     Identity,
     sign,
 )
-from kvfence.engine.config import EngineConfig
+from kvfence.contract.engine_config import EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.engine.guard import Guard, KeySource
 from kvfence.engine.server import EngineServer
@@ -317,7 +318,7 @@ def test_isolation_holds_even_when_keys_ignore_the_namespace(key_dir: Path) -> N
                 assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # beta reached acme's entries through the colliding keys and was refused every time
         assert engine.metrics.value("kv_cache_tenant_cross_access_rejected_total") > 0
-        acc = engine.allocator.check_consistency()  # includes: no block in a table of another namespace
+        acc = check_consistency(engine.allocator)  # includes: no block in a table of another namespace
         assert acc.active == acc.fenced == 0
         pc = engine.prefix_cache
         assert pc is not None
@@ -357,7 +358,7 @@ def test_bad_requests_leave_the_allocator_consistent_in_process(key_dir: Path) -
         replies = client.run(mixed)
         statuses = sorted({r.status for r in replies})
         assert statuses == [200, 400, 401, 429]
-        acc = server.engine.allocator.check_consistency()
+        acc = check_consistency(server.engine.allocator)
         assert acc.active == 0 and acc.fenced == 0 and acc.sequences == 0
         assert acc.free + acc.cold == 64
         assert all(used <= 3 for t, used in acc.usage.items() if t == "small")
@@ -443,7 +444,7 @@ def test_a_client_that_hangs_up_frees_its_blocks(key_dir: Path) -> None:
         deadline = time.monotonic() + 60
         while alloc.num_active and time.monotonic() < deadline:
             time.sleep(0.05)
-        acc = alloc.check_consistency()
+        acc = check_consistency(alloc)
         assert acc.active == 0 and acc.sequences == 0
         assert server.metrics.value("kvfence_engine_generated_tokens_total") < 250  # it stopped early
     finally:

@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 from engine.enginelib import TOKENIZER, Oracle, make_config
+from engine.oracle import check_consistency
 from pydantic import ValidationError
 
-from kvfence.engine.config import EngineConfig
+from kvfence.contract.engine_config import EngineConfig
 from kvfence.engine.engine import Engine, Failed, Finished
 from kvfence.engine.quotas import SHARED_OWNER
 from kvfence.engine.shared_prefixes import render
@@ -68,7 +69,7 @@ def test_every_tenant_hits_the_declared_prefix_on_its_first_request_and_outputs_
     assert m.value("kvfence_engine_shared_prefix_hits_total") == 3 * n * BS
     assert m.value("kvfence_engine_shared_prefixes_pinned") == 3 * 2  # three prefixes x two models
     assert m.value("kvfence_engine_kv_blocks_pinned") == engine.shared.num_blocks
-    engine.allocator.check_consistency()
+    check_consistency(engine.allocator)
 
 
 def test_chat_form_is_shared_by_chat_requests_that_start_with_that_system_message() -> None:
@@ -106,7 +107,7 @@ def test_private_suffixes_are_never_shared_and_the_owner_keeps_its_own() -> None
         elif b.context is not None:
             assert b.owner != SHARED_OWNER and b.context.namespace.endswith("/" + str(b.owner))
     assert engine.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 0
-    a.check_consistency()
+    check_consistency(a)
 
 
 def test_a_prefix_with_one_token_changed_or_cut_short_shares_nothing() -> None:
@@ -137,7 +138,7 @@ def test_pinned_blocks_are_outside_quotas_and_eviction() -> None:
     assert engine.allocator.num_pinned == pinned
     _, cached = gen(engine, "gamma", SYSTEM + "Still there?")
     assert cached == n * BS
-    engine.allocator.check_consistency()
+    check_consistency(engine.allocator)
 
 
 def test_a_forced_collision_with_a_private_block_is_refused_and_counted() -> None:
@@ -155,7 +156,7 @@ def test_a_forced_collision_with_a_private_block_is_refused_and_counted() -> Non
         "kv_cache_hash_collision_total"
     )
     assert refused >= 1
-    engine.allocator.check_consistency()
+    check_consistency(engine.allocator)
 
 
 def test_changing_the_declared_list_repins_without_a_restart() -> None:
@@ -173,7 +174,7 @@ def test_changing_the_declared_list_repins_without_a_restart() -> None:
     assert cached == 0  # no longer declared: nothing shared
     _, cached = gen(engine, "acme", TOOLS + "search(rake)")
     assert cached == shared_blocks(TOOLS) * BS
-    engine.allocator.check_consistency()
+    check_consistency(engine.allocator)
 
 
 def test_validation_names_the_bad_entry_and_an_unpinnable_list_fails_the_engine() -> None:
@@ -208,4 +209,25 @@ def test_a_tenant_request_that_fails_keeps_pinned_blocks_intact() -> None:
     _, end = engine.generate("acme", prompt(SYSTEM + "x" * 100), 8)
     assert isinstance(end, Failed) and end.status == 429
     assert engine.allocator.num_pinned == pinned
-    engine.allocator.check_consistency()
+    check_consistency(engine.allocator)
+
+
+def test_the_oracle_accepts_pinned_blocks_in_a_running_tenants_table_and_nothing_else_shared() -> None:
+    engine = Engine(shared_config())
+    a = engine.allocator
+    p = prompt(SYSTEM + "What about hoses?")
+    pin = engine.shared.match("", p)
+    assert pin is not None
+    got = a.allocate_sequence(
+        "live",
+        "acme",
+        len(p) + 4,
+        ctx=engine.context(engine.expected_namespace("acme"), ""),
+        prompt=p,
+        shared=pin,
+    )
+    assert got.num_cached_tokens == pin.num_blocks * BS
+    acc = check_consistency(a)  # a running sequence holding pinned blocks of the shared namespace
+    assert acc.sequences == 1 + len(engine.shared)
+    a.release("live")
+    check_consistency(a)

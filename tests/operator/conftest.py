@@ -21,9 +21,9 @@ from support.ports import free_port
 from support.process import ManagedProcess
 from support.waiting import wait_until
 
-from kvfence.api.routing import decode_table_bytes
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
+from kvfence.contract.routing import decode_table_bytes
 from kvfence.operator import rbac
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvfence.api.common import TenantQuotas
 from kvfence.contract import key_id
-from kvfence.engine.config import EngineConfig
+from kvfence.contract.engine_config import EngineConfig
 from kvfence.operator import builders as B
 from kvfence.vllm.stats import ENV_STATS_FILE
 

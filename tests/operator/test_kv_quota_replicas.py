@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfence.api.common import TenantQuotas
-from kvfence.engine.config import EngineConfig
+from kvfence.contract.engine_config import EngineConfig
 from kvfence.operator import builders as B
 
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvfence.api import conditions as C
-from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable, hash_api_key
+from kvfence.contract.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable, hash_api_key
 from kvfence.operator import routes as R
 from kvfence.operator.builders import OperatorOptions
 
@@ -217,7 +217,7 @@ def test_routing_secret_round_trips(make_tc: Any, make_tb: Any) -> None:
 
 
 def _big_table(n: int) -> RoutingTable:
-    from kvfence.api.routing import TenantRoute
+    from kvfence.contract.routing import TenantRoute
 
     return RoutingTable(
         tenants={
@@ -232,7 +232,7 @@ def _big_table(n: int) -> RoutingTable:
 
 
 def test_a_large_table_is_stored_compressed_under_the_same_key() -> None:
-    from kvfence.api.routing import GZIP_MAGIC, MAX_STORED_BYTES, encode_table, parse_table_bytes
+    from kvfence.contract.routing import GZIP_MAGIC, MAX_STORED_BYTES, encode_table, parse_table_bytes
 
     small = _big_table(10)
     assert encode_table(small)[:1] == b"{" and parse_table_bytes(encode_table(small)) == small
@@ -248,7 +248,7 @@ def test_a_large_table_is_stored_compressed_under_the_same_key() -> None:
 def test_a_table_too_large_for_a_secret_is_refused() -> None:
     import pytest
 
-    from kvfence.api.routing import RoutingTableTooLarge, encode_table
+    from kvfence.contract.routing import RoutingTableTooLarge, encode_table
 
     with pytest.raises(RoutingTableTooLarge):
         encode_table(_big_table(40_000))

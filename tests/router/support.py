@@ -16,7 +16,7 @@ from support import prom
 from support.ports import free_port
 from support.process import ManagedProcess
 
-from kvfence.api.routing import hash_api_key
+from kvfence.contract.routing import hash_api_key
 
 HERE = Path(__file__).parent
 GOLD_KEY = bytes(range(32))

@@ -18,7 +18,7 @@ from cluster.localcluster import LocalCluster
 from router.support import Proc, auth, request, standard_table, start_router, write_table
 from support.waiting import wait_until
 
-from kvfence.api.routing import hash_api_key
+from kvfence.contract.routing import hash_api_key
 from kvfence.router.slices import SERVICE_NAME_LABEL, cluster_role
 
 pytestmark = pytest.mark.cluster

@@ -40,8 +40,8 @@ from router.support import (
 from support import prom
 from support.waiting import wait_until
 
-from kvfence.api.routing import hash_api_key
 from kvfence.contract import cache_namespace
+from kvfence.contract.routing import hash_api_key
 from kvfence.router.balance import Ring, hash64
 from kvfence.router.slices import ENGINE_PORT_NAME, ENGINE_SERVICE, SERVICE_NAME_LABEL, cluster_role
 

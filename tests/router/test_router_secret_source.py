@@ -17,7 +17,7 @@ from router.support import KEYS, Proc, auth, request, standard_table
 from support.ports import free_port
 from support.waiting import wait_until
 
-from kvfence.api.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
+from kvfence.contract.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME
 from kvfence.router.source import role
 
 pytestmark = pytest.mark.cluster

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, write_table
 from support.ports import free_port
 
-from kvfence.api.routing import Quotas, RoutingTable, encode_table, hash_api_key
 from kvfence.contract import (
     HEADER_SIGNATURE,
     HEADER_TENANT,
@@ -22,6 +21,7 @@ from kvfence.contract import (
     cache_namespace,
     derive_cache_salt,
 )
+from kvfence.contract.routing import Quotas, RoutingTable, encode_table, hash_api_key
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.endpoints import ClassEndpoints, Endpoint
 from kvfence.router.metrics import RouterMetrics
@@ -268,7 +268,7 @@ def test_metrics_render() -> None:
 
 
 def test_compile_is_pure_function_of_table() -> None:
-    from kvfence.api.routing import RoutingTable
+    from kvfence.contract.routing import RoutingTable
 
     raw = _table()
     a = compile_table(RoutingTable.model_validate_json(raw))
@@ -278,7 +278,7 @@ def test_compile_is_pure_function_of_table() -> None:
 
 def test_reads_the_table_as_the_operator_renders_it() -> None:
     """The operator writes ``table_json(RoutingTable)`` into the Secret; the router must read it."""
-    from kvfence.api.routing import RoutingTable
+    from kvfence.contract.routing import RoutingTable
     from kvfence.operator.routes import table_json
 
     model = RoutingTable.model_validate(standard_table("http://gold:8000", "http://silver:8000"))

@@ -19,7 +19,7 @@ import pytest
 from router.support import KEYS, Proc, auth, request, standard_table, start_router, write_table
 from support.waiting import wait_until
 
-from kvfence.api.routing import hash_api_key
+from kvfence.contract.routing import hash_api_key
 
 WORKERS = 2
 CONCURRENT = 3

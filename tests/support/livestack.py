@@ -25,8 +25,8 @@ from typing import Any
 
 from router.support import Proc, auth, request
 
-from kvfence.api.routing import ROUTING_SECRET_NAME
-from kvfence.engine.config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS
+from kvfence.contract.engine_config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS
+from kvfence.contract.routing import ROUTING_SECRET_NAME
 from kvfence.operator import builders as B
 from kvfence.router.slices import ENGINE_PORT_NAME, ENGINE_SERVICE, SERVICE_NAME_LABEL, cluster_role
 from kvfence.router.source import role

@@ -33,7 +33,6 @@ from support.ports import free_port
 from support.waiting import wait_until
 
 from kvfence.api.common import TenantQuotas
-from kvfence.api.routing import hash_api_key
 from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
     METRIC_HASH_COLLISION,
@@ -41,6 +40,7 @@ from kvfence.contract import (
     cache_namespace,
     derive_cache_salt,
 )
+from kvfence.contract.routing import hash_api_key
 
 from .vllmserve import VllmServer, start_vllm, tiny_model, trust_class
 

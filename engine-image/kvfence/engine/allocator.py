@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.blocks import BlockHandle, BlockPool, BlockState, KVBlock
-from kvfence.engine.config import QuotasConfig
 from kvfence.engine.eviction import EvictionPlan, plan_allocation, take_cold
 from kvfence.engine.metrics import EngineMetrics
 from kvfence.engine.prefix_cache import CacheContext, PrefixCache
@@ -44,7 +44,6 @@ from kvfence.engine.quotas import (
 from kvfence.engine.shared_prefixes import Pinned
 
 __all__ = [
-    "Accounting",
     "AllocationError",
     "FencedAllocator",
     "InconsistentPool",
@@ -62,7 +61,8 @@ class StaleReference(Exception):
 
 
 class InconsistentPool(AssertionError):
-    """:meth:`FencedAllocator.check_consistency` found a broken invariant."""
+    """A broken invariant of the pool (a bug, never input); the tests' consistency oracle
+    (tests/engine/oracle.py) raises it too."""
 
 
 @dataclass(slots=True, eq=False)
@@ -87,20 +87,6 @@ class SequenceAllocation:
     num_cached_tokens: int
     handles: tuple[BlockHandle, ...]
     table: npt.NDArray[np.int32]
-
-
-@dataclass(frozen=True, slots=True)
-class Accounting:
-    """Where every block is, as :meth:`FencedAllocator.check_consistency` counted it."""
-
-    num_blocks: int
-    free: int
-    active: int
-    fenced: int
-    cold: int
-    usage: dict[str, int] = field(default_factory=dict)
-    sequences: int = 0
-    cached_entries: int = 0
 
 
 class FencedAllocator:
@@ -548,101 +534,3 @@ class FencedAllocator:
             tb = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
             m = self.prefix_cache.lookup(ctx, tb, (len(prompt) - 1) // self.block_size)
             return len(m.blocks) * self.block_size
-
-    # --- accounting -------------------------------------------------------------------------------
-    def check_consistency(self) -> Accounting:
-        """Verify every invariant of the pool and return where every block is.
-
-        Raises :class:`InconsistentPool` naming the first broken invariant.
-        """
-
-        def fail(msg: str) -> None:
-            raise InconsistentPool(msg)
-
-        with self._lock:
-            counts = dict.fromkeys(BlockState, 0)
-            usage: dict[str, int] = {}
-            refs = [0] * self.num_blocks
-            for seq in self._seqs.values():
-                ids = [b.block_id for b in seq.blocks]
-                if len(set(ids)) != len(ids):
-                    fail(f"sequence {seq.seq_id!r} references a block twice")
-                if list(seq.table) != ids:
-                    fail(f"sequence {seq.seq_id!r} block table out of sync")
-                for b, h in zip(seq.blocks, seq.handles, strict=True):
-                    refs[b.block_id] += 1
-                    if b.generation != h.generation:
-                        fail(f"sequence {seq.seq_id!r} holds a stale handle for block {b.block_id}")
-                    if b.context is not None:
-                        if seq.ctx is None or b.context.namespace != seq.ctx.namespace:
-                            fail(
-                                f"block {b.block_id} of namespace {b.context.namespace!r} is in a table of "
-                                f"another namespace"
-                            )
-                    elif b.owner != seq.account.tenant:
-                        fail(
-                            f"private block {b.block_id} of {b.owner!r} in a table of {seq.account.tenant!r}"
-                        )
-            cache = self.prefix_cache
-            for b in self.pool.blocks:
-                counts[b.state] += 1
-                if b.ref_cnt != refs[b.block_id]:
-                    fail(f"block {b.block_id} ref count {b.ref_cnt}, referenced {refs[b.block_id]} times")
-                if b.state is BlockState.FREE:
-                    if b.in_list is not self.pool.free or b.owner is not None or b.block_hash is not None:
-                        fail(f"free block {b.block_id} is not clean")
-                    continue
-                if b.owner is None:
-                    fail(f"block {b.block_id} in state {b.state.name} has no owner")
-                    continue
-                usage[b.owner] = usage.get(b.owner, 0) + 1
-                if b.state is BlockState.ACTIVE:
-                    if b.ref_cnt < 1 or b.in_list is not None:
-                        fail(f"active block {b.block_id} unreferenced or listed")
-                elif b.state is BlockState.FENCED:
-                    if b.ref_cnt != 0 or b.pending_writers < 1 or b.in_list is not None:
-                        fail(f"fenced block {b.block_id} is inconsistent")
-                    if b.pending_writers + bin(b.signalled).count("1") != self.tensor_parallel_size:
-                        fail(f"fenced block {b.block_id} writer count is off")
-                else:
-                    acct = self.book.accounts.get(b.owner)
-                    if acct is None or b.in_list is not acct.cold or b.ref_cnt != 0:
-                        fail(f"cold block {b.block_id} is not in its owner's cold list")
-                    if b.block_hash is None or cache is None or cache.index.get(b.block_hash) is not b:
-                        fail(f"cold block {b.block_id} has no cache entry")
-            if counts[BlockState.FREE] != len(self.pool.free):
-                fail("free list length differs from the number of free blocks")
-            if counts[BlockState.ACTIVE] != self._num_active or counts[BlockState.FENCED] != self._num_fenced:
-                fail("active/fenced counters out of sync")
-            total_res = 0
-            for t, acct in self.book.accounts.items():
-                if acct.usage != usage.get(t, 0):
-                    fail(f"tenant {t!r} usage {acct.usage}, but owns {usage.get(t, 0)} blocks")
-                if acct.usage > acct.max_blocks:
-                    fail(f"tenant {t!r} holds {acct.usage} blocks, above its maximum {acct.max_blocks}")
-                if len(acct.cold) != sum(1 for _ in acct.cold):
-                    fail(f"tenant {t!r} cold list length is off")
-                total_res += acct.unused_reservation
-            for t in usage:
-                if t not in self.book.accounts:
-                    fail(f"blocks owned by unknown tenant {t!r}")
-            if total_res != self.book.total_unused_reservation:
-                fail("reservation total out of sync")
-            if cache is not None:
-                for key, b in cache.index.items():
-                    if b.block_hash != key or b.state is BlockState.FREE:
-                        fail(f"cache entry for block {b.block_id} is stale")
-                    if b.cache_handle != (b.block_id, b.generation):
-                        fail(f"cache entry for block {b.block_id} carries a handle of another generation")
-            if counts[BlockState.FREE] + sum(usage.values()) != self.num_blocks:
-                fail("blocks are unaccounted for")
-            return Accounting(
-                num_blocks=self.num_blocks,
-                free=counts[BlockState.FREE],
-                active=counts[BlockState.ACTIVE],
-                fenced=counts[BlockState.FENCED],
-                cold=counts[BlockState.COLD],
-                usage=usage,
-                sequences=len(self._seqs),
-                cached_entries=0 if cache is None else len(cache),
-            )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvfence.contract import cache_namespace
+from kvfence.contract.engine_config import EngineConfig, SharedPrefixConfig
 from kvfence.engine.allocator import (
     AllocationError,
     FencedAllocator,
@@ -32,7 +33,6 @@ from kvfence.engine.allocator import (
     QuotaExceeded,
     StaleReference,
 )
-from kvfence.engine.config import EngineConfig, SharedPrefixConfig
 from kvfence.engine.metrics import EngineMetrics
 from kvfence.engine.model import EOS, ByteTokenizer, Chunk, IntArray, ModelDims, TinyTransformer
 from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache

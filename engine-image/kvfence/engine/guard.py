@@ -42,8 +42,13 @@ from kvfence.contract import (
     Verifier,
     cache_namespace,
 )
+from kvfence.contract.engine_config import (
+    SIGNING_KEY_CURRENT,
+    SIGNING_KEY_PREVIOUS,
+    ConfigError,
+    load_signing_keys,
+)
 from kvfence.contract.errors import error_body, error_type
-from kvfence.engine.config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS, ConfigError, load_signing_keys
 
 log = logging.getLogger("kvfence.engine.guard")
 
@@ -136,7 +141,7 @@ class KeySource:
         return tuple(out)
 
     def load(self) -> list[bytes]:
-        """The keys, current first (:func:`kvfence.engine.config.load_signing_keys`)."""
+        """The keys, current first (:func:`kvfence.contract.engine_config.load_signing_keys`)."""
         try:
             return load_signing_keys(self.key_dir)
         except ConfigError as err:

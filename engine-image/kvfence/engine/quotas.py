@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfence.contract.engine_config import QuotasConfig, TenantQuota
 from kvfence.engine.blocks import BlockList
-from kvfence.engine.config import QuotasConfig, TenantQuota
 
 #: The owner of pinned shared-prefix blocks (tenant ids match ``[a-z0-9][-a-z0-9_.]*``: never this).
 SHARED_OWNER = "kvfence:shared"

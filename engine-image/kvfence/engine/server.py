@@ -34,8 +34,8 @@ from typing import Any
 from aiohttp import web
 
 from kvfence.contract import HEADER_SIGNATURE, Identity, Verified, derive_cache_salt
+from kvfence.contract.engine_config import ConfigError, EngineConfig, load_config, load_signing_keys
 from kvfence.contract.errors import error_body, error_type
-from kvfence.engine.config import ConfigError, EngineConfig, load_config, load_signing_keys
 from kvfence.engine.engine import (
     Admitted,
     Engine,

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfence.contract.engine_config import SharedPrefixConfig
 from kvfence.engine.blocks import BlockHandle, KVBlock
-from kvfence.engine.config import SharedPrefixConfig
 from kvfence.engine.model import ByteTokenizer, IntArray
 
 

@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.blocks import BlockPool, BlockState, KVBlock
-from kvfence.engine.config import QuotasConfig
 from kvfence.engine.eviction import plan_allocation, take_cold
 from kvfence.engine.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
 

@@ -61,8 +61,8 @@ from kvfence.contract import (
     XARG_TENANT_TAG,
     Verified,
 )
+from kvfence.contract.engine_config import ENV_ENGINE_CONFIG, ConfigError, load_config
 from kvfence.engine import guard
-from kvfence.engine.config import ConfigError, load_config
 from kvfence.engine.guard import KeySourceError, Refusal
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.stats import EdgeCounters, FenceCollector
@@ -77,7 +77,6 @@ log = logging.getLogger("kvfence.vllm")
 
 ENV_TRUST_CLASS = "KVFENCE_TRUST_CLASS"
 ENV_SIGNING_KEY_DIR = "KVFENCE_SIGNING_KEY_DIR"
-ENV_ENGINE_CONFIG = "KVFENCE_ENGINE_CONFIG"
 ENV_MAX_BODY_BYTES = "KVFENCE_MAX_BODY_BYTES"
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024

@@ -46,8 +46,15 @@ from typing import Any
 import vllm.v1.core.kv_cache_coordinator as _coord_mod
 import vllm.v1.core.sched.scheduler as _sched_mod
 from kvfence.contract import XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.contract.engine_config import (
+    ENV_ENGINE_CONFIG,
+    ConfigError,
+    EngineConfig,
+    QuotasConfig,
+    SharedPrefixConfig,
+    load_config,
+)
 from kvfence.engine.blocks import BlockState
-from kvfence.engine.config import ConfigError, EngineConfig, QuotasConfig, SharedPrefixConfig, load_config
 from kvfence.engine.quotas import SHARED_OWNER
 from kvfence.vllm.fence import (
     ACTIVE,
@@ -60,7 +67,7 @@ from kvfence.vllm.fence import (
     Verdict,
 )
 from kvfence.vllm.logs import ensure_handler
-from kvfence.vllm.middleware import ENV_ENGINE_CONFIG, KeySource
+from kvfence.vllm.middleware import KeySource
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name

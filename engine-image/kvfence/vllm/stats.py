@@ -39,10 +39,11 @@ from kvfence.contract import (
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
 )
+from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
 
 log = logging.getLogger("kvfence.vllm.stats")
 
-ENV_STATS_FILE = "KVFENCE_VLLM_STATS_FILE"
+ENV_STATS_FILE = ENV_VLLM_STATS_FILE
 WRITE_INTERVAL = 0.25  # seconds
 
 

@@ -19,7 +19,13 @@ from typing import Any
 from kvfence.api.common import API_VERSION, TenantQuotas, quantity_bytes
 from kvfence.api.trustclass import TrustClass, extra_args_refusal
 from kvfence.contract import key_id
-from kvfence.engine.config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS, EngineConfig
+from kvfence.contract.engine_config import (
+    ENV_ENGINE_CONFIG,
+    ENV_VLLM_STATS_FILE,
+    SIGNING_KEY_CURRENT,
+    SIGNING_KEY_PREVIOUS,
+    EngineConfig,
+)
 
 Obj = dict[str, Any]
 
@@ -59,7 +65,7 @@ VLLM_MIDDLEWARE = "kvfence.vllm.middleware.KvfenceMiddleware"
 VLLM_SCHEDULER = "kvfence.vllm.scheduler.FencedScheduler"
 #: Where the kvfence scheduler (in vLLM's engine-core process) writes its counters and the middleware
 #: (in the API-server process) reads them for /metrics: a file in the pod's /tmp emptyDir.
-VLLM_STATS_FILE_ENV = "KVFENCE_VLLM_STATS_FILE"
+VLLM_STATS_FILE_ENV = ENV_VLLM_STATS_FILE
 VLLM_STATS_FILE = f"{TMP_DIR}/kvfence-vllm-stats.json"
 #: The environment of vLLM on its CPU backend (``engine.device: CPU``): the device, and OpenMP threads
 #: left where the kubelet puts the container (vLLM's own core binding assumes it owns the node's cores).
@@ -193,7 +199,7 @@ def engine_config(
     tenant_quotas: dict[str, TenantQuotas] | None = None,
     shared_texts: Mapping[str, str] | None = None,
 ) -> Obj:
-    """The engine's config file (``kvfence.engine.config.EngineConfig``), validated by that model.
+    """The engine's config file (``kvfence.contract.engine_config.EngineConfig``), validated by that model.
 
     ``tenant_quotas`` are the *effective* quotas of the tenants bound to the class whose KV limits
     differ from the class defaults; ``shared_texts`` the texts of shared prefixes kept in ConfigMaps.
@@ -430,7 +436,7 @@ def deployment(
         "imagePullPolicy": eng.image_pull_policy,
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
         "env": [
-            {"name": "KVFENCE_ENGINE_CONFIG", "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+            {"name": ENV_ENGINE_CONFIG, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
             {"name": "HOME", "value": TMP_DIR},
         ],
         "readinessProbe": _probe("/health", eng.port, period=5, failures=3),

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from kvfence.api.common import GROUP
-from kvfence.api.routing import ROUTING_SECRET_NAME
+from kvfence.contract.routing import ROUTING_SECRET_NAME
 from kvfence.operator.builders import SIGNING_SECRET_NAME
 
 Obj = dict[str, Any]

@@ -20,10 +20,10 @@ from pydantic import ValidationError
 
 from kvfence.api import conditions as C
 from kvfence.api.common import API_VERSION, TenantQuotas
-from kvfence.api.routing import ROUTING_SECRET_NAME, hash_api_key
 from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
+from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
 from kvfence.operator import builders as B
 from kvfence.operator import routes as R
 from kvfence.operator.apply import Kube, KubeError, is_subset, now_rfc3339

@@ -15,7 +15,9 @@ from typing import Any
 
 from kvfence.api import conditions as C
 from kvfence.api.common import TenantQuotas
-from kvfence.api.routing import (
+from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
+from kvfence.api.trustclass import TrustClass
+from kvfence.contract.routing import (
     ROUTING_SECRET_KEY,
     ROUTING_SECRET_NAME,
     Quotas,
@@ -24,8 +26,6 @@ from kvfence.api.routing import (
     TrustClassRoute,
     encode_table,
 )
-from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
-from kvfence.api.trustclass import TrustClass
 from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorOptions, endpoint
 
 REASON_DUPLICATE_API_KEY = C.REASON_DUPLICATE_API_KEY

@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvfence.api.routing import Quotas
+from kvfence.contract.routing import Quotas
 from kvfence.router.quota_store import (
     CELLS,
     INFLIGHT,

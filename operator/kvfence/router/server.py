@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.api.routing import ROUTING_SECRET_KEY
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
+from kvfence.contract.routing import ROUTING_SECRET_KEY
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response

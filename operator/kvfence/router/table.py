@@ -1,6 +1,6 @@
 """Loading, validating, compiling and hot-reloading the routing table.
 
-The operator renders :class:`kvfence.api.routing.RoutingTable` as JSON into a Secret; the router reads
+The operator renders :class:`kvfence.contract.routing.RoutingTable` as JSON into a Secret; the router reads
 the mounted file. Validation (pydantic) happens here, once per load, never per request: the table is
 compiled into frozen, precomputed per-tenant plans (identity, cache salt, allowed models, the
 ``/v1/models`` answer) so the hot path is dict lookups.
@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from kvfence.api.routing import KEY_HASH_PREFIX, Quotas, RoutingTable, decode_table_bytes
 from kvfence.contract import CacheScope, Identity, cache_namespace, derive_cache_salt, key_id
+from kvfence.contract.routing import KEY_HASH_PREFIX, Quotas, RoutingTable, decode_table_bytes
 from kvfence.router.balance import hash64
 
 log = logging.getLogger("kvfence.router.table")

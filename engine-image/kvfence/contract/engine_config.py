@@ -31,6 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvfence.contract import SIGNING_KEY_BYTES, CacheScope
 
+#: The environment of an engine pod the operator renders (builders) and the vLLM plugin reads: the path
+#: of this file, and the file the plugin's scheduler writes its counters to for its middleware.
+ENV_ENGINE_CONFIG = "KVFENCE_ENGINE_CONFIG"
+ENV_VLLM_STATS_FILE = "KVFENCE_VLLM_STATS_FILE"
+
 #: File names inside ``signingKeyDir`` (keys of the Secret the operator mounts there).
 SIGNING_KEY_CURRENT = "current"
 SIGNING_KEY_PREVIOUS = "previous"

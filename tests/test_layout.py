@@ -1,0 +1,54 @@
+"""The two source roots are the two images: the control plane (operator/: API, operator, router) uses
+the engine side only through ``kvfence.contract``, and the engine image (engine-image/: contract,
+engines, vLLM plugin) needs nothing of the control plane."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kvfence_imports(root: Path) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        out[str(path.relative_to(ROOT))] = {n for n in names if n.startswith("kvfence")}
+    return out
+
+
+def test_the_control_plane_reaches_the_engine_side_only_through_the_contract() -> None:
+    found = kvfence_imports(ROOT / "operator" / "kvfence")
+    assert found, "no control-plane sources found"
+    wrong = {
+        f: sorted(m for m in mods if m.startswith(("kvfence.engine", "kvfence.vllm")))
+        for f, mods in found.items()
+    }
+    assert not {f: m for f, m in wrong.items() if m}
+    assert any(m.startswith("kvfence.contract") for mods in found.values() for m in mods)
+
+
+def test_the_engine_image_needs_nothing_of_the_control_plane() -> None:
+    found = kvfence_imports(ROOT / "engine-image" / "kvfence")
+    assert found, "no engine sources found"
+    wrong = {
+        f: sorted(m for m in mods if m.startswith(("kvfence.api", "kvfence.operator", "kvfence.router")))
+        for f, mods in found.items()
+    }
+    assert not {f: m for f, m in wrong.items() if m}
+
+
+def test_the_contract_is_self_contained() -> None:
+    found = kvfence_imports(ROOT / "engine-image" / "kvfence" / "contract")
+    assert {m for mods in found.values() for m in mods} <= {
+        "kvfence.contract",
+        "kvfence.contract.engine_config",
+        "kvfence.contract.errors",
+        "kvfence.contract.routing",
+    }
