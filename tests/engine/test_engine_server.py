@@ -407,7 +407,7 @@ def test_sigterm_drains_an_inflight_stream_and_exits_cleanly(start_engine: Start
 
 
 def test_cli_rejects_a_bad_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvfence.engine.server import main
+    from kvfence.engine.cli import main
 
     p = tmp_path / "bad.yaml"
     p.write_text("trustClass: gold\n")

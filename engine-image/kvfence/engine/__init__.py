@@ -2,10 +2,17 @@
 
 * the isolation core, pure Python: :mod:`~kvfence.engine.blocks`, :mod:`~kvfence.engine.quotas`,
   :mod:`~kvfence.engine.eviction`, :mod:`~kvfence.engine.prefix_cache`,
-  :mod:`~kvfence.engine.allocator`, :mod:`~kvfence.engine.metrics`;
-* the engine configuration the operator renders: :mod:`~kvfence.contract.engine_config`;
-* the CPU reference engine: :mod:`~kvfence.engine.model`, :mod:`~kvfence.engine.engine` and the
-  OpenAI-compatible server :mod:`~kvfence.engine.server` (``kvfence-engine``).
+  :mod:`~kvfence.engine.allocator`, :mod:`~kvfence.engine.shared_prefixes`,
+  :mod:`~kvfence.engine.metrics`;
+* the contract check every engine runs (the reference engine and the vLLM middleware):
+  :mod:`~kvfence.engine.guard`;
+* the CPU reference engine: :mod:`~kvfence.engine.model`, :mod:`~kvfence.engine.engine`, the
+  OpenAI-compatible server :mod:`~kvfence.engine.server` with its request/response shapes
+  (:mod:`~kvfence.engine.openai`) and config reloads (:mod:`~kvfence.engine.reload`), and the command
+  line :mod:`~kvfence.engine.cli` (``kvfence-engine``).
+
+The engine configuration the operator renders is part of the contract:
+:mod:`~kvfence.contract.engine_config`.
 
 See ``docs/engine.md``.
 """

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvfence.engine.server import main
+from kvfence.engine.cli import main
 
 sys.exit(main())

@@ -9,22 +9,17 @@ tenant, trust class and cache namespace come from the signed identity only; a bo
 equal the salt derived from that identity, and the namespace must be the one this engine's
 prefix-cache scope gives the tenant.
 
-Usage::
-
-    kvfence-engine --config /etc/kvfence/engine.yaml [--host H] [--port N]
-    python -m kvfence.engine --config engine.yaml
+The OpenAI request and response shapes are in :mod:`kvfence.engine.openai`, the config file's reloads
+in :mod:`kvfence.engine.reload`, the command line in :mod:`kvfence.engine.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -34,8 +29,9 @@ from typing import Any
 from aiohttp import web
 
 from kvfence.contract import HEADER_SIGNATURE, Identity, Verified, derive_cache_salt
-from kvfence.contract.engine_config import ConfigError, EngineConfig, load_config, load_signing_keys
+from kvfence.contract.engine_config import ConfigError, EngineConfig
 from kvfence.contract.errors import error_body, error_type
+from kvfence.engine import openai
 from kvfence.engine.engine import (
     Admitted,
     Engine,
@@ -48,28 +44,12 @@ from kvfence.engine.engine import (
 )
 from kvfence.engine.guard import Guard, KeySource, KeySourceError, Refusal, parse_body
 from kvfence.engine.model import ByteTokenizer
+from kvfence.engine.openai import ApiError
+from kvfence.engine.reload import ConfigReloader
 
 log = logging.getLogger("kvfence.engine.server")
 
 ENGINE_KEY: web.AppKey[EngineServer] = web.AppKey("kvfence_engine_server")
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error response."""
-
-    def __init__(
-        self, status: int, message: str, *, type_: str, code: str | None = None, param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.param = param
-
-    def response(self) -> web.Response:
-        body = error_body(self.message, self.code, self.type, self.param)
-        return web.Response(body=body, status=self.status, content_type="application/json")
 
 
 def _refused(r: Refusal) -> web.Response:
@@ -86,65 +66,6 @@ def _guard(config: EngineConfig) -> Guard:
         raise ConfigError(str(e)) from None
 
 
-class QuotaReloader:
-    """Applies the per-tenant KV quotas of a rewritten config file without a restart.
-
-    The operator changes ``quotas`` in the engine's ConfigMap when a tenant is bound or its quota
-    changes, and ``prefixCache.sharedPrefixes`` when the class's declared prefixes change, and
-    deliberately does not roll the pods for either; every other field change does roll them, so only
-    those two are taken from a new file (a change elsewhere is logged and otherwise ignored).
-    """
-
-    def __init__(self, path: str, server: EngineServer) -> None:
-        self._path = Path(path)
-        self._server = server
-        self._stamp = self._mtime()
-        self._file = load_config(path)  # as written, before any command-line override
-        self._checked = 0.0
-
-    def _mtime(self) -> float:
-        try:
-            return self._path.stat().st_mtime
-        except OSError:
-            return -1.0
-
-    def check(self) -> None:
-        now = time.monotonic()
-        if now - self._checked <= 1.0:
-            return
-        self._checked = now
-        stamp = self._mtime()
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
-        try:
-            new = load_config(str(self._path))
-        except ConfigError as e:
-            log.warning("config file changed but does not load; keeping the current quotas: %s", e)
-            return
-        old, self._file = self._file, new
-        reloadable = {
-            "quotas": old.quotas,
-            "prefix_cache": new.prefix_cache.model_copy(
-                update={"shared_prefixes": old.prefix_cache.shared_prefixes}
-            ),
-        }
-        if new.model_copy(update=reloadable) != old:
-            log.warning(
-                "config changed beyond quotas and sharedPrefixes: only those apply; restart for the rest"
-            )
-        if new.quotas != old.quotas:
-            self._server.engine.allocator.set_quotas(new.quotas)
-            self._server.config = self._server.config.model_copy(update={"quotas": new.quotas})
-            log.info("applied new tenant quotas (%d tenants listed)", len(new.quotas.tenants))
-        shared = new.prefix_cache.shared_prefixes
-        if shared != old.prefix_cache.shared_prefixes:
-            self._server.engine.set_shared_prefixes(shared)
-            pc = self._server.config.prefix_cache.model_copy(update={"shared_prefixes": shared})
-            self._server.config = self._server.config.model_copy(update={"prefix_cache": pc})
-            log.info("declared shared prefixes changed (%d listed): pinning them", len(shared))
-
-
 class EngineServer:
     def __init__(
         self, config: EngineConfig, engine: Engine | None = None, *, config_path: str | None = None
@@ -153,7 +74,7 @@ class EngineServer:
         self.engine = engine or Engine(config)
         self.metrics = self.engine.metrics
         self.guard = _guard(config)
-        self.quotas = QuotaReloader(config_path, self) if config_path else None
+        self.quotas = ConfigReloader(config_path, self) if config_path else None
         self.tokenizer = ByteTokenizer()
         self.created = int(time.time())
 
@@ -192,25 +113,6 @@ class EngineServer:
             )
         return model, adapter
 
-    @staticmethod
-    def int_field(data: dict[str, Any], name: str, default: int) -> int:
-        v = data.get(name, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ApiError(400, f"{name} must be an integer", type_="invalid_request_error", param=name)
-        return v
-
-    @staticmethod
-    def common_checks(data: dict[str, Any]) -> bool:
-        n = data.get("n", 1)
-        if n != 1:
-            raise ApiError(400, "only n=1 is supported", type_="invalid_request_error", param="n")
-        stream = data.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "stream must be a boolean", type_="invalid_request_error", param="stream")
-        return stream
-
     # --- handlers -----------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -225,16 +127,16 @@ class EngineServer:
         data = parse_body(body)
         self.guard.check_body(data, verified)
         model, adapter = self.resolve_model(data)
-        stream = self.common_checks(data)
-        include_usage = self._include_usage(data) if stream else False
-        max_tokens = self.int_field(
+        stream = openai.stream_flag(data)
+        include_usage = openai.include_usage(data) if stream else False
+        max_tokens = openai.int_field(
             data, "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens", 16
         )
         if chat:
-            text = self.tokenizer.chat_prompt(self._messages(data))
+            text = self.tokenizer.chat_prompt(openai.chat_messages(data))
             param = "messages"
         else:
-            text = self._prompt(data)
+            text = openai.prompt_text(data)
             param = "prompt"
         prompt = self.tokenizer.encode(text)
         try:
@@ -295,18 +197,9 @@ class EngineServer:
                 "created": int(time.time()),
                 "model": model,
                 "choices": [choice],
-                "usage": self._usage(ev),
+                "usage": openai.usage(ev),
             }
         )
-
-    @staticmethod
-    def _usage(ev: Finished) -> dict[str, Any]:
-        return {
-            "prompt_tokens": ev.prompt_tokens,
-            "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
-        }
 
     async def _stream(
         self,
@@ -357,65 +250,13 @@ class EngineServer:
                 await resp.write(chunk(tail if tail else (None if chat else ""), ev.reason))
                 if include_usage:  # OpenAI's stream_options.include_usage: a last chunk, no choices
                     u = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
-                    u["usage"] = self._usage(ev)
+                    u["usage"] = openai.usage(ev)
                     await resp.write(b"data: " + json.dumps(u, separators=(",", ":")).encode() + b"\n\n")
                 break
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.metrics.requests.labels(endpoint, "200").inc()
         return resp
-
-    @staticmethod
-    def _include_usage(data: dict[str, Any]) -> bool:
-        opts = data.get("stream_options")
-        if opts is None:
-            return False
-        if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
-            raise ApiError(
-                400, "stream_options must be an object", type_="invalid_request_error", param="stream_options"
-            )
-        return bool(opts.get("include_usage", False))
-
-    def _prompt(self, data: dict[str, Any]) -> str:
-        p = data.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if not isinstance(p, str):
-            raise ApiError(400, "prompt must be a string", type_="invalid_request_error", param="prompt")
-        return p
-
-    def _messages(self, data: dict[str, Any]) -> list[tuple[str, str]]:
-        msgs = data.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(
-                400, "messages must be a non-empty array", type_="invalid_request_error", param="messages"
-            )
-        out = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(
-                    400, f"messages[{i}] needs a role", type_="invalid_request_error", param="messages"
-                )
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                parts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
-                if len(parts) != len(content) or not all(isinstance(t, str) for t in parts):
-                    raise ApiError(
-                        400,
-                        f"messages[{i}].content: only text parts are supported",
-                        type_="invalid_request_error",
-                        param="messages",
-                    )
-                content = "".join(str(t) for t in parts)
-            if not isinstance(content, str):
-                raise ApiError(
-                    400,
-                    f"messages[{i}].content must be a string",
-                    type_="invalid_request_error",
-                    param="messages",
-                )
-            out.append((m["role"], content))
-        return out
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request, await request.read())
@@ -518,42 +359,3 @@ async def serve(
     await runner.cleanup()  # stops accepting, waits for in-flight handlers (shutdown_timeout)
     await asyncio.to_thread(server.engine.stop, 10.0)
     log.info("stopped")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvfence-engine", description="kvfence reference engine (CPU)")
-    parser.add_argument("--config", required=True, help="engine configuration file (YAML or JSON)")
-    parser.add_argument("--host", help="listen address (overrides listen.host)")
-    parser.add_argument("--port", type=int, help="listen port, 0 for any free port (overrides listen.port)")
-    parser.add_argument("--num-blocks", type=int, help="KV blocks in the pool (overrides numBlocks)")
-    parser.add_argument("--signing-key-dir", help="directory with the signing keys (overrides signingKeyDir)")
-    parser.add_argument("--port-file", help="write the bound port to this file once listening")
-    parser.add_argument("--log-level", default=os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        config = load_config(args.config).with_overrides(
-            host=args.host, port=args.port, num_blocks=args.num_blocks, signing_key_dir=args.signing_key_dir
-        )
-        if config.require_signature:
-            load_signing_keys(config.signing_key_dir)
-        # Building the server builds the model: it refuses a dtype/quantization it cannot run.
-        server = EngineServer(config, config_path=args.config)
-    except (ConfigError, ValueError) as e:
-        print(f"kvfence-engine: {e}", file=sys.stderr)
-        return 2
-
-    def ready(port: int) -> None:
-        if args.port_file:
-            tmp = Path(args.port_file + ".tmp")
-            tmp.write_text(str(port))
-            tmp.replace(args.port_file)
-
-    asyncio.run(serve(config, server=server, ready=ready))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
