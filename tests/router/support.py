@@ -17,6 +17,7 @@ from support.ports import free_port
 from support.process import ManagedProcess
 
 from kvfence.contract.routing import hash_api_key
+from kvfence.router.slices import cluster_role
 
 HERE = Path(__file__).parent
 GOLD_KEY = bytes(range(32))
@@ -258,3 +259,29 @@ class EngineStack:
     gold: Proc
     silver: Proc
     cold_router: Proc
+
+
+def router_account(namespace: str, service_account: str) -> list[dict[str, Any]]:
+    """A namespace and ServiceAccount for a router under test, bound to exactly the ClusterRole the
+    chart gives the router (kvfence.router.slices.cluster_role: EndpointSlices, list and watch)."""
+    role = cluster_role(f"{service_account}-{namespace}")
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": service_account, "namespace": namespace},
+        },
+        role,
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": role["metadata"]["name"]},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": role["metadata"]["name"],
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}],
+        },
+    ]

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 from cluster.localcluster import LocalCluster
-from router.support import Proc, auth, request, standard_table, start_router, write_table
+from router.support import Proc, auth, request, router_account, standard_table, start_router, write_table
 from support.waiting import wait_until
 
 from kvfence.contract.routing import hash_api_key
-from kvfence.router.slices import SERVICE_NAME_LABEL, cluster_role
+from kvfence.router.slices import SERVICE_NAME_LABEL
 
 pytestmark = pytest.mark.cluster
 
@@ -59,23 +59,9 @@ def routers(
     cluster: LocalCluster, fake_gold: Proc, fake_silver: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Proc]]:
     logs = tmp_path_factory.mktemp("router-count")
-    role = cluster_role(f"{SA}-{NS}")
     cluster.apply(
         [
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SA, "namespace": NS}},
-            role,
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": role["metadata"]["name"]},
-                "roleRef": {
-                    "apiGroup": "rbac.authorization.k8s.io",
-                    "kind": "ClusterRole",
-                    "name": role["metadata"]["name"],
-                },
-                "subjects": [{"kind": "ServiceAccount", "name": SA, "namespace": NS}],
-            },
+            *router_account(NS, SA),
             router_slice(2),
         ]
     )

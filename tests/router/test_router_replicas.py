@@ -32,6 +32,7 @@ from router.support import (
     engine_metric,
     free_port,
     request,
+    router_account,
     standard_table,
     start_engine,
     start_router,
@@ -43,7 +44,7 @@ from support.waiting import wait_until
 from kvfence.contract import cache_namespace
 from kvfence.contract.routing import hash_api_key
 from kvfence.router.balance import Ring, hash64
-from kvfence.router.slices import ENGINE_PORT_NAME, ENGINE_SERVICE, SERVICE_NAME_LABEL, cluster_role
+from kvfence.router.slices import ENGINE_PORT_NAME, ENGINE_SERVICE, SERVICE_NAME_LABEL
 
 pytestmark = pytest.mark.cluster
 
@@ -149,23 +150,9 @@ class Replicas:
 @pytest.fixture(scope="module")
 def replicas(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
     logs = tmp_path_factory.mktemp("replicas")
-    role = cluster_role(f"{SA}-{NS}")
     cluster.apply(
         [
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SA, "namespace": NS}},
-            role,
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": role["metadata"]["name"]},
-                "roleRef": {
-                    "apiGroup": "rbac.authorization.k8s.io",
-                    "kind": "ClusterRole",
-                    "name": role["metadata"]["name"],
-                },
-                "subjects": [{"kind": "ServiceAccount", "name": SA, "namespace": NS}],
-            },
+            *router_account(NS, SA),
         ]
     )
     kubeconfig = cluster.serviceaccount_kubeconfig(NS, SA, logs / "kubeconfig")
