@@ -412,7 +412,7 @@ def test_monitoring_values(rendered: dict[str, list[Obj]]) -> None:
         metrics_scraper_pod_labels=args.scraper_pod_labels,
     )
     tc = _trust_class()
-    dep = builders.deployment(tc, "h", "k", opts)
+    dep = builders.deployment(tc, "h", opts)
     (engine_port,) = dep["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert engine_port["name"] == pm["spec"]["podMetricsEndpoints"][0]["port"]
     _, scraper = builders.network_policy(tc, opts)["spec"]["ingress"]

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvfence.api.common import TenantQuotas
 from kvfence.contract import key_id
@@ -25,7 +26,7 @@ def _by_kind(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def test_children_are_all_in_the_class_namespace_and_owned(make_tc: Any) -> None:
     tc = make_tc()
-    objs = B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    objs = B.children(tc, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
     kinds = [o["kind"] for o in objs]
     assert kinds == ["ConfigMap", "Secret", "Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment"]
     for o in objs:
@@ -42,16 +43,16 @@ def test_children_are_all_in_the_class_namespace_and_owned(make_tc: Any) -> None
 
 def test_deployment_requests_and_limits_gpus_with_the_configured_resource_name(make_tc: Any) -> None:
     tc = make_tc(resources={"gpu": {"count": 2, "resourceName": "nvidia.com/mig-1g.10gb"}, "memory": "8Gi"})
-    dep = B.deployment(tc, "h", "k", OPTS)
+    dep = B.deployment(tc, "h", OPTS)
     res = dep["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert res["requests"] == {"nvidia.com/mig-1g.10gb": 2, "memory": "8Gi"}
     assert res["limits"] == res["requests"]
-    cpu_only = B.deployment(make_tc(resources={"gpu": {"count": 0}}), "h", "k", OPTS)
+    cpu_only = B.deployment(make_tc(resources={"gpu": {"count": 0}}), "h", OPTS)
     assert "resources" not in cpu_only["spec"]["template"]["spec"]["containers"][0]
 
 
 def test_deployment_is_hardened(make_tc: Any) -> None:
-    pod = B.deployment(make_tc(), "h", "k", OPTS)["spec"]["template"]["spec"]
+    pod = B.deployment(make_tc(), "h", OPTS)["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -77,7 +78,7 @@ def test_placement_is_passed_through(make_tc: Any) -> None:
             "affinity": {"nodeAffinity": {"x": 1}},
         }
     )
-    pod = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]
+    pod = B.deployment(tc, "h", OPTS)["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
     assert pod["tolerations"] == [tol]
     assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "inference"
@@ -91,7 +92,7 @@ def test_dedicated_nodes_add_anti_affinity_against_other_classes(make_tc: Any) -
             "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"a": 1}]}},
         }
     )
-    pod = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]
+    pod = B.deployment(tc, "h", OPTS)["spec"]["template"]["spec"]
     terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms[0] == {"a": 1}
     term = terms[1]
@@ -109,8 +110,7 @@ def test_dedicated_nodes_add_anti_affinity_against_other_classes(make_tc: Any) -
     )
     # the engine pods carry the label the other classes' anti-affinity selects on
     assert (
-        B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["metadata"]["labels"][B.LABEL_TRUST_CLASS]
-        == "gold"
+        B.deployment(tc, "h", OPTS)["spec"]["template"]["metadata"]["labels"][B.LABEL_TRUST_CLASS] == "gold"
     )
 
 
@@ -138,7 +138,7 @@ def test_reference_engine_config_is_a_valid_engine_config(make_tc: Any) -> None:
     # tenant quotas do not restart the engine; everything else does
     assert B.config_hash(cfg) == B.config_hash(B.engine_config(tc, None))
     assert B.config_hash(cfg) != B.config_hash(B.engine_config(make_tc(engine={"numBlocks": 256}), None))
-    c = B.deployment(tc, B.config_hash(cfg), "k", OPTS)["spec"]["template"]["spec"]["containers"][0]
+    c = B.deployment(tc, B.config_hash(cfg), OPTS)["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][:3] == ["kvfence-engine", "--config", f"{B.CONFIG_DIR}/{B.CONFIG_KEY}"]
     assert B.VLLM_STATS_FILE_ENV not in {e["name"] for e in c["env"]}
 
@@ -168,7 +168,7 @@ def test_num_blocks_unset_is_1024_on_the_reference_engine(make_tc: Any) -> None:
     legacy = make_tc(engine={"numBlocks": 1024, "gpuMemoryUtilization": 0.9})
     assert B.config_json(cfg) == B.config_json(B.engine_config(legacy))
     assert B.config_hash(cfg) == B.config_hash(B.engine_config(legacy))
-    assert B.deployment(ref, "h", "k", OPTS) == B.deployment(legacy, "h", "k", OPTS)
+    assert B.deployment(ref, "h", OPTS) == B.deployment(legacy, "h", OPTS)
     assert B.engine_config(make_tc(engine={"numBlocks": 4096}))["numBlocks"] == 4096
 
 
@@ -234,7 +234,7 @@ def test_vllm_args(make_tc: Any) -> None:
     ):
         assert frag in joined
     assert args[-1] == "--enforce-eager"
-    c = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"][0]
+    c = B.deployment(tc, "h", OPTS)["spec"]["template"]["spec"]["containers"][0]
     assert c["args"] == args and "command" not in c
     # the scheduler (engine-core process) hands its counters to the middleware (API server) in /tmp
     env = {e["name"]: e["value"] for e in c["env"]}
@@ -249,20 +249,101 @@ def test_vllm_args(make_tc: Any) -> None:
     assert off[off.index("--middleware") + 1] == "kvfence.vllm.middleware.KvfenceMiddleware"
 
 
+NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
 def test_signing_key_is_kept_created_and_rotated() -> None:
-    assert B.plan_signing_keys((None, None, None), None, KEY1) == (KEY1, None, None)
-    assert B.plan_signing_keys((KEY1, None, None), None, KEY2) == (KEY1, None, None)
-    assert B.plan_signing_keys((KEY1, None, None), "r1", KEY2) == (KEY2, KEY1, "r1")
-    assert B.plan_signing_keys((KEY2, KEY1, "r1"), "r1", KEY3) == (KEY2, KEY1, "r1")
-    assert B.plan_signing_keys((KEY2, KEY1, "r1"), "r2", KEY3) == (KEY3, KEY2, "r2")
+    SK = B.SigningKeys
+    assert B.plan_signing_keys(None, None, KEY1, NOW) == SK(KEY1)
+    assert B.plan_signing_keys(SK(KEY1), None, KEY2, LATER) == SK(KEY1)
+    # a rotation records its time: the router's switch to the new key counts from it
+    assert B.plan_signing_keys(SK(KEY1), "r1", KEY2, NOW) == SK(KEY2, KEY1, "r1", NOW)
+    assert B.plan_signing_keys(SK(KEY2, KEY1, "r1", NOW), "r1", KEY3, LATER) == SK(KEY2, KEY1, "r1", NOW)
+    assert B.plan_signing_keys(SK(KEY2, KEY1, "r1", NOW), "r2", KEY3, LATER) == SK(KEY3, KEY2, "r2", LATER)
+    # a previous key without a time (written before it was recorded) waits a whole delay once more
+    assert B.plan_signing_keys(SK(KEY2, KEY1, "r1"), "r1", KEY3, LATER) == SK(KEY2, KEY1, "r1", LATER)
 
 
 def test_signing_secret_round_trips(make_tc: Any) -> None:
-    s = B.signing_secret(make_tc(), KEY2, KEY1, "r1", OPTS)
+    keys = B.SigningKeys(KEY2, KEY1, "r1", NOW)
+    s = B.signing_secret(make_tc(), keys, OPTS)
     assert base64.b64decode(s["data"]["current"]) == KEY2
     assert s["metadata"]["annotations"][B.ANNOTATION_KEY_ID] == key_id(KEY2)
-    assert B.read_signing_secret(s) == (KEY2, KEY1, "r1")
-    assert B.read_signing_secret(None) == (None, None, None)
+    assert s["metadata"]["annotations"][B.ANNOTATION_ROTATED_AT] == NOW
+    assert B.read_signing_secret(s) == keys
+    assert B.read_signing_secret(None) is None
+    assert (
+        B.ANNOTATION_ROTATED_AT
+        not in B.signing_secret(make_tc(), B.SigningKeys(KEY1), OPTS)["metadata"]["annotations"]
+    )
+
+
+def test_the_router_signs_with_the_previous_key_until_the_new_one_has_propagated() -> None:
+    t0 = B.rfc3339_seconds(NOW)
+    keys = B.SigningKeys(KEY2, KEY1, "r1", NOW)
+    assert B.key_propagation_left(keys, t0 + 10, 180) == 170
+    assert B.key_propagation_left(keys, t0 + 180, 180) == 0
+    assert B.key_propagation_left(B.SigningKeys(KEY1), t0, 180) == 0
+    # a time that does not parse counts as a rotation now
+    assert B.key_propagation_left(B.SigningKeys(KEY2, KEY1, "r1", "yesterday"), t0, 180) == 180
+    assert B.router_signing_keys(keys, propagated=False) == (KEY1, KEY2)
+    assert B.router_signing_keys(keys, propagated=True) == (KEY2, KEY1)
+    assert B.router_signing_keys(B.SigningKeys(KEY1), propagated=False) == (KEY1,)
+
+
+def test_what_reloads_never_changes_the_pod_template(make_tc: Any) -> None:
+    """Signing keys, KV quotas (defaults and per tenant) and shared prefixes reach running engines from
+    their mounted files: none of them is in the pod template."""
+    base = make_tc(quotas={"defaults": {"maxKVBlocks": 64}})
+    changed = make_tc(
+        quotas={"defaults": {"maxKVBlocks": 32, "guaranteedKVBlocks": 4}},
+        prefixCache={"sharedPrefixes": [{"name": "sys", "form": "chat", "text": "You are a bot."}]},
+    )
+    tq = {"acme": TenantQuotas.model_validate({"maxKVBlocks": 128})}
+
+    def template(tc: Any, keys: B.SigningKeys, quotas: Any) -> Any:
+        objs = B.children(tc, signing=keys, tenant_quotas=quotas, opts=OPTS, owner=OWNER)
+        return next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]
+
+    before = template(base, B.SigningKeys(KEY1), None)
+    assert template(changed, B.SigningKeys(KEY2, KEY1, "r1", NOW), tq) == before
+    assert B.ANNOTATION_KEY_ID not in before["metadata"]["annotations"]
+    # what needs a new process still does
+    assert template(make_tc(engine={"numBlocks": 256}), B.SigningKeys(KEY1), None) != before
+
+
+def test_rollout_strategy_defaults_per_class_and_follows_engine_rollout(make_tc: Any) -> None:
+    def strategy(**spec: Any) -> Any:
+        return B.deployment(make_tc(**spec), "h", OPTS)["spec"]["strategy"]["rollingUpdate"]
+
+    gpu, cpu = {"resources": {"gpu": {"count": 1}}}, {"resources": {"gpu": {"count": 0}}}
+    assert strategy(**gpu) == {"maxSurge": 0, "maxUnavailable": 1}  # no surge accelerator by default
+    assert strategy(**cpu) == {"maxSurge": 1, "maxUnavailable": 0}
+    # a GPU class that keeps serving from the old pod while the new one loads
+    assert strategy(**gpu, engine={"rollout": {"maxSurge": 1}}) == {"maxSurge": 1, "maxUnavailable": 1}
+    both = {"rollout": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert strategy(**gpu, engine=both) == {"maxSurge": 1, "maxUnavailable": 0}
+    assert strategy(**cpu, engine={"rollout": {"maxSurge": "25%"}}) == {
+        "maxSurge": "25%",
+        "maxUnavailable": 0,
+    }
+    # a default that would leave both 0 is 1 instead (a rollout must be able to progress)
+    assert strategy(**gpu, engine={"rollout": {"maxUnavailable": 0}}) == {"maxSurge": 1, "maxUnavailable": 0}
+    assert strategy(**cpu, engine={"rollout": {"maxSurge": "0%"}}) == {"maxSurge": "0%", "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize(
+    ("rollout", "message"),
+    [
+        ({"maxSurge": 0, "maxUnavailable": "0%"}, "cannot both be 0"),
+        ({"maxSurge": -1}, "is not a count"),
+        ({"maxUnavailable": "101%"}, "is not a count"),
+        ({"maxUnavailable": "one"}, "is not a count"),
+    ],
+)
+def test_rollout_refuses_what_a_deployment_cannot_do(make_tc: Any, rollout: Any, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        make_tc(engine={"rollout": rollout})
 
 
 def test_network_policy_admits_only_router_pods(make_tc: Any) -> None:
@@ -352,15 +433,15 @@ def test_service_and_pdb_select_engine_pods(make_tc: Any) -> None:
     assert B.service(tc, OPTS)["spec"]["selector"] == sel
     pdb = B.pod_disruption_budget(tc, OPTS)
     assert pdb["spec"]["selector"]["matchLabels"] == sel and pdb["spec"]["maxUnavailable"] == 1
-    tmpl = B.deployment(tc, "h", "k", OPTS)["spec"]["template"]["metadata"]["labels"]
+    tmpl = B.deployment(tc, "h", OPTS)["spec"]["template"]["metadata"]["labels"]
     assert sel.items() <= tmpl.items()
     assert B.endpoint(tc, OPTS) == "http://kvfence-engine.kvf-gold.svc.cluster.local:8000"
 
 
 def test_builders_are_deterministic(make_tc: Any) -> None:
     tc = make_tc(placement={"dedicatedNodes": {"enabled": True}})
-    a = B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
-    b = B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    a = B.children(tc, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    b = B.children(tc, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
     assert a == b
 
 
@@ -418,9 +499,9 @@ def test_children_refuse_extra_args_that_undo_isolation(make_tc: Any, runtime: s
     """A class the CRD would refuse today (stored before the rule) renders no object at all."""
     tc = make_tc(engine={"runtime": runtime, "extraArgs": ["--enforce-eager", "--kv_transfer_config={}"]})
     with pytest.raises(B.RefusedExtraArgs, match=r"engine.extraArgs: --kv_transfer_config=\{\} refused"):
-        B.children(tc, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+        B.children(tc, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
     ok = make_tc(engine={"runtime": runtime, "extraArgs": ["--enforce-eager"]})
-    objs = B.children(ok, signing=(KEY1, None, None), tenant_quotas=None, opts=OPTS, owner=OWNER)
+    objs = B.children(ok, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
     container = objs[-1]["spec"]["template"]["spec"]["containers"][0]
     assert (container.get("args") or container["command"])[-1] == "--enforce-eager"
 

@@ -21,5 +21,5 @@ def test_kv_quotas_render_the_same_for_one_replica_or_five(make_tc: Any) -> None
     assert ec.quotas.for_tenant("acme").max_blocks == 128
     assert ec.quotas.for_tenant("acme").guaranteed_blocks == 32
     # Every replica runs this one config (one ConfigMap per class, mounted by every pod).
-    dep = B.deployment(make_tc(replicas=5), B.config_hash(five), "kid", B.OperatorOptions())
+    dep = B.deployment(make_tc(replicas=5), B.config_hash(five), B.OperatorOptions())
     assert dep["spec"]["replicas"] == 5

@@ -190,6 +190,16 @@ VLLM_CPU = {"runtime": "vllm", "device": "CPU", "image": "x", "model": {"name": 
             "spec.prefixCache.sharedPrefixes",
             "needs the prefix cache",
         ),
+        (
+            {"engine": {**ENGINE, "rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}},
+            "spec.engine.rollout",
+            "maxSurge and maxUnavailable cannot both be 0",
+        ),
+        (
+            {"engine": {**ENGINE, "rollout": {"maxSurge": "150%"}}},
+            "spec.engine.rollout.maxSurge",
+            "should match",
+        ),
     ],
 )
 def test_bad_trustclass_is_rejected_with_the_field_named(

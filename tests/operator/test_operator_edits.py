@@ -19,16 +19,7 @@ import pytest
 from cluster.manifests import condition, keys_secret, secret, tenant_binding, tenant_namespace, trust_class
 from router.support import Proc
 from support.argocd import argocd_health
-from support.livestack import (
-    EngineMount,
-    Traffic,
-    complete,
-    engine_slice,
-    host_ip,
-    router_kubeconfig,
-    start_engine,
-    start_router,
-)
+from support.livestack import Traffic, complete, live_stack
 
 pytestmark = pytest.mark.cluster
 
@@ -86,25 +77,12 @@ def live(
         120,
         dump=operator.tail,
     )
-    host = host_ip()
-    from support.ports import free_port
-
-    mount = EngineMount(kv, CLASS_NS, logs / "engine", host, free_port(), refresh=1.0)
-    mount.start()
-    procs: list[Proc] = []
     try:
-        procs.append(start_engine(mount, logs))
-        cluster.apply([engine_slice(CLASS_NS, host, mount.port)])
-        procs.append(
-            start_router(router_kubeconfig(cluster, ROUTER_NS, logs / "router-kubeconfig"), ROUTER_NS, logs)
-        )
-        env = Live(kv, procs[1], procs[0])
-        wait(lambda: complete(env.router, KEY, MODEL) == 200, "a completion through the router", 60)
-        yield env
+        with live_stack(cluster, kv, CLASS_NS, ROUTER_NS, logs) as stack:
+            env = Live(kv, stack.router, stack.engine)
+            wait(lambda: complete(env.router, KEY, MODEL) == 200, "a completion through the router", 60)
+            yield env
     finally:
-        for p in reversed(procs):
-            p.stop()
-        mount.stop()
         kv("delete", "trustclass", CLASS, "--ignore-not-found", "--wait=false")
         kv("delete", "namespace", TENANT_NS, "--ignore-not-found", "--wait=false")
 

@@ -94,21 +94,3 @@ def test_liveness_flag_sets_the_health_endpoint() -> None:
     assert (a.health_host, a.health_port) == ("127.0.0.1", 9999)
     b = parse_args([])
     assert b.health_port == 8080 and b.leader_elect and b.log_format == "json"
-
-
-def test_rollout_with_key() -> None:
-    from kvfence.operator.reconciler import _rolled_out_with
-
-    dep = {
-        "metadata": {"generation": 2},
-        "spec": {
-            "replicas": 2,
-            "template": {"metadata": {"annotations": {"kvfence.dev/signing-key-id": "k2"}}},
-        },
-        "status": {"observedGeneration": 2, "updatedReplicas": 2, "availableReplicas": 2},
-    }
-    assert _rolled_out_with(dep, "k2")
-    assert not _rolled_out_with(dep, "k1")
-    dep["status"]["updatedReplicas"] = 1
-    assert not _rolled_out_with(dep, "k2")
-    assert not _rolled_out_with({}, "k2")

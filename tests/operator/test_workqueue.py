@@ -19,6 +19,11 @@ class FakeReconciler:
         self.fail_times, self.requeue_times = fail_times, requeue_times
         self.lock = threading.Lock()
         self.state: Any = None
+        self.later: dict[Key, float] = {}
+
+    def take_later(self) -> dict[Key, float]:
+        out, self.later = self.later, {}
+        return out
 
     def reconcile(self, key: Key) -> set[Key]:
         with self.lock:
@@ -35,6 +40,8 @@ class FakeReconciler:
         if self.fail_times > 0:
             self.fail_times -= 1
             raise RuntimeError("boom")
+        if key == ("class", "timer"):
+            self.later[("class", "timed")] = 0.5
         return {("class", "follow")} if key == ("class", "a") else set()
 
 
@@ -69,3 +76,17 @@ def test_errors_and_requeues_are_retried() -> None:
     rec = FakeReconciler(requeue_times=3)
     asyncio.run(_run(rec, [("class", "y")], 0.1, until=lambda: rec.calls.count(("class", "y")) >= 2))
     assert rec.calls.count(("class", "y")) >= 2
+
+
+def test_a_key_asked_for_later_is_reconciled_after_its_delay() -> None:
+    rec = FakeReconciler()
+    started = time.monotonic()
+    seen: list[float] = []
+
+    def timed() -> bool:
+        if ("class", "timed") in rec.calls and not seen:
+            seen.append(time.monotonic() - started)
+        return bool(seen)
+
+    asyncio.run(_run(rec, [("class", "timer")], 0.0, until=timed))
+    assert seen[0] >= 0.5  # not before its delay

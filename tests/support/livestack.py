@@ -213,3 +213,35 @@ def start_router(kubeconfig: Path, router_ns: str, logs: Path) -> Proc:
 def complete(router: Proc, api_key: str, model: str) -> int:
     body = {"model": model, "prompt": "hello", "max_tokens": 2}
     return request("POST", router.url + "/v1/completions", body, headers=auth(api_key), timeout=30)[0]
+
+
+@dataclass
+class LiveStack:
+    """A class's engine (fed by an :class:`EngineMount`) and a router, running."""
+
+    mount: EngineMount
+    engine: Proc
+    router: Proc
+
+
+@contextmanager
+def live_stack(
+    cluster: Any, kv: Any, class_ns: str, router_ns: str, logs: Path, refresh: float = 1.0
+) -> Iterator[LiveStack]:
+    """Start the kubelet's part (:class:`EngineMount`), a real engine behind an EndpointSlice of the
+    class's Service and a real router following the operator's routing table; stop them on exit."""
+    host = host_ip()
+    mount = EngineMount(kv, class_ns, logs / "engine", host, free_port(), refresh=refresh)
+    mount.start()
+    procs: list[Proc] = []
+    try:
+        procs.append(start_engine(mount, logs))
+        cluster.apply([engine_slice(class_ns, host, mount.port)])
+        procs.append(
+            start_router(router_kubeconfig(cluster, router_ns, logs / "router-kubeconfig"), router_ns, logs)
+        )
+        yield LiveStack(mount, procs[0], procs[1])
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        mount.stop()

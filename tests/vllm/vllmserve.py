@@ -28,7 +28,6 @@ from support.process import ManagedProcess
 
 from kvfence.api.common import TenantQuotas
 from kvfence.api.trustclass import TrustClass
-from kvfence.contract import key_id
 from kvfence.operator import builders
 
 HERE = Path(__file__).resolve().parent
@@ -80,7 +79,7 @@ def rendered(
     """(``vllm serve`` arguments, environment, engine config) of the class's engine pod, with the
     pod's mounts swapped for files under ``workdir``."""
     cfg = builders.engine_config(tc, tenant_quotas)
-    dep = builders.deployment(tc, builders.config_hash(cfg), key_id(key), builders.OperatorOptions())
+    dep = builders.deployment(tc, builders.config_hash(cfg), builders.OperatorOptions())
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     args = list(container["args"])
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}

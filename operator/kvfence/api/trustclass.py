@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, JsonValue, model_validator
+from pydantic import ConfigDict, Field, JsonValue, WithJsonSchema, field_validator, model_validator
 
 from kvfence.api.common import (
     DNS_LABEL,
@@ -183,6 +184,89 @@ class AdapterSpec(KubeModel):
     source: str = Field(min_length=1, max_length=512, description="Where the runtime loads the adapter from.")
 
 
+#: ``maxSurge``/``maxUnavailable`` of a Deployment: a count, or a percentage of the replicas.
+PERCENT_PATTERN = r"^(100|[1-9]?[0-9])%$"
+IntOrPercent = Annotated[
+    int | str,
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "x-kubernetes-int-or-string": True,
+            "pattern": PERCENT_PATTERN,
+            "minimum": 0,
+        }
+    ),
+]
+ROLLOUT_BOTH_ZERO = "engine.rollout: maxSurge and maxUnavailable cannot both be 0 (no rollout could progress)"
+
+
+def _is_zero(v: int | str | None) -> bool:
+    return v is not None and str(v) in ("0", "0%")
+
+
+class RolloutSpec(KubeModel):
+    """How engine pods are replaced when a change needs new ones (the Deployment's RollingUpdate).
+
+    Unset fields take the class's default: on a GPU class maxSurge 0 and maxUnavailable 1 (no extra
+    accelerator is asked for, one replica is down at a time: a one-replica class is down while the new
+    pod loads its model); on a CPU class maxSurge 1 and maxUnavailable 0. Set maxSurge 1 (and
+    maxUnavailable 0) on a GPU class to keep serving from the old pod while the new one starts, when
+    the cluster has an accelerator to spare."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.maxSurge) || !has(self.maxUnavailable) || "
+                    "!(string(self.maxSurge) in ['0', '0%'] && string(self.maxUnavailable) in ['0', '0%'])",
+                    "message": ROLLOUT_BOTH_ZERO,
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    max_surge: IntOrPercent | None = Field(
+        None,
+        alias="maxSurge",
+        description="Pods above the replica count during a rollout (a count or a percentage).",
+    )
+    max_unavailable: IntOrPercent | None = Field(
+        None,
+        alias="maxUnavailable",
+        description="Replicas that may be unavailable during a rollout (a count or a percentage).",
+    )
+
+    @field_validator("max_surge", "max_unavailable")
+    @classmethod
+    def _int_or_percent(cls, v: int | str | None) -> int | str | None:
+        if v is None or (isinstance(v, int) and v >= 0):
+            return v
+        if isinstance(v, str) and re.fullmatch(PERCENT_PATTERN, v):
+            return v
+        raise ValueError(f"{v!r} is not a count (>= 0) or a percentage such as 25%")
+
+    @model_validator(mode="after")
+    def _not_both_zero(self) -> RolloutSpec:
+        if _is_zero(self.max_surge) and _is_zero(self.max_unavailable):
+            raise ValueError(ROLLOUT_BOTH_ZERO)
+        return self
+
+    def resolved(self, gpu: bool) -> tuple[int | str, int | str]:
+        """(maxSurge, maxUnavailable): the class's defaults for what is unset; a default that would
+        leave both 0 is 1 instead."""
+        surge: int | str = self.max_surge if self.max_surge is not None else (0 if gpu else 1)
+        unavailable: int | str = (
+            self.max_unavailable if self.max_unavailable is not None else (1 if gpu else 0)
+        )
+        if _is_zero(surge) and _is_zero(unavailable):
+            if self.max_surge is None:
+                surge = 1
+            else:
+                unavailable = 1
+        return surge, unavailable
+
+
 class EngineSpec(KubeModel):
     """The inference engine of the trust class."""
 
@@ -316,6 +400,11 @@ class EngineSpec(KubeModel):
                 "x-kubernetes-validations": [EXTRA_ARG_RULE],
             }
         },
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How engine pods are replaced when a change needs new ones. Signing-key rotations, "
+        "quotas and shared prefixes reach running engines without new pods.",
     )
 
     @model_validator(mode="after")

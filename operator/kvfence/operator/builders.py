@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import datetime as dt
 import hashlib
 import json
 import re
@@ -49,6 +50,9 @@ ANNOTATION_CONFIG_HASH = "kvfence.dev/config-hash"
 ANNOTATION_KEY_ID = "kvfence.dev/signing-key-id"
 ANNOTATION_ROTATE = "kvfence.dev/rotate-signing-key"
 ANNOTATION_ROTATED_FOR = "kvfence.dev/rotated-for"
+#: On the signing Secret: when its current key replaced the previous one (RFC 3339). The router keeps
+#: signing with the previous key until this plus the key propagation delay has passed.
+ANNOTATION_ROTATED_AT = "kvfence.dev/signing-key-rotated-at"
 ANNOTATION_SPEC_HASH = "kvfence.dev/spec-hash"
 TAINT_KEY = LABEL_TRUST_CLASS
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
@@ -72,6 +76,9 @@ VLLM_STATS_FILE = f"{TMP_DIR}/kvfence-vllm-stats.json"
 VLLM_CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
+DEFAULT_KEY_PROPAGATION_SECONDS = 180.0
+
+
 @dataclass(frozen=True)
 class OperatorOptions:
     """Cluster-level settings of one operator deployment (command-line flags)."""
@@ -87,6 +94,11 @@ class OperatorOptions:
     #: Empty namespace labels (the default) admit no scraper.
     metrics_scraper_namespace_labels: dict[str, str] = field(default_factory=dict)
     metrics_scraper_pod_labels: dict[str, str] = field(default_factory=dict)
+    #: How long after a rotation every engine is taken to hold the new signing key: the kubelet's
+    #: refresh of a mounted Secret (its sync period, 60 s by default, plus the Secret cache's TTL, 60 s
+    #: by default) and the engines' reload (once a second), with margin. Until then the router signs
+    #: with the previous key, which every engine holds.
+    signing_key_propagation_seconds: float = DEFAULT_KEY_PROPAGATION_SECONDS
 
     def __post_init__(self) -> None:
         if self.metrics_scraper_pod_labels and not self.metrics_scraper_namespace_labels:
@@ -252,12 +264,12 @@ def config_json(cfg: Obj) -> str:
 def config_hash(cfg: Obj) -> str:
     """Hash of the parts of the config that need an engine restart.
 
-    Per-tenant quotas and the declared shared prefixes are left out: binding a tenant or changing a
-    shared system prompt must not restart the engine its neighbours use; the engine re-reads both from
-    the mounted file.
+    The KV quotas (the class's defaults and every tenant's) and the declared shared prefixes are left
+    out: binding a tenant, changing a quota or a shared system prompt must not restart the engine its
+    neighbours use; both runtimes re-read them from the mounted file.
     """
     stable = copy.deepcopy(cfg)
-    stable.get("quotas", {}).pop("tenants", None)
+    stable.pop("quotas", None)
     stable.get("prefixCache", {}).pop("sharedPrefixes", None)
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -318,50 +330,91 @@ def reference_command(tc: TrustClass) -> list[str]:
     return ["kvfence-engine", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", *tc.spec.engine.extra_args]
 
 
-# --- signing key ------------------------------------------------------------------------------
-def signing_secret(
-    tc: TrustClass,
-    current: bytes,
-    previous: bytes | None,
-    rotated_for: str | None,
-    opts: OperatorOptions,
-    owner: Obj | None = None,
-) -> Obj:
+# --- signing key ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SigningKeys:
+    """A trust class's signing keys as its Secret holds them."""
+
+    current: bytes
+    previous: bytes | None = None
+    #: the TrustClass's rotation token this key answers (``kvfence.dev/rotate-signing-key``)
+    rotated_for: str | None = None
+    #: RFC 3339: when ``current`` replaced ``previous`` (None without a previous key)
+    rotated_at: str | None = None
+
+
+def signing_secret(tc: TrustClass, keys: SigningKeys, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
     """The trust class's signing key(s), raw 32-byte values as the engine reads them from files."""
     meta = _meta(tc, SIGNING_SECRET_NAME, "signing-key", opts, owner)
-    meta["annotations"] = {ANNOTATION_KEY_ID: key_id(current)}
-    if rotated_for is not None:
-        meta["annotations"][ANNOTATION_ROTATED_FOR] = rotated_for
-    data = {SIGNING_KEY_CURRENT: base64.b64encode(current).decode()}
-    if previous is not None:
-        data[SIGNING_KEY_PREVIOUS] = base64.b64encode(previous).decode()
+    meta["annotations"] = {ANNOTATION_KEY_ID: key_id(keys.current)}
+    if keys.rotated_for is not None:
+        meta["annotations"][ANNOTATION_ROTATED_FOR] = keys.rotated_for
+    if keys.rotated_at is not None:
+        meta["annotations"][ANNOTATION_ROTATED_AT] = keys.rotated_at
+    data = {SIGNING_KEY_CURRENT: base64.b64encode(keys.current).decode()}
+    if keys.previous is not None:
+        data[SIGNING_KEY_PREVIOUS] = base64.b64encode(keys.previous).decode()
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": data}
 
 
-def read_signing_secret(secret: Obj | None) -> tuple[bytes | None, bytes | None, str | None]:
-    """(current, previous, rotated-for token) of a live signing Secret (or Nones)."""
+def read_signing_secret(secret: Obj | None) -> SigningKeys | None:
+    """The keys of a live signing Secret (None: no Secret, or no current key in it)."""
     if not secret:
-        return None, None, None
+        return None
     data = secret.get("data") or {}
-    cur = base64.b64decode(data[SIGNING_KEY_CURRENT]) if data.get(SIGNING_KEY_CURRENT) else None
+    if not data.get(SIGNING_KEY_CURRENT):
+        return None
     prev = base64.b64decode(data[SIGNING_KEY_PREVIOUS]) if data.get(SIGNING_KEY_PREVIOUS) else None
-    token = (secret.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_ROTATED_FOR)
-    return cur, prev, token
+    annotations = secret.get("metadata", {}).get("annotations") or {}
+    return SigningKeys(
+        base64.b64decode(data[SIGNING_KEY_CURRENT]),
+        prev,
+        annotations.get(ANNOTATION_ROTATED_FOR),
+        annotations.get(ANNOTATION_ROTATED_AT) if prev is not None else None,
+    )
 
 
 def plan_signing_keys(
-    live: tuple[bytes | None, bytes | None, str | None],
-    requested_rotation: str | None,
-    new_key: bytes,
-) -> tuple[bytes, bytes | None, str | None]:
-    """Keep the live key; create one if there is none; rotate (current -> previous) when the
-    TrustClass asks with a rotation token not yet honoured. ``new_key`` is used only when needed."""
-    cur, prev, token = live
-    if cur is None:
-        return new_key, None, requested_rotation
-    if requested_rotation and requested_rotation != token:
-        return new_key, cur, requested_rotation
-    return cur, prev, token
+    live: SigningKeys | None, requested_rotation: str | None, new_key: bytes, now: str
+) -> SigningKeys:
+    """Keep the live key; create one if there is none; rotate (current -> previous, ``rotated_at``
+    now) when the TrustClass asks with a rotation token not yet honoured. ``new_key`` is used only when
+    needed. A previous key with no rotation time (a Secret written before it was recorded) is taken
+    as rotated ``now``: the router waits the whole propagation delay once more, with keys every
+    engine already holds."""
+    if live is None:
+        return SigningKeys(new_key, None, requested_rotation)
+    if requested_rotation and requested_rotation != live.rotated_for:
+        return SigningKeys(new_key, live.current, requested_rotation, now)
+    if live.previous is not None and live.rotated_at is None:
+        return SigningKeys(live.current, live.previous, live.rotated_for, now)
+    return live
+
+
+def rfc3339_seconds(stamp: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time as :func:`apply.now_rfc3339` writes it
+    (``ValueError`` otherwise)."""
+    return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+
+
+def key_propagation_left(keys: SigningKeys, now: float, propagation_seconds: float) -> float:
+    """Seconds until every engine is taken to hold ``keys.current`` (0: now; a rotation time that does
+    not parse counts as a rotation now)."""
+    if keys.previous is None or keys.rotated_at is None:
+        return 0.0
+    try:
+        rotated = rfc3339_seconds(keys.rotated_at)
+    except ValueError:
+        rotated = now
+    return max(0.0, rotated + propagation_seconds - now)
+
+
+def router_signing_keys(keys: SigningKeys, propagated: bool) -> tuple[bytes, ...]:
+    """The keys the router holds for a class, the one it signs with first: the previous key until the
+    current one has reached every engine (``propagated``), then the current one. Engines verify both."""
+    if keys.previous is None:
+        return (keys.current,)
+    return (keys.current, keys.previous) if propagated else (keys.previous, keys.current)
 
 
 # --- engine Deployment ------------------------------------------------------------------------
@@ -424,9 +477,16 @@ def _probe(path: str, port: int, *, period: int, failures: int, delay: int = 0) 
     }
 
 
-def deployment(
-    tc: TrustClass, cfg_hash: str, signing_key_id: str, opts: OperatorOptions, owner: Obj | None = None
-) -> Obj:
+def rollout_strategy(tc: TrustClass) -> Obj:
+    """The Deployment's RollingUpdate: ``engine.rollout``, its unset fields defaulted per class
+    (GPU: maxSurge 0 / maxUnavailable 1, no surge accelerator asked for; CPU: 1 / 0)."""
+    surge, unavailable = tc.spec.engine.rollout.resolved(gpu=tc.spec.resources.gpu.count > 0)
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+
+
+def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
+    """The engine Deployment. Its pod template carries the hash of what needs a restart and nothing
+    that reloads (signing keys, quotas, shared prefixes): changing those never replaces a pod."""
     eng, pl = tc.spec.engine, tc.spec.placement
     vllm = eng.runtime == "vllm"
     pod_labels = {**labels(tc.name, "engine", opts.version), **selector_labels(tc.name)}
@@ -505,13 +565,6 @@ def deployment(
         pod_spec["runtimeClassName"] = pl.runtime_class_name
     if pl.priority_class_name:
         pod_spec["priorityClassName"] = pl.priority_class_name
-    gpu = tc.spec.resources.gpu.count > 0
-    strategy: Obj = (
-        # Accelerators are scarce: replace pods one at a time instead of asking for a surge GPU.
-        {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-        if gpu
-        else {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -520,11 +573,11 @@ def deployment(
             "replicas": tc.spec.replicas,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(tc.name)},
-            "strategy": strategy,
+            "strategy": rollout_strategy(tc),
             "template": {
                 "metadata": {
                     "labels": pod_labels,
-                    "annotations": {ANNOTATION_CONFIG_HASH: cfg_hash, ANNOTATION_KEY_ID: signing_key_id},
+                    "annotations": {ANNOTATION_CONFIG_HASH: cfg_hash},
                 },
                 "spec": pod_spec,
             },
@@ -609,7 +662,7 @@ def check_extra_args(tc: TrustClass) -> None:
 def children(
     tc: TrustClass,
     *,
-    signing: tuple[bytes, bytes | None, str | None],
+    signing: SigningKeys,
     tenant_quotas: dict[str, TenantQuotas] | None,
     opts: OperatorOptions,
     owner: Obj | None,
@@ -618,12 +671,11 @@ def children(
     """Every namespaced object of a trust class, in apply order (config and key before the engine)."""
     check_extra_args(tc)
     cfg = engine_config(tc, tenant_quotas, shared_texts)
-    current, previous, token = signing
     return [
         config_map(tc, cfg, opts, owner),
-        signing_secret(tc, current, previous, token, opts, owner),
+        signing_secret(tc, signing, opts, owner),
         service(tc, opts, owner),
         network_policy(tc, opts, owner),
         pod_disruption_budget(tc, opts, owner),
-        deployment(tc, config_hash(cfg), key_id(current), opts, owner),
+        deployment(tc, config_hash(cfg), opts, owner),
     ]

@@ -205,6 +205,8 @@ class Controller:
                     self.enqueue(key)
             for f in follow:
                 self.enqueue(f)
+            for f, delay in self.reconciler.take_later().items():
+                self.enqueue(f, delay)
 
     async def _resync(self) -> None:
         while True:

@@ -32,7 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvfence.operator import handlers as _handlers  # registers the kopf handlers
 from kvfence.operator import metrics
 from kvfence.operator.apply import Kube, load_api_client
-from kvfence.operator.builders import FIELD_MANAGER, OperatorOptions, parse_labels
+from kvfence.operator.builders import (
+    DEFAULT_KEY_PROPAGATION_SECONDS,
+    FIELD_MANAGER,
+    OperatorOptions,
+    parse_labels,
+)
 from kvfence.operator.leader import LeaderElector
 from kvfence.operator.reconciler import Event, Reconciler
 
@@ -182,6 +187,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(repeatable; default: every pod of those namespaces)",
     )
     p.add_argument("--cluster-domain", default="cluster.local")
+    p.add_argument(
+        "--signing-key-propagation-seconds",
+        type=float,
+        default=DEFAULT_KEY_PROPAGATION_SECONDS,
+        help="after a signing-key rotation, how long the router keeps signing with the previous key: at "
+        "least the kubelet's refresh of a mounted Secret (its syncFrequency plus the Secret cache TTL; "
+        "60 s + 60 s by default) plus a second for the engines' reload",
+    )
     p.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz, /metrics (0: off)")
     p.add_argument("--health-host", default="0.0.0.0")  # noqa: S104 - a pod listens on its own IP
     p.add_argument(
@@ -206,6 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.scraper_pod_labels = parse_labels(args.metrics_scraper_pod_label)
     except ValueError as e:
         p.error(str(e))
+    if args.signing_key_propagation_seconds < 0:
+        p.error("--signing-key-propagation-seconds must be >= 0")
     if args.scraper_pod_labels and not args.scraper_namespace_labels:
         p.error("--metrics-scraper-pod-label needs --metrics-scraper-namespace-label")
     if args.liveness:
@@ -235,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster_domain=args.cluster_domain,
         metrics_scraper_namespace_labels=args.scraper_namespace_labels,
         metrics_scraper_pod_labels=args.scraper_pod_labels,
+        signing_key_propagation_seconds=args.signing_key_propagation_seconds,
     )
     if args.router_labels:
         opts = dataclasses.replace(opts, router_pod_labels=args.router_labels)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,18 +159,6 @@ def status_patch(desired: Obj, live: Obj) -> Obj:
     return out
 
 
-def _rolled_out_with(dep: Obj, kid: str) -> bool:
-    """Whether every pod of the engine Deployment runs the template that carries key id ``kid``."""
-    spec, st = dep.get("spec") or {}, dep.get("status") or {}
-    annotations = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
-    want = int(spec.get("replicas", 1))
-    return bool(
-        annotations.get(B.ANNOTATION_KEY_ID) == kid
-        and st.get("observedGeneration", 0) >= (dep.get("metadata") or {}).get("generation", 1)
-        and (want == 0 or (st.get("updatedReplicas", 0) >= want and st.get("availableReplicas", 0) >= want))
-    )
-
-
 def accepted_trust_class(body: Obj) -> TrustClass | None:
     """The TrustClass as last accepted (``status.acceptedSpec``), or None (none, or it fails too)."""
     spec = (body.get("status") or {}).get(ACCEPTED_SPEC)
@@ -215,13 +204,28 @@ class Reconciler:
         *,
         emit: Callable[[Event], None] | None = None,
         new_key: Callable[[], bytes] = new_signing_key,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
         self.opts = opts
         self.state = State()
         self._emit = emit or (lambda e: None)
         self._new_key = new_key
+        self._clock = clock
         self._routing_lock = threading.Lock()
+        self._later_lock = threading.Lock()
+        self._later: dict[Key, float] = {}
+
+    def later(self, key: Key, delay: float) -> None:
+        """Ask for ``key`` to be reconciled again in ``delay`` seconds (the work queue takes these
+        after each reconcile, see :meth:`take_later`)."""
+        with self._later_lock:
+            self._later[key] = min(delay, self._later.get(key, delay))
+
+    def take_later(self) -> dict[Key, float]:
+        with self._later_lock:
+            out, self._later = self._later, {}
+        return out
 
     # ---------------------------------------------------------------------------------------------
     def reconcile(self, key: Key) -> set[Key]:
@@ -288,15 +292,28 @@ class Reconciler:
 
         if not self.state.routing_ready.is_set():
             raise Requeue("waiting for the first routing decision", delay=0.5)
-        # The signing key: kept, created once, rotated on request.
+        # The signing key: kept, created once, rotated on request; a second rotation waits until the
+        # first has reached every engine (the key it would retire may still be the one signing).
         live_secret = self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns_name)
         live_keys = B.read_signing_secret(live_secret)
         rotation = (meta.get("annotations") or {}).get(B.ANNOTATION_ROTATE)
-        current, previous, token = B.plan_signing_keys(
-            live_keys, rotation, self._new_key() if live_keys[0] is None or rotation != live_keys[2] else b""
-        )
-        if live_keys[0] is not None and current != live_keys[0]:
-            self._emit(Event(body, "SigningKeyRotated", f"signing key rotated, new key id {key_id(current)}"))
+        if live_keys is not None and rotation and rotation != live_keys.rotated_for:
+            wait = B.key_propagation_left(live_keys, self._clock(), self.opts.signing_key_propagation_seconds)
+            if wait > 0:
+                log.info("class %s: rotation %r waits %.0fs for the previous one", name, rotation, wait)
+                self.later(class_key(name), wait + 0.5)
+                rotation = live_keys.rotated_for
+        needs_key = live_keys is None or bool(rotation and rotation != live_keys.rotated_for)
+        keys = B.plan_signing_keys(live_keys, rotation, self._new_key() if needs_key else b"", now_rfc3339())
+        if live_keys is not None and keys.current != live_keys.current:
+            self._emit(
+                Event(
+                    body,
+                    "SigningKeyRotated",
+                    f"signing key rotated, new key id {key_id(keys.current)}; the router signs with it "
+                    f"once every engine holds it ({self.opts.signing_key_propagation_seconds:.0f}s)",
+                )
+            )
         try:
             shared_texts = self._shared_prefix_texts(tc, ns_name)
         except LookupError as e:
@@ -307,7 +324,7 @@ class Reconciler:
         try:
             objs = B.children(
                 tc,
-                signing=(current, previous, token),
+                signing=keys,
                 tenant_quotas=self.state.tenant_quotas.get(name),
                 opts=self.opts,
                 owner=owner,
@@ -332,14 +349,23 @@ class Reconciler:
                 deployment_live = applied
         if changed:
             self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
-        rolled_out = self._class_status(body, tc, deployment=deployment_live, key=current)
-        # After a rotation the router keeps signing with the previous key until every engine pod runs
-        # with the new one (the key id is in the pod template), so no request is signed with a key an
-        # engine does not hold yet; then the new key goes first. Both keys verify throughout.
-        keys = (current,) if previous is None else (current, previous) if rolled_out else (previous, current)
+        # After a rotation the router keeps signing with the previous key until every engine holds the
+        # new one: the kubelet refreshes the mounted Secret in place (no new pod) and the engines reload
+        # it, within the propagation delay counted from the rotation time on the Secret (it survives an
+        # operator restart). Then the new key goes first. Engines verify both keys throughout.
+        wait = B.key_propagation_left(keys, self._clock(), self.opts.signing_key_propagation_seconds)
+        if wait > 0:
+            self.later(class_key(name), wait + 0.5)
+        router_keys = B.router_signing_keys(keys, propagated=wait == 0)
+        self._class_status(body, tc, deployment=deployment_live, key=router_keys[0])
         follow: set[Key] = set()
-        if self.state.signing.get(name) != keys:
-            self.state.signing[name] = keys
+        old = self.state.signing.get(name)
+        if old != router_keys:
+            if old is not None and old[0] != router_keys[0]:
+                self._emit(
+                    Event(body, "SigningKeyActive", f"the router signs with key id {key_id(router_keys[0])}")
+                )
+            self.state.signing[name] = router_keys
             follow.add(ROUTING)
         return follow
 
@@ -370,8 +396,14 @@ class Reconciler:
         ns, keys = self.state.class_namespace.get(name), self.state.signing.get(name)
         if ns is None or keys is None:
             return {class_key(name)}
-        cur, prev, _ = B.read_signing_secret(self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns))
-        live = set() if cur is None else {cur} if prev is None else {cur, prev}
+        held = B.read_signing_secret(self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns))
+        live = (
+            set()
+            if held is None
+            else {held.current}
+            if held.previous is None
+            else {held.current, held.previous}
+        )
         return set() if live == set(keys) else {class_key(name)}
 
     def _ensure(self, desired: Obj, live: Obj | None, changed: list[str]) -> Obj | None:
@@ -623,15 +655,12 @@ class Reconciler:
         if cached is not None:
             return cached
         secret = self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, tc.target_namespace)
-        cur, prev, _ = B.read_signing_secret(secret)
-        if cur is None:
+        held = B.read_signing_secret(secret)
+        if held is None:
             return ()
-        if prev is None:
-            keys: tuple[bytes, ...] = (cur,)
-        else:
-            # (after a restart) the same order reconcile_class uses: previous first until rolled out
-            dep = self.kube.get("apps/v1", "Deployment", B.ENGINE_NAME, tc.target_namespace) or {}
-            keys = (cur, prev) if _rolled_out_with(dep, key_id(cur)) else (prev, cur)
+        # (after a restart) the order reconcile_class uses: the previous key first until propagated
+        wait = B.key_propagation_left(held, self._clock(), self.opts.signing_key_propagation_seconds)
+        keys = B.router_signing_keys(held, propagated=wait == 0)
         self.state.signing[tc.name] = keys
         return keys
 
