@@ -515,14 +515,14 @@ def test_a_cpu_vllm_class_renders_the_cpu_backend_and_its_kv_cache_size(make_tc:
     i = args.index("--kv-cache-memory-bytes")
     assert args[i + 1] == str(2**30)
     assert "--gpu-memory-utilization" not in args
-    (c,) = B.deployment(cpu, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"]
+    (c,) = B.deployment(cpu, "h", OPTS)["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert c["resources"] == {"requests": {"memory": "6Gi"}, "limits": {"memory": "6Gi"}}
     assert not any("nvidia" in k for k in c["resources"]["requests"])
     # a GPU class: neither the CPU environment nor a KV size unless it sets kvCacheMemory
     gpu = make_tc(engine={"runtime": "vllm"})
-    (g,) = B.deployment(gpu, "h", "k", OPTS)["spec"]["template"]["spec"]["containers"]
+    (g,) = B.deployment(gpu, "h", OPTS)["spec"]["template"]["spec"]["containers"]
     assert not {"VLLM_TARGET_DEVICE", "VLLM_CPU_OMP_THREADS_BIND"} & {e["name"] for e in g["env"]}
     assert "--kv-cache-memory-bytes" not in B.vllm_args(gpu)
     sized = B.vllm_args(make_tc(engine={"runtime": "vllm", "kvCacheMemory": "40G"}))
