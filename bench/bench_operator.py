@@ -41,8 +41,8 @@ from support import prom  # noqa: E402
 
 from kvfence.api.trustclass import TrustClass  # noqa: E402
 from kvfence.contract import new_signing_key  # noqa: E402
+from kvfence.operator import bindings as R  # noqa: E402
 from kvfence.operator import builders as B  # noqa: E402
-from kvfence.operator import routes as R  # noqa: E402
 from kvfence.operator.apply import Kube, load_api_client  # noqa: E402
 
 SCALES = {"small": (20, 200), "issue": (200, 2000), "large": (1000, 10000)}

@@ -279,7 +279,7 @@ def test_compile_is_pure_function_of_table() -> None:
 def test_reads_the_table_as_the_operator_renders_it() -> None:
     """The operator writes ``table_json(RoutingTable)`` into the Secret; the router must read it."""
     from kvfence.contract.routing import RoutingTable
-    from kvfence.operator.routes import table_json
+    from kvfence.operator.bindings import table_json
 
     model = RoutingTable.model_validate(standard_table("http://gold:8000", "http://silver:8000"))
     compiled = parse_table(table_json(model).encode())

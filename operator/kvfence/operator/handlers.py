@@ -22,6 +22,7 @@ from kubernetes import client as k8s
 from kvfence.api.common import GROUP, VERSION
 from kvfence.operator import metrics
 from kvfence.operator.apply import load_api_client
+from kvfence.operator.bindings import accepted_key
 from kvfence.operator.builders import (
     ANNOTATION_ROTATE,
     LABEL_MANAGED_BY,
@@ -30,7 +31,6 @@ from kvfence.operator.builders import (
 )
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
 from kvfence.operator.reconciler import ROUTING, Key, Reconciler, Requeue, class_key
-from kvfence.operator.routes import accepted_key
 from kvfence.operator.secretwatch import (
     DELETED,
     SIGNING_SECRET_FIELD_SELECTOR,

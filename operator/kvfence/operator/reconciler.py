@@ -26,8 +26,16 @@ from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
 from kvfence.operator import builders as B
-from kvfence.operator import routes as R
 from kvfence.operator.apply import Kube, KubeError, is_subset, now_rfc3339
+from kvfence.operator.bindings import (
+    ClassState,
+    Decision,
+    KeyLookup,
+    accepted_key,
+    api_keys_from_secret,
+    decide,
+    routing_secret,
+)
 
 log = logging.getLogger("kvfence.operator")
 
@@ -185,7 +193,7 @@ class State:
     signing: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     #: binding key -> ((secret name, secret key, binding resourceVersion), lookup, the Secret's
     #: resourceVersion when it was read)
-    keys: dict[str, tuple[tuple[str, str | None, str], R.KeyLookup, str]] = field(default_factory=dict)
+    keys: dict[str, tuple[tuple[str, str | None, str], KeyLookup, str]] = field(default_factory=dict)
     #: (namespace, name) of an API-key Secret -> the latest resourceVersion its watch reported
     #: (``secretwatch.DELETED`` once deleted). A cached lookup of an older version is read again.
     secret_versions: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -586,7 +594,7 @@ class Reconciler:
             n["metadata"]["name"]: dict(n["metadata"].get("labels") or {})
             for n in self.kube.list("v1", "Namespace")
         }
-        classes: dict[str, R.ClassState] = {}
+        classes: dict[str, ClassState] = {}
         for body in tc_bodies:
             try:
                 tc = TrustClass.model_validate(body)
@@ -597,7 +605,7 @@ class Reconciler:
                 tc = last
             deleting = bool(body["metadata"].get("deletionTimestamp"))
             keys = () if deleting else self._signing_keys(tc)
-            classes[tc.name] = R.ClassState(tc, keys, deleting)
+            classes[tc.name] = ClassState(tc, keys, deleting)
         bindings: list[TenantBinding] = []
         raw: dict[str, Obj] = {}
         for body in tb_bodies:
@@ -611,12 +619,12 @@ class Reconciler:
         for b in bindings:
             accepted = b.accepted_spec()
             if accepted is not None and accepted.api_key_secret_ref != b.spec.api_key_secret_ref:
-                lookups[R.accepted_key(b.key)] = self._api_keys(b, accepted, R.accepted_key(b.key))
+                lookups[accepted_key(b.key)] = self._api_keys(b, accepted, accepted_key(b.key))
         live_keys = set(lookups)
         for k in list(self.state.keys):
             if k not in live_keys:
                 del self.state.keys[k]
-        out = R.decide(classes, bindings, namespaces, lookups, self.opts)
+        out = decide(classes, bindings, namespaces, lookups, self.opts)
 
         follow: set[Key] = set()
         bound: dict[str, int] = {}
@@ -636,7 +644,7 @@ class Reconciler:
         self.state.routing_ready.set()
         self.state.pending_follow |= {k for k in follow if k[1] in classes}
 
-        secret = with_spec_hash(R.routing_secret(out.table, self.opts))
+        secret = with_spec_hash(routing_secret(out.table, self.opts))
         live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
         if needs_apply(secret, live):
             self.kube.apply(secret)
@@ -669,9 +677,9 @@ class Reconciler:
         cached = self.state.keys.get(binding)
         return None if cached is None else cached[2]
 
-    def _api_keys(self, b: TenantBinding, spec: TenantBindingSpec, cache_key: str) -> R.KeyLookup:
+    def _api_keys(self, b: TenantBinding, spec: TenantBindingSpec, cache_key: str) -> KeyLookup:
         """The API keys of ``spec``'s Secret (cached under ``cache_key``: the binding's key, or
-        :func:`routes.accepted_key` of it for the Secret of its last accepted spec)."""
+        :func:`bindings.accepted_key` of it for the Secret of its last accepted spec)."""
         ref = spec.api_key_secret_ref
         ident = (ref.name, ref.key, str(b.metadata.get("resourceVersion", "")))
         cached = self.state.keys.get(cache_key)
@@ -682,7 +690,7 @@ class Reconciler:
             secret = self.kube.get("v1", "Secret", ref.name, b.namespace)
         except KubeError as e:
             if e.forbidden:
-                lookup = R.KeyLookup(
+                lookup = KeyLookup(
                     error=C.REASON_SECRET_FORBIDDEN,
                     message=f"the operator may not read Secret {b.namespace}/{ref.name} "
                     "(bind the kvfence-operator-tenant-secrets ClusterRole in this namespace)",
@@ -690,23 +698,21 @@ class Reconciler:
                 return lookup  # not cached: a RoleBinding granted later is seen at the next reconcile
             raise
         if secret is None:
-            lookup = R.KeyLookup(
+            lookup = KeyLookup(
                 error=C.REASON_SECRET_NOT_FOUND, message=f"Secret {b.namespace}/{ref.name} not found"
             )
         else:
             try:
-                keys = R.api_keys_from_secret(secret, ref.key)
-                lookup = R.KeyLookup(hashes=tuple(sorted({hash_api_key(k) for k in keys})))
+                keys = api_keys_from_secret(secret, ref.key)
+                lookup = KeyLookup(hashes=tuple(sorted({hash_api_key(k) for k in keys})))
             except (ValueError, UnicodeDecodeError):
-                lookup = R.KeyLookup(
-                    error=C.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text"
-                )
+                lookup = KeyLookup(error=C.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text")
         if lookup.error is None:
             version = str(((secret or {}).get("metadata") or {}).get("resourceVersion", ""))
             self.state.keys[cache_key] = (ident, lookup, version)
         return lookup
 
-    def _binding_status(self, body: Obj, d: R.Decision) -> None:
+    def _binding_status(self, body: Obj, d: Decision) -> None:
         meta = body["metadata"]
         gen = meta.get("generation")
         live_status: Obj = body.get("status") or {}

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvfence.api import conditions as C
 from kvfence.contract.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable, hash_api_key
-from kvfence.operator import routes as R
+from kvfence.operator import bindings as R
 from kvfence.operator.builders import OperatorOptions
 
 OPTS = OperatorOptions()
