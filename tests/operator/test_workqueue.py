@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 from kvfence.operator.handlers import Controller
-from kvfence.operator.reconciler import ROUTING, Key, Requeue
+from kvfence.operator.keys import ROUTING, ClassKey, Key
+from kvfence.operator.reconciler import Requeue
 
 
 class FakeReconciler:
@@ -40,9 +41,9 @@ class FakeReconciler:
         if self.fail_times > 0:
             self.fail_times -= 1
             raise RuntimeError("boom")
-        if key == ("class", "timer"):
-            self.later[("class", "timed")] = 0.5
-        return {("class", "follow")} if key == ("class", "a") else set()
+        if key == ClassKey("timer"):
+            self.later[ClassKey("timed")] = 0.5
+        return {ClassKey("follow")} if key == ClassKey("a") else set()
 
 
 async def _run(rec: FakeReconciler, keys: list[Key], settle: float, until: Any = None) -> None:
@@ -62,20 +63,20 @@ async def _run(rec: FakeReconciler, keys: list[Key], settle: float, until: Any =
 
 def test_bursts_collapse_and_a_key_never_runs_twice_at_once() -> None:
     rec = FakeReconciler()
-    asyncio.run(_run(rec, [("class", "a")] * 20 + [ROUTING] * 20, 1.0))
+    asyncio.run(_run(rec, [ClassKey("a")] * 20 + [ROUTING] * 20, 1.0))
     assert not rec.overlap
-    assert 1 <= rec.calls.count(("class", "a")) <= 2
+    assert 1 <= rec.calls.count(ClassKey("a")) <= 2
     assert 1 <= rec.calls.count(ROUTING) <= 3  # started once by the controller itself, plus the burst
-    assert ("class", "follow") in rec.calls  # follow-up keys are reconciled too
+    assert ClassKey("follow") in rec.calls  # follow-up keys are reconciled too
 
 
 def test_errors_and_requeues_are_retried() -> None:
     rec = FakeReconciler(fail_times=2)
-    asyncio.run(_run(rec, [("class", "x")], 0.1, until=lambda: rec.calls.count(("class", "x")) >= 3))
-    assert rec.calls.count(("class", "x")) >= 3
+    asyncio.run(_run(rec, [ClassKey("x")], 0.1, until=lambda: rec.calls.count(ClassKey("x")) >= 3))
+    assert rec.calls.count(ClassKey("x")) >= 3
     rec = FakeReconciler(requeue_times=3)
-    asyncio.run(_run(rec, [("class", "y")], 0.1, until=lambda: rec.calls.count(("class", "y")) >= 2))
-    assert rec.calls.count(("class", "y")) >= 2
+    asyncio.run(_run(rec, [ClassKey("y")], 0.1, until=lambda: rec.calls.count(ClassKey("y")) >= 2))
+    assert rec.calls.count(ClassKey("y")) >= 2
 
 
 def test_a_key_asked_for_later_is_reconciled_after_its_delay() -> None:
@@ -84,9 +85,9 @@ def test_a_key_asked_for_later_is_reconciled_after_its_delay() -> None:
     seen: list[float] = []
 
     def timed() -> bool:
-        if ("class", "timed") in rec.calls and not seen:
+        if ClassKey("timed") in rec.calls and not seen:
             seen.append(time.monotonic() - started)
         return bool(seen)
 
-    asyncio.run(_run(rec, [("class", "timer")], 0.0, until=timed))
+    asyncio.run(_run(rec, [ClassKey("timer")], 0.0, until=timed))
     assert seen[0] >= 0.5  # not before its delay

@@ -30,7 +30,8 @@ from kvfence.operator.builders import (
     SIGNING_SECRET_NAME,
 )
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
-from kvfence.operator.reconciler import ROUTING, Key, Reconciler, Requeue, class_key
+from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key
+from kvfence.operator.reconciler import Reconciler, Requeue
 from kvfence.operator.secretwatch import (
     DELETED,
     SIGNING_SECRET_FIELD_SELECTOR,
@@ -167,7 +168,7 @@ class Controller:
         )
         for b in stale:
             ns, bname = b.split("/", 1)
-            self.enqueue(("binding", ns, bname), COALESCE_SECONDS)
+            self.enqueue(BindingSecretKey(ns, bname), COALESCE_SECONDS)
 
     async def _worker(self, _: int) -> None:
         assert self._queue is not None
@@ -176,7 +177,7 @@ class Controller:
             self._queued.discard(key)
             metrics.QUEUE_DEPTH.set(len(self._queued))
             self._processing.add(key)
-            kind = key[0]
+            kind = key.kind
             started = time.monotonic()
             follow: set[Key] = set()
             try:
@@ -193,9 +194,7 @@ class Controller:
                 delay = min(60.0, 0.5 * 2 ** min(n, 7))
                 metrics.RECONCILES.labels(kind=kind, result="error").inc()
                 metrics.RECONCILE_ERRORS.labels(kind=kind).inc()
-                log.warning(
-                    "reconcile %s failed (attempt %d, retry in %.1fs): %s", "/".join(key), n, delay, e
-                )
+                log.warning("reconcile %s failed (attempt %d, retry in %.1fs): %s", key, n, delay, e)
                 self.enqueue(key, delay)
             finally:
                 metrics.RECONCILE_SECONDS.labels(kind=kind).observe(time.monotonic() - started)
@@ -217,7 +216,7 @@ class Controller:
             self.reconciler.state.keys.clear()
             self.enqueue(ROUTING)
             for name in sorted(self.known_classes):
-                self.enqueue(("secrets", name))
+                self.enqueue(ClassSecretKey(name))
 
 
 def _controller(memo: Any) -> Controller:
@@ -282,7 +281,7 @@ async def trustclass_event(name: str, type: str | None, meta: kopf.Meta, memo: A
         if c.class_signatures.get(name) == signature:
             return
         c.class_signatures[name] = signature
-    c.enqueue(class_key(name))
+    c.enqueue(ClassKey(name))
     c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
@@ -337,7 +336,7 @@ async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo
         c.enqueue(ROUTING, COALESCE_SECONDS)  # a namespace's labels decide which bindings its class admits
     owner = (labels or {}).get(LABEL_TRUST_CLASS)
     if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER:
-        c.enqueue(class_key(owner), COALESCE_SECONDS)
+        c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
 
 def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
@@ -345,7 +344,7 @@ def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
     async def child_event(labels: kopf.Labels, memo: Any, **_: Any) -> None:
         owner = labels.get(LABEL_TRUST_CLASS)
         if owner:
-            _controller(memo).enqueue(class_key(owner), COALESCE_SECONDS)
+            _controller(memo).enqueue(ClassKey(owner), COALESCE_SECONDS)
 
     return child_event
 
@@ -367,7 +366,7 @@ async def signing_key_secret_event(
         metrics.SECRET_EVENTS.labels("signing-key", "ignored").inc()
         return
     metrics.SECRET_EVENTS.labels("signing-key", "enqueued").inc()
-    c.enqueue(("secrets", owner), COALESCE_SECONDS)
+    c.enqueue(ClassSecretKey(owner), COALESCE_SECONDS)
 
 
 #: Label of user ConfigMaps holding a class's shared prefixes (sharedPrefixes[].configMapKeyRef): labelled
@@ -383,7 +382,7 @@ async def shared_prefix_configmap_event(namespace: str | None, memo: Any, **_: A
     labels = c.namespace_labels.get(namespace or "") or {}
     owner = labels.get(LABEL_TRUST_CLASS)
     if owner and labels.get(LABEL_MANAGED_BY) == MANAGER:
-        c.enqueue(class_key(owner), COALESCE_SECONDS)
+        c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
 
 # Children the operator watches: an edit or a delete of one of them is repaired at once. The

@@ -1,7 +1,7 @@
 """Level-based reconciliation: read what is, build what should be, apply only the difference.
 
-Nothing here depends on kopf: :class:`Reconciler` is driven by keys (``("class", name)`` or
-``("routing",)``) from the work queue in :mod:`kvfence.operator.handlers`, and is safe to call again
+Nothing here depends on kopf: :class:`Reconciler` is driven by typed keys (:mod:`kvfence.operator.keys`)
+from the work queue in :mod:`kvfence.operator.handlers`, and is safe to call again
 at any time, for any reason (a watch event, a resync, a retry, a restart). A reconcile that finds the
 cluster as it should be sends no write request at all.
 """
@@ -36,12 +36,11 @@ from kvfence.operator.bindings import (
     decide,
     routing_secret,
 )
+from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key, RoutingKey
 
 log = logging.getLogger("kvfence.operator")
 
 Obj = dict[str, Any]
-Key = tuple[str, ...]
-ROUTING: Key = ("routing",)
 FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
 #: status fields holding the last accepted spec (both kinds) and its generation
@@ -55,10 +54,6 @@ class Requeue(Exception):
     def __init__(self, message: str, delay: float = 2.0) -> None:
         super().__init__(message)
         self.delay = delay
-
-
-def class_key(name: str) -> Key:
-    return ("class", name)
 
 
 def spec_hash(obj: Obj) -> str:
@@ -238,16 +233,17 @@ class Reconciler:
     # ---------------------------------------------------------------------------------------------
     def reconcile(self, key: Key) -> set[Key]:
         """Reconcile one key; return the keys that must be reconciled because of it."""
-        if key == ROUTING:
-            return self.reconcile_routing()
-        if key[0] == "class":
-            return self.reconcile_class(key[1])
-        if key[0] == "secrets":
-            return self.check_class_secret(key[1])
-        if key[0] == "binding":
-            # The binding's API-key Secret changed (its watch said so): read it again, decide again.
-            self.state.keys.pop(f"{key[1]}/{key[2]}", None)
-            return {ROUTING}
+        match key:
+            case RoutingKey():
+                return self.reconcile_routing()
+            case ClassKey(name):
+                return self.reconcile_class(name)
+            case ClassSecretKey(name):
+                return self.check_class_secret(name)
+            case BindingSecretKey(namespace, name):
+                # The binding's API-key Secret changed (its watch said so): read it again, decide again.
+                self.state.keys.pop(f"{namespace}/{name}", None)
+                return {ROUTING}
         raise ValueError(f"unknown key {key!r}")
 
     # --- TrustClass ------------------------------------------------------------------------------
@@ -309,7 +305,7 @@ class Reconciler:
             wait = B.key_propagation_left(live_keys, self._clock(), self.opts.signing_key_propagation_seconds)
             if wait > 0:
                 log.info("class %s: rotation %r waits %.0fs for the previous one", name, rotation, wait)
-                self.later(class_key(name), wait + 0.5)
+                self.later(ClassKey(name), wait + 0.5)
                 rotation = live_keys.rotated_for
         needs_key = live_keys is None or bool(rotation and rotation != live_keys.rotated_for)
         keys = B.plan_signing_keys(live_keys, rotation, self._new_key() if needs_key else b"", now_rfc3339())
@@ -363,7 +359,7 @@ class Reconciler:
         # operator restart). Then the new key goes first. Engines verify both keys throughout.
         wait = B.key_propagation_left(keys, self._clock(), self.opts.signing_key_propagation_seconds)
         if wait > 0:
-            self.later(class_key(name), wait + 0.5)
+            self.later(ClassKey(name), wait + 0.5)
         router_keys = B.router_signing_keys(keys, propagated=wait == 0)
         self._class_status(body, tc, deployment=deployment_live, key=router_keys[0])
         follow: set[Key] = set()
@@ -403,7 +399,7 @@ class Reconciler:
         child is watched, so its drift has already been repaired."""
         ns, keys = self.state.class_namespace.get(name), self.state.signing.get(name)
         if ns is None or keys is None:
-            return {class_key(name)}
+            return {ClassKey(name)}
         held = B.read_signing_secret(self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns))
         live = (
             set()
@@ -412,7 +408,7 @@ class Reconciler:
             if held.previous is None
             else {held.current, held.previous}
         )
-        return set() if live == set(keys) else {class_key(name)}
+        return set() if live == set(keys) else {ClassKey(name)}
 
     def _ensure(self, desired: Obj, live: Obj | None, changed: list[str]) -> Obj | None:
         desired = with_spec_hash(desired)
@@ -633,16 +629,16 @@ class Reconciler:
                 bound[d.trust_class] = bound.get(d.trust_class, 0) + 1
         for name in set(classes) | set(self.state.tenant_quotas) | set(out.tenant_quotas):
             if self.state.tenant_quotas.get(name, {}) != out.tenant_quotas.get(name, {}):
-                follow.add(class_key(name))
+                follow.add(ClassKey(name))
         for name in classes:
             if self.state.bound_count.get(name, 0) != bound.get(name, 0):
-                follow.add(class_key(name))
+                follow.add(ClassKey(name))
         self.state.tenant_quotas = out.tenant_quotas
         self.state.bound_count = bound
         # The decisions are made: engines can be configured even if the write below fails (say, the
         # router's namespace does not exist yet); the follow-ups survive a failed attempt.
         self.state.routing_ready.set()
-        self.state.pending_follow |= {k for k in follow if k[1] in classes}
+        self.state.pending_follow |= {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
 
         secret = with_spec_hash(routing_secret(out.table, self.opts))
         live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
