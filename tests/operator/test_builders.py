@@ -504,3 +504,12 @@ def test_children_refuse_extra_args_that_undo_isolation(make_tc: Any, runtime: s
     objs = B.children(ok, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
     container = objs[-1]["spec"]["template"]["spec"]["containers"][0]
     assert (container.get("args") or container["command"])[-1] == "--enforce-eager"
+
+
+def test_replicas_managed_externally_leaves_the_count_to_the_autoscaler(make_tc: Any) -> None:
+    ext = make_tc(replicasManagedExternally=True)
+    assert "replicas" not in B.deployment(ext, "h", OPTS)["spec"]
+    assert B.deployment(make_tc(), "h", OPTS)["spec"]["replicas"] == 1  # unset: 1
+    assert B.deployment(make_tc(replicas=3), "h", OPTS)["spec"]["replicas"] == 3
+    with pytest.raises(ValidationError, match=r"spec\.replicas must be unset with replicasManagedExternally"):
+        make_tc(replicasManagedExternally=True, replicas=2)

@@ -557,6 +557,13 @@ class PrefixCacheSpec(KubeModel):
         return self
 
 
+REPLICAS_EXTERNAL = (
+    "spec.replicas must be unset with replicasManagedExternally: an HPA or KEDA ScaledObject in the "
+    "class namespace sizes deployment/kvfence-engine; scale that, and remove spec.replicas "
+    '(kubectl patch trustclass NAME --type json -p \'[{"op":"remove","path":"/spec/replicas"}]\')'
+)
+
+
 class QuotaSpec(KubeModel):
     """Per-tenant quotas of this trust class."""
 
@@ -601,6 +608,13 @@ class TrustClassSpec(KubeModel):
                     "reason": "FieldValueForbidden",
                 },
                 {
+                    "rule": "!has(self.replicasManagedExternally) || !self.replicasManagedExternally "
+                    "|| !has(self.replicas)",
+                    "message": REPLICAS_EXTERNAL,
+                    "fieldPath": ".replicas",
+                    "reason": "FieldValueForbidden",
+                },
+                {
                     "rule": "self.engine.runtime != 'vllm' || self.prefixCache.hashAlgorithm == 'sha256'",
                     "message": "the vllm runtime supports only the sha256 prefix-cache hash",
                     "fieldPath": ".prefixCache.hashAlgorithm",
@@ -640,11 +654,21 @@ class TrustClassSpec(KubeModel):
         "the operator); defaults to kvf-<name>. Immutable.",
     )
     engine: EngineSpec = Field(description="The engine that serves this class's tenants.")
-    replicas: int = Field(
-        1,
+    replicas: int | None = Field(
+        None,
         ge=0,
         le=1024,
-        description="Engine replicas; also written through the /scale subresource (kubectl scale).",
+        description="Engine replicas (unset: 1); also written through the /scale subresource (kubectl "
+        "scale). Must be unset with replicasManagedExternally.",
+    )
+    replicas_managed_externally: bool = Field(
+        False,
+        alias="replicasManagedExternally",
+        description="The engine Deployment's replicas are sized by something else: an HPA or a KEDA "
+        "ScaledObject in the class's namespace targeting deployment/kvfence-engine (an autoscaler's "
+        "target must be in its own namespace; a TrustClass is cluster-scoped). The operator then never "
+        "sets them (it keeps the current count when it hands them over) and status shows the "
+        "Deployment's desired and ready replicas.",
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec,
@@ -673,6 +697,17 @@ class TrustClassSpec(KubeModel):
         description="Namespaces whose TenantBindings may bind to this class. Unset: none; {}: all.",
     )
 
+    @model_validator(mode="after")
+    def _replicas_owner(self) -> TrustClassSpec:
+        if self.replicas_managed_externally and self.replicas is not None:
+            raise ValueError(REPLICAS_EXTERNAL)
+        return self
+
+    @property
+    def desired_replicas(self) -> int:
+        """The replicas the spec asks for (meaningless with replicasManagedExternally)."""
+        return 1 if self.replicas is None else self.replicas
+
 
 class TrustClassStatus(KubeModel):
     """Observed state of a trust class."""
@@ -688,7 +723,8 @@ class TrustClassStatus(KubeModel):
     desired_replicas: int | None = Field(
         None,
         alias="desiredReplicas",
-        description="Engine replicas the observed spec asks for (spec.replicas).",
+        description="Engine replicas asked for: spec.replicas, or with replicasManagedExternally the "
+        "engine Deployment's (as its autoscaler set them).",
     )
     replicas: int | None = Field(None, description="Engine pods that exist.")
     ready_replicas: int | None = Field(None, alias="readyReplicas", description="Engine pods that are ready.")
