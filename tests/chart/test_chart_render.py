@@ -49,7 +49,7 @@ def rendered() -> dict[str, list[Obj]]:
 
 
 def test_the_ci_values_files_exist() -> None:
-    assert {"default", "ha", "monitoring", "minimal"} <= set(CI)
+    assert {"default", "ha", "monitoring", "minimal", "autoscaling"} <= set(CI)
 
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=lambda v: "no-values" if v is None else v.name)
@@ -574,3 +574,45 @@ def test_router_follows_endpointslices_with_exactly_the_rbac_it_needs(rendered: 
     assert r["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     plain = parse_args(container(r)["args"])
     assert not plain.endpoint_slices and not plain.router_service
+
+
+def test_engine_autoscaling_example_renders_keda_scaledobjects_in_the_class_namespaces(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    assert not find(rendered["default"], "ScaledObject")  # opt-in
+    gold, silver = find(rendered["autoscaling"], "ScaledObject")
+    assert (gold["metadata"]["namespace"], silver["metadata"]["namespace"]) == ("kvf-gold", "llm-silver")
+    for so in (gold, silver):
+        # an autoscaler's target is in its own namespace: the class's engine Deployment
+        assert so["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": builders.ENGINE_NAME,
+        }
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "prometheus"
+        ns = so["metadata"]["namespace"]
+        assert trigger["metadata"]["query"] == f'sum(vllm:num_requests_waiting{{namespace="{ns}"}})'
+    assert (gold["spec"]["minReplicaCount"], gold["spec"]["maxReplicaCount"]) == (1, 4)
+    assert gold["spec"]["triggers"][0]["metadata"]["threshold"] == "4"
+    assert gold["spec"]["triggers"][0]["metadata"]["serverAddress"].startswith("http://prometheus-operated.")
+    assert (silver["spec"]["minReplicaCount"], silver["spec"]["maxReplicaCount"]) == (2, 8)
+    assert silver["spec"]["triggers"][0]["metadata"]["threshold"] == "10"
+    assert (
+        silver["spec"]["triggers"][0]["metadata"]["serverAddress"]
+        == "http://prometheus.observability.svc:9090"
+    )
+
+
+def test_engine_autoscaling_refuses_min_above_max() -> None:
+    res = render_raw(
+        sets=[
+            "engineAutoscaling.keda[0].trustClass=gold",
+            "engineAutoscaling.keda[0].maxReplicas=1",
+            "engineAutoscaling.keda[0].minReplicas=3",
+        ],
+        check=False,
+    )
+    assert res.returncode != 0 and "minReplicas must not exceed maxReplicas" in res.stderr
+    res = render_raw(sets=["engineAutoscaling.keda[0].trustClass=gold"], check=False)
+    assert res.returncode != 0 and "maxReplicas" in res.stderr

@@ -527,3 +527,12 @@ def test_a_cpu_vllm_class_renders_the_cpu_backend_and_its_kv_cache_size(make_tc:
     assert "--kv-cache-memory-bytes" not in B.vllm_args(gpu)
     sized = B.vllm_args(make_tc(engine={"runtime": "vllm", "kvCacheMemory": "40G"}))
     assert sized[sized.index("--kv-cache-memory-bytes") + 1] == str(40 * 10**9)
+
+
+def test_replicas_managed_externally_leaves_the_count_to_the_autoscaler(make_tc: Any) -> None:
+    ext = make_tc(replicasManagedExternally=True)
+    assert "replicas" not in B.deployment(ext, "h", OPTS)["spec"]
+    assert B.deployment(make_tc(), "h", OPTS)["spec"]["replicas"] == 1  # unset: 1
+    assert B.deployment(make_tc(replicas=3), "h", OPTS)["spec"]["replicas"] == 3
+    with pytest.raises(ValidationError, match=r"spec\.replicas must be unset with replicasManagedExternally"):
+        make_tc(replicasManagedExternally=True, replicas=2)

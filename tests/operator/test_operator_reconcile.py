@@ -663,3 +663,77 @@ def test_kubectl_scale_sizes_the_engine_through_the_scale_subresource(
 def pods_with(kv: Any, ns: str, selector: str) -> list[dict[str, Any]]:
     got = kv.json("get", "pods", "-n", ns, "-l", selector)
     return [p for p in (got or {}).get("items", []) if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_an_autoscaler_owns_the_engine_replicas_with_replicas_managed_externally(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    """An HPA or KEDA in the class namespace writes deployment/kvfence-engine's /scale: with
+    ``replicasManagedExternally`` the operator never fights it, and hands the count over unchanged."""
+    cleanup.append("autoscaled")
+    ns = "kvf-autoscaled"
+    assert kv.apply(trust_class("autoscaled", replicas=2, resources={"gpu": {"count": 0}})).returncode == 0
+    wait(lambda: ready(kv, "autoscaled"), "two replicas ready", 180, dump=operator.tail)
+
+    def dep() -> dict[str, Any]:
+        got: dict[str, Any] = kv.json("get", "deploy", "kvfence-engine", "-n", ns, "--show-managed-fields")
+        return got
+
+    def managers_of_replicas() -> set[str]:
+        return {
+            m["manager"]
+            for m in dep()["metadata"]["managedFields"]
+            if "f:replicas" in (m.get("fieldsV1") or {}).get("f:spec", {})
+        }
+
+    assert "kvfence-operator" in managers_of_replicas()
+    # Both at once is refused, naming the field (and the fix).
+    both = trust_class(
+        "autoscaled", replicas=2, replicasManagedExternally=True, resources={"gpu": {"count": 0}}
+    )
+    res = kv.apply(both)
+    assert res.returncode != 0 and "spec.replicas" in res.stderr and "replicasManagedExternally" in res.stderr
+    # Hand the replicas over: the tests' field manager drops spec.replicas in the same apply.
+    ext = trust_class("autoscaled", replicasManagedExternally=True, resources={"gpu": {"count": 0}})
+    assert kv.apply(ext).returncode == 0
+    assert "replicas" not in kv.json("get", "trustclass", "autoscaled")["spec"]
+    wait(lambda: "kvfence-operator" not in managers_of_replicas(), "the operator lets go of replicas", 60)
+    assert dep()["spec"]["replicas"] == 2  # kept, not reset to the Deployment default
+    generation = dep()["metadata"]["generation"]
+
+    # What an HPA controller does: write the Deployment's /scale.
+    kv("scale", "deployment/kvfence-engine", "-n", ns, "--replicas=3")
+
+    def status_at(n: int) -> bool:
+        st = kv.json("get", "trustclass", "autoscaled").get("status") or {}
+        return st.get("desiredReplicas") == n and st.get("readyReplicas") == n and ready(kv, "autoscaled")
+
+    wait(lambda: status_at(3), "status shows the autoscaler's 3 replicas, ready", 180, dump=operator.tail)
+    # A reconcile after the write (a class edit that needs no new pods) leaves it alone.
+    edited = trust_class(
+        "autoscaled",
+        replicasManagedExternally=True,
+        resources={"gpu": {"count": 0}},
+        quotas={"defaults": {"requestsPerMinute": 100}},
+    )
+    assert kv.apply(edited).returncode == 0
+    tc_gen = kv.json("get", "trustclass", "autoscaled")["metadata"]["generation"]
+    wait(
+        lambda: kv.json("get", "trustclass", "autoscaled")["status"].get("observedGeneration") == tc_gen,
+        "the edit reconciled",
+        60,
+    )
+    assert dep()["spec"]["replicas"] == 3 and dep()["metadata"]["generation"] == generation + 1
+    # kubectl scale on the TrustClass is refused while the autoscaler owns the count.
+    res = kv("scale", "trustclass", "autoscaled", "--replicas", "1", check=False)
+    assert res.returncode != 0 and "replicasManagedExternally" in res.stderr, res.stderr
+    kv("scale", "deployment/kvfence-engine", "-n", ns, "--replicas=1")
+    wait(lambda: status_at(1), "status follows the autoscaler down to 1", 180, dump=operator.tail)
+
+    # Back to the operator: spec.replicas is the count again, and drift is repaired.
+    assert kv.apply(trust_class("autoscaled", replicas=2, resources={"gpu": {"count": 0}})).returncode == 0
+    wait(
+        lambda: dep()["spec"]["replicas"] == 2, "the operator sizes the engine again", 60, dump=operator.tail
+    )
+    assert "kvfence-operator" in managers_of_replicas()
+    wait(lambda: status_at(2), "two replicas ready", 180)

@@ -626,6 +626,13 @@ class PrefixCacheSpec(KubeModel):
         return self
 
 
+REPLICAS_EXTERNAL = (
+    "spec.replicas must be unset with replicasManagedExternally: an HPA or KEDA ScaledObject in the "
+    "class namespace sizes deployment/kvfence-engine; scale that, and remove spec.replicas "
+    '(kubectl patch trustclass NAME --type json -p \'[{"op":"remove","path":"/spec/replicas"}]\')'
+)
+
+
 class QuotaSpec(KubeModel):
     """Per-tenant quotas of this trust class."""
 
@@ -667,6 +674,13 @@ class TrustClassSpec(KubeModel):
                     "(!has(self.__namespace__) || self.__namespace__ == oldSelf.__namespace__)",
                     "message": "namespace is immutable",
                     "fieldPath": ".namespace",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "!has(self.replicasManagedExternally) || !self.replicasManagedExternally "
+                    "|| !has(self.replicas)",
+                    "message": REPLICAS_EXTERNAL,
+                    "fieldPath": ".replicas",
                     "reason": "FieldValueForbidden",
                 },
                 {
@@ -718,11 +732,21 @@ class TrustClassSpec(KubeModel):
         "the operator); defaults to kvf-<name>. Immutable.",
     )
     engine: EngineSpec = Field(description="The engine that serves this class's tenants.")
-    replicas: int = Field(
-        1,
+    replicas: int | None = Field(
+        None,
         ge=0,
         le=1024,
-        description="Engine replicas; also written through the /scale subresource (kubectl scale).",
+        description="Engine replicas (unset: 1); also written through the /scale subresource (kubectl "
+        "scale). Must be unset with replicasManagedExternally.",
+    )
+    replicas_managed_externally: bool = Field(
+        False,
+        alias="replicasManagedExternally",
+        description="The engine Deployment's replicas are sized by something else: an HPA or a KEDA "
+        "ScaledObject in the class's namespace targeting deployment/kvfence-engine (an autoscaler's "
+        "target must be in its own namespace; a TrustClass is cluster-scoped). The operator then never "
+        "sets them (it keeps the current count when it hands them over) and status shows the "
+        "Deployment's desired and ready replicas.",
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec,
@@ -758,6 +782,16 @@ class TrustClassSpec(KubeModel):
             raise ValueError(GPU_COUNT_ON_CPU)
         return self
 
+    def _replicas_owner(self) -> TrustClassSpec:
+        if self.replicas_managed_externally and self.replicas is not None:
+            raise ValueError(REPLICAS_EXTERNAL)
+        return self
+
+    @property
+    def desired_replicas(self) -> int:
+        """The replicas the spec asks for (meaningless with replicasManagedExternally)."""
+        return 1 if self.replicas is None else self.replicas
+
 
 class TrustClassStatus(KubeModel):
     """Observed state of a trust class."""
@@ -773,7 +807,8 @@ class TrustClassStatus(KubeModel):
     desired_replicas: int | None = Field(
         None,
         alias="desiredReplicas",
-        description="Engine replicas the observed spec asks for (spec.replicas).",
+        description="Engine replicas asked for: spec.replicas, or with replicasManagedExternally the "
+        "engine Deployment's (as its autoscaler set them).",
     )
     replicas: int | None = Field(None, description="Engine pods that exist.")
     ready_replicas: int | None = Field(None, alias="readyReplicas", description="Engine pods that are ready.")

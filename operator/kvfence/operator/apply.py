@@ -239,5 +239,18 @@ def is_subset(desired: Any, live: Any) -> bool:
     return bool(desired == live)
 
 
+def manages(obj: Obj | None, manager: str, *path: str) -> bool:
+    """Whether ``manager`` owns the field at ``path`` of ``obj`` (server-side apply's managedFields)."""
+    for entry in ((obj or {}).get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") != manager:
+            continue
+        node: Any = entry.get("fieldsV1") or {}
+        for part in path:
+            node = node.get(f"f:{part}") if isinstance(node, dict) else None
+        if node is not None:
+            return True
+    return False
+
+
 def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

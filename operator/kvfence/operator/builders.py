@@ -31,6 +31,9 @@ from kvfence.contract.engine_config import (
 Obj = dict[str, Any]
 
 FIELD_MANAGER = "kvfence-operator"
+#: Takes the engine Deployment's replicas over from the operator when a class switches to
+#: replicasManagedExternally, so that the count stays as it is until the autoscaler writes its own.
+REPLICAS_HANDOVER_MANAGER = "kvfence-replicas-handover"
 APP = "kvfence"
 ENGINE_APP = "kvfence-engine"
 
@@ -570,7 +573,8 @@ def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj 
         "kind": "Deployment",
         "metadata": _meta(tc, ENGINE_NAME, "engine", opts, owner),
         "spec": {
-            "replicas": tc.spec.replicas,
+            # Not set with replicasManagedExternally: the class namespace's HPA/KEDA owns them.
+            **({} if tc.spec.replicas_managed_externally else {"replicas": tc.spec.desired_replicas}),
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(tc.name)},
             "strategy": rollout_strategy(tc),

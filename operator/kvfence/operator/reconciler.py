@@ -26,7 +26,7 @@ from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
 from kvfence.operator import builders as B
-from kvfence.operator.apply import Kube, KubeError, is_subset, now_rfc3339
+from kvfence.operator.apply import Kube, KubeError, is_subset, manages, now_rfc3339
 from kvfence.operator.bindings import (
     ClassState,
     Decision,
@@ -160,6 +160,14 @@ def status_patch(desired: Obj, live: Obj) -> Obj:
     if isinstance(desired.get(ACCEPTED_SPEC), dict) and isinstance(live.get(ACCEPTED_SPEC), dict):
         out[ACCEPTED_SPEC] = _with_removals(desired[ACCEPTED_SPEC], live[ACCEPTED_SPEC])
     return out
+
+
+def desired_replicas(tc: TrustClass, deployment: Obj | None) -> int:
+    """The engine replicas asked for: the spec's, or with replicasManagedExternally the Deployment's
+    (what its autoscaler set; 1, the Deployment default, before it exists)."""
+    if not tc.spec.replicas_managed_externally:
+        return tc.spec.desired_replicas
+    return int(((deployment or {}).get("spec") or {}).get("replicas", 1))
 
 
 def accepted_trust_class(body: Obj) -> TrustClass | None:
@@ -348,6 +356,8 @@ class Reconciler:
                 live = live_secret
             else:
                 live = self.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], ns_name)
+            if obj["kind"] == "Deployment" and tc.spec.replicas_managed_externally:
+                self._hand_over_replicas(live)
             applied = self._ensure(obj, live, changed)
             if obj["kind"] == "Deployment":
                 deployment_live = applied
@@ -372,6 +382,28 @@ class Reconciler:
             self.state.signing[name] = router_keys
             follow.add(ROUTING)
         return follow
+
+    def _hand_over_replicas(self, live: Obj | None) -> None:
+        """Before the operator applies an engine Deployment without replicas: if it owns them, another
+        field manager applies the live count first, so that dropping them from the operator's apply
+        keeps the count (server-side apply would otherwise remove the field: back to 1 replica) until
+        the autoscaler writes its own through /scale."""
+        if live is None or not manages(live, B.FIELD_MANAGER, "spec", "replicas"):
+            return
+        meta = live["metadata"]
+        count = (live.get("spec") or {}).get("replicas", 1)
+        self.kube.apply(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                "spec": {"replicas": count},
+            },
+            field_manager=B.REPLICAS_HANDOVER_MANAGER,
+        )
+        log.info(
+            "engine replicas of %s handed over at %s (replicasManagedExternally)", meta["namespace"], count
+        )
 
     def _shared_prefix_texts(self, tc: TrustClass, ns: str) -> dict[str, str]:
         """The text of each shared prefix kept in a ConfigMap of the class's namespace, by prefix name;
@@ -476,7 +508,7 @@ class Reconciler:
             status["namespace"] = tc.target_namespace
             status["endpoint"] = B.endpoint(tc, self.opts)
             status["boundTenants"] = self.state.bound_count.get(tc.name, 0)
-            status["desiredReplicas"] = tc.spec.replicas
+            status["desiredReplicas"] = desired_replicas(tc, deployment)
             status["selector"] = ",".join(f"{k}={v}" for k, v in sorted(B.selector_labels(tc.name).items()))
         if key is not None:
             status["signingKeyId"] = key_id(key)
@@ -496,7 +528,7 @@ class Reconciler:
             ]
         else:
             assert tc is not None
-            want = tc.spec.replicas
+            want = desired_replicas(tc, deployment)
             dstat: Obj = (deployment or {}).get("status") or {}
             dgen_ok = dstat.get("observedGeneration", 0) >= (deployment or {}).get("metadata", {}).get(
                 "generation", 1
