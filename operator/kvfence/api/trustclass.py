@@ -782,6 +782,7 @@ class TrustClassSpec(KubeModel):
             raise ValueError(GPU_COUNT_ON_CPU)
         return self
 
+    @model_validator(mode="after")
     def _replicas_owner(self) -> TrustClassSpec:
         if self.replicas_managed_externally and self.replicas is not None:
             raise ValueError(REPLICAS_EXTERNAL)
