@@ -6,7 +6,8 @@ import datetime as dt
 
 from kvfence.operator.apply import _resource_of, is_subset, path_for
 from kvfence.operator.leader import _parse
-from kvfence.operator.reconciler import needs_apply, set_condition, status_differs, with_spec_hash
+from kvfence.operator.reconciler import needs_apply, with_spec_hash
+from kvfence.operator.status import set_condition, status_differs
 
 
 def test_is_subset_ignores_server_defaults_but_not_drift() -> None:

@@ -37,6 +37,15 @@ from kvfence.operator.bindings import (
     routing_secret,
 )
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key, RoutingKey
+from kvfence.operator.status import (
+    ACCEPTED_GENERATION,
+    ACCEPTED_SPEC,
+    kstatus_conditions,
+    set_condition,
+    status_differs,
+    status_patch,
+    trust_class_status,
+)
 
 log = logging.getLogger("kvfence.operator")
 
@@ -44,8 +53,6 @@ Obj = dict[str, Any]
 FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
 #: status fields holding the last accepted spec (both kinds) and its generation
-ACCEPTED_SPEC = "acceptedSpec"
-ACCEPTED_GENERATION = "acceptedGeneration"
 
 
 class Requeue(Exception):
@@ -75,99 +82,6 @@ def needs_apply(desired: Obj, live: Obj | None) -> bool:
     if live is None:
         return True
     return not is_subset(desired, live)
-
-
-def set_condition(
-    existing: list[Obj], ctype: str, status: bool, reason: str, message: str, generation: int | None
-) -> Obj:
-    """A metav1.Condition; lastTransitionTime kept unless the status flips."""
-    st = "True" if status else "False"
-    old = next((c for c in existing if c.get("type") == ctype), None)
-    ltt = (
-        old["lastTransitionTime"]
-        if old and old.get("status") == st and old.get("lastTransitionTime")
-        else None
-    )
-    cond: Obj = {
-        "type": ctype,
-        "status": st,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": ltt or now_rfc3339(),
-    }
-    if generation is not None:
-        cond["observedGeneration"] = generation
-    return cond
-
-
-def kstatus_conditions(
-    existing: list[Obj], *, reconciling: Obj | None, stalled: tuple[str, str] | None, generation: int | None
-) -> list[Obj]:
-    """``Reconciling`` and ``Stalled`` as kstatus reads them: ``reconciling`` is the (reason, message)
-    of work in progress, ``stalled`` that of a state only a change by someone can leave; each False
-    (reason ``Reconciled``/``AsExpected``) otherwise. Stalled wins: never both True."""
-    if stalled is not None:
-        reconciling = None
-    return [
-        set_condition(
-            existing,
-            C.RECONCILING,
-            reconciling is not None,
-            (reconciling or {}).get("reason") or C.REASON_RECONCILED,
-            (reconciling or {}).get("message", ""),
-            generation,
-        ),
-        set_condition(
-            existing,
-            C.STALLED,
-            stalled is not None,
-            stalled[0] if stalled else C.REASON_AS_EXPECTED,
-            stalled[1] if stalled else "",
-            generation,
-        ),
-    ]
-
-
-def _strip_times(status: Obj) -> Obj:
-    out = dict(status)
-    out["conditions"] = sorted(
-        ({k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions", [])),
-        key=lambda c: str(c.get("type")),
-    )
-    return out
-
-
-def status_differs(desired: Obj, live: Obj | None) -> bool:
-    return _strip_times(desired) != _strip_times(live or {})
-
-
-def _with_removals(new: Obj, old: Obj) -> Obj:
-    """``new`` as a JSON merge patch over ``old``: every key of ``old`` that ``new`` lacks is null."""
-    out: Obj = {}
-    for k, v in new.items():
-        was = old.get(k)
-        out[k] = _with_removals(v, was) if isinstance(v, dict) and isinstance(was, dict) else v
-    for k in old:
-        if k not in new:
-            out[k] = None
-    return out
-
-
-def status_patch(desired: Obj, live: Obj) -> Obj:
-    """The merge patch that writes ``desired``: ``acceptedSpec`` replaced whole (a field the new spec
-    no longer sets must not survive from the old one)."""
-    out = dict(desired)
-    if isinstance(desired.get(ACCEPTED_SPEC), dict) and isinstance(live.get(ACCEPTED_SPEC), dict):
-        out[ACCEPTED_SPEC] = _with_removals(desired[ACCEPTED_SPEC], live[ACCEPTED_SPEC])
-    return out
-
-
-def desired_replicas(tc: TrustClass, deployment: Obj | None) -> int:
-    """The engine replicas asked for: the spec's, or with replicasManagedExternally the Deployment's
-    (what its autoscaler set; 1, the Deployment default, before it exists)."""
-    if not tc.spec.replicas_managed_externally:
-        return tc.spec.desired_replicas
-    return int(((deployment or {}).get("spec") or {}).get("replicas", 1))
 
 
 def accepted_trust_class(body: Obj) -> TrustClass | None:
@@ -497,118 +411,31 @@ class Reconciler:
         key: bytes | None = None,
         degraded: tuple[str, str] | None = None,
     ) -> bool:
-        """Patch the TrustClass status if it changed; return whether the engine rollout is complete."""
-        meta = body["metadata"]
-        gen = meta.get("generation")
-        rolled = False
+        """Patch the TrustClass status if it changed (:func:`status.trust_class_status`); return
+        whether the engine rolled out."""
+        out = trust_class_status(
+            body,
+            tc,
+            endpoint=B.endpoint(tc, self.opts) if tc is not None else None,
+            bound_tenants=self.state.bound_count.get(tc.name, 0) if tc is not None else 0,
+            deployment=deployment,
+            key=key,
+            degraded=degraded,
+        )
+        if out.ready_flipped is not None:
+            c = out.ready_flipped
+            ok = c["status"] == "True"
+            self._emit(Event(body, c["reason"], c["message"] or c["reason"], "Normal" if ok else "Warning"))
         live_status: Obj = body.get("status") or {}
-        existing = live_status.get("conditions", [])
-        status: Obj = {"observedGeneration": gen}
-        if tc is not None:
-            status["namespace"] = tc.target_namespace
-            status["endpoint"] = B.endpoint(tc, self.opts)
-            status["boundTenants"] = self.state.bound_count.get(tc.name, 0)
-            status["desiredReplicas"] = desired_replicas(tc, deployment)
-            status["selector"] = ",".join(f"{k}={v}" for k, v in sorted(B.selector_labels(tc.name).items()))
-        if key is not None:
-            status["signingKeyId"] = key_id(key)
-        if degraded is None and tc is not None:
-            # Everything the spec asks for was rendered and applied: it is the spec in force.
-            status[ACCEPTED_SPEC], status[ACCEPTED_GENERATION] = body.get("spec") or {}, gen
-        elif isinstance(live_status.get(ACCEPTED_SPEC), dict):
-            status[ACCEPTED_SPEC] = live_status[ACCEPTED_SPEC]
-            status[ACCEPTED_GENERATION] = live_status.get(ACCEPTED_GENERATION)
-        if degraded is not None:
-            reason, msg = degraded
-            conds = [
-                set_condition(existing, C.READY, False, reason, msg, gen),
-                set_condition(existing, C.PROGRESSING, False, reason, msg, gen),
-                set_condition(existing, C.DEGRADED, True, reason, msg, gen),
-                *kstatus_conditions(existing, reconciling=None, stalled=(reason, msg), generation=gen),
-            ]
-        else:
-            assert tc is not None
-            want = desired_replicas(tc, deployment)
-            dstat: Obj = (deployment or {}).get("status") or {}
-            dgen_ok = dstat.get("observedGeneration", 0) >= (deployment or {}).get("metadata", {}).get(
-                "generation", 1
-            )
-            ready = int(dstat.get("readyReplicas", 0) or 0)
-            available = int(dstat.get("availableReplicas", 0) or 0)
-            updated = int(dstat.get("updatedReplicas", 0) or 0)
-            total = int(dstat.get("replicas", 0) or 0)
-            status["replicas"] = total
-            status["readyReplicas"] = ready
-            dconds = {c.get("type"): c for c in dstat.get("conditions", [])}
-            stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
-            failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
-            rolled = dgen_ok and updated >= want and total == want and available >= want
-            rolled = rolled or want == 0
-            if want == 0:
-                ready_c = set_condition(
-                    existing, C.READY, False, C.REASON_SCALED_TO_ZERO, "replicas is 0", gen
-                )
-            elif rolled:
-                ready_c = set_condition(
-                    existing,
-                    C.READY,
-                    True,
-                    C.REASON_AVAILABLE,
-                    f"{available}/{want} engine replicas available",
-                    gen,
-                )
-            else:
-                ready_c = set_condition(
-                    existing,
-                    C.READY,
-                    False,
-                    C.REASON_UNAVAILABLE,
-                    f"{available}/{want} engine replicas available",
-                    gen,
-                )
-            if rolled or want == 0:
-                prog = set_condition(existing, C.PROGRESSING, False, C.REASON_ROLLOUT_COMPLETE, "", gen)
-            else:
-                prog = set_condition(
-                    existing,
-                    C.PROGRESSING,
-                    True,
-                    C.REASON_ROLLING_OUT,
-                    f"{updated}/{want} updated, {ready}/{want} ready",
-                    gen,
-                )
-            if stuck or failure:
-                why = (dconds.get("ReplicaFailure") or dconds.get("Progressing") or {}).get("message", "")
-                deg = set_condition(existing, C.DEGRADED, True, C.REASON_UNAVAILABLE, why, gen)
-            else:
-                deg = set_condition(existing, C.DEGRADED, False, C.REASON_AS_EXPECTED, "", gen)
-            conds = [
-                ready_c,
-                prog,
-                deg,
-                *kstatus_conditions(
-                    existing,
-                    reconciling=None if deg["status"] == "True" or prog["status"] != "True" else prog,
-                    stalled=(deg["reason"], deg["message"]) if deg["status"] == "True" else None,
-                    generation=gen,
-                ),
-            ]
-            old_ready: Obj = next((c for c in existing if c.get("type") == C.READY), {})
-            if old_ready.get("status") != ready_c["status"]:
-                self._emit(
-                    Event(
-                        body,
-                        ready_c["reason"],
-                        ready_c["message"] or ready_c["reason"],
-                        "Normal" if ready_c["status"] == "True" else "Warning",
-                    )
-                )
-        status["conditions"] = conds
-        if status_differs(status, live_status):
+        if status_differs(out.status, live_status):
             self.kube.patch_status(
-                API_VERSION, "TrustClass", meta["name"], None, status_patch(status, live_status)
+                API_VERSION,
+                "TrustClass",
+                body["metadata"]["name"],
+                None,
+                status_patch(out.status, live_status),
             )
-        return rolled
+        return out.rolled_out
 
     # --- routing ---------------------------------------------------------------------------------
     def reconcile_routing(self) -> set[Key]:

@@ -1,0 +1,253 @@
+"""TrustClass status, computed: conditions (Ready, Progressing, Degraded, and kstatus's Reconciling
+and Stalled), replica counts, the spec in force. Pure functions over the objects the reconciler read;
+:class:`kvfence.operator.reconciler.Reconciler` only patches what they return and emits the Event.
+
+One predicate says whether the engine rolled out (:func:`rolled_out`); everything that depends on it
+(Ready, Progressing, the router's key switch before keys reloaded without a restart) reads it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvfence.api import conditions as C
+from kvfence.api.trustclass import TrustClass
+from kvfence.contract import key_id
+from kvfence.operator import builders
+from kvfence.operator.apply import now_rfc3339
+
+Obj = dict[str, Any]
+
+#: Status fields of the spec in force (a TrustClass's, a TenantBinding's): see docs/operator.md.
+ACCEPTED_SPEC = "acceptedSpec"
+ACCEPTED_GENERATION = "acceptedGeneration"
+
+
+def set_condition(
+    existing: list[Obj], ctype: str, status: bool, reason: str, message: str, generation: int | None
+) -> Obj:
+    """A metav1.Condition; lastTransitionTime kept unless the status flips."""
+    st = "True" if status else "False"
+    old = next((c for c in existing if c.get("type") == ctype), None)
+    ltt = (
+        old["lastTransitionTime"]
+        if old and old.get("status") == st and old.get("lastTransitionTime")
+        else None
+    )
+    cond: Obj = {
+        "type": ctype,
+        "status": st,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": ltt or now_rfc3339(),
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def kstatus_conditions(
+    existing: list[Obj], *, reconciling: Obj | None, stalled: tuple[str, str] | None, generation: int | None
+) -> list[Obj]:
+    """``Reconciling`` and ``Stalled`` as kstatus reads them: ``reconciling`` is the (reason, message)
+    of work in progress, ``stalled`` that of a state only a change by someone can leave; each False
+    (reason ``Reconciled``/``AsExpected``) otherwise. Stalled wins: never both True."""
+    if stalled is not None:
+        reconciling = None
+    return [
+        set_condition(
+            existing,
+            C.RECONCILING,
+            reconciling is not None,
+            (reconciling or {}).get("reason") or C.REASON_RECONCILED,
+            (reconciling or {}).get("message", ""),
+            generation,
+        ),
+        set_condition(
+            existing,
+            C.STALLED,
+            stalled is not None,
+            stalled[0] if stalled else C.REASON_AS_EXPECTED,
+            stalled[1] if stalled else "",
+            generation,
+        ),
+    ]
+
+
+def _strip_times(status: Obj) -> Obj:
+    out = dict(status)
+    out["conditions"] = sorted(
+        ({k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions", [])),
+        key=lambda c: str(c.get("type")),
+    )
+    return out
+
+
+def status_differs(desired: Obj, live: Obj | None) -> bool:
+    return _strip_times(desired) != _strip_times(live or {})
+
+
+def _with_removals(new: Obj, old: Obj) -> Obj:
+    """``new`` as a JSON merge patch over ``old``: every key of ``old`` that ``new`` lacks is null."""
+    out: Obj = {}
+    for k, v in new.items():
+        was = old.get(k)
+        out[k] = _with_removals(v, was) if isinstance(v, dict) and isinstance(was, dict) else v
+    for k in old:
+        if k not in new:
+            out[k] = None
+    return out
+
+
+def status_patch(desired: Obj, live: Obj) -> Obj:
+    """The merge patch that writes ``desired``: ``acceptedSpec`` replaced whole (a field the new spec
+    no longer sets must not survive from the old one)."""
+    out = dict(desired)
+    if isinstance(desired.get(ACCEPTED_SPEC), dict) and isinstance(live.get(ACCEPTED_SPEC), dict):
+        out[ACCEPTED_SPEC] = _with_removals(desired[ACCEPTED_SPEC], live[ACCEPTED_SPEC])
+    return out
+
+
+def desired_replicas(tc: TrustClass, deployment: Obj | None) -> int:
+    """The engine replicas asked for: the spec's, or with replicasManagedExternally the Deployment's
+    (what its autoscaler set; 1, the Deployment default, before it exists)."""
+    if not tc.spec.replicas_managed_externally:
+        return tc.spec.desired_replicas
+    return int(((deployment or {}).get("spec") or {}).get("replicas", 1))
+
+
+def rolled_out(deployment: Obj | None, want: int) -> bool:
+    """Whether the engine Deployment runs ``want`` replicas of its current template, all available
+    (always, for 0 replicas): the one "rolled out" predicate of the operator."""
+    if want == 0:
+        return True
+    dep = deployment or {}
+    dstat: Obj = dep.get("status") or {}
+    dgen_ok = dstat.get("observedGeneration", 0) >= (dep.get("metadata") or {}).get("generation", 1)
+    available = int(dstat.get("availableReplicas", 0) or 0)
+    updated = int(dstat.get("updatedReplicas", 0) or 0)
+    total = int(dstat.get("replicas", 0) or 0)
+    return bool(dgen_ok and updated >= want and total == want and available >= want)
+
+
+@dataclass(frozen=True)
+class ClassStatus:
+    """What a TrustClass's status should be, whether its engine rolled out, and the Ready condition
+    when its status flipped (the reconciler emits it as an Event)."""
+
+    status: Obj
+    rolled_out: bool
+    ready_flipped: Obj | None = None
+
+
+def trust_class_status(
+    body: Obj,
+    tc: TrustClass | None,
+    *,
+    endpoint: str | None = None,
+    bound_tenants: int = 0,
+    deployment: Obj | None = None,
+    key: bytes | None = None,
+    degraded: tuple[str, str] | None = None,
+) -> ClassStatus:
+    """The status of the TrustClass ``body`` (``tc`` its validated form, None if it does not
+    validate), given its engine Deployment as read, the key the router signs with, and a reason it is
+    degraded before anything was applied (``degraded``: reason, message)."""
+    meta = body["metadata"]
+    gen = meta.get("generation")
+    rolled = False
+    flipped: Obj | None = None
+    live_status: Obj = body.get("status") or {}
+    existing = live_status.get("conditions", [])
+    status: Obj = {"observedGeneration": gen}
+    if tc is not None:
+        status["namespace"] = tc.target_namespace
+        status["endpoint"] = endpoint
+        status["boundTenants"] = bound_tenants
+        status["desiredReplicas"] = desired_replicas(tc, deployment)
+        status["selector"] = ",".join(
+            f"{k}={v}" for k, v in sorted(builders.selector_labels(tc.name).items())
+        )
+    if key is not None:
+        status["signingKeyId"] = key_id(key)
+    if degraded is None and tc is not None:
+        # Everything the spec asks for was rendered and applied: it is the spec in force.
+        status[ACCEPTED_SPEC], status[ACCEPTED_GENERATION] = body.get("spec") or {}, gen
+    elif isinstance(live_status.get(ACCEPTED_SPEC), dict):
+        status[ACCEPTED_SPEC] = live_status[ACCEPTED_SPEC]
+        status[ACCEPTED_GENERATION] = live_status.get(ACCEPTED_GENERATION)
+    if degraded is not None:
+        reason, msg = degraded
+        conds = [
+            set_condition(existing, C.READY, False, reason, msg, gen),
+            set_condition(existing, C.PROGRESSING, False, reason, msg, gen),
+            set_condition(existing, C.DEGRADED, True, reason, msg, gen),
+            *kstatus_conditions(existing, reconciling=None, stalled=(reason, msg), generation=gen),
+        ]
+    else:
+        assert tc is not None
+        want = desired_replicas(tc, deployment)
+        dstat: Obj = (deployment or {}).get("status") or {}
+        ready = int(dstat.get("readyReplicas", 0) or 0)
+        available = int(dstat.get("availableReplicas", 0) or 0)
+        updated = int(dstat.get("updatedReplicas", 0) or 0)
+        total = int(dstat.get("replicas", 0) or 0)
+        status["replicas"] = total
+        status["readyReplicas"] = ready
+        dconds = {c.get("type"): c for c in dstat.get("conditions", [])}
+        stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
+        failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
+        rolled = rolled_out(deployment, want)
+        if want == 0:
+            ready_c = set_condition(existing, C.READY, False, C.REASON_SCALED_TO_ZERO, "replicas is 0", gen)
+        elif rolled:
+            ready_c = set_condition(
+                existing,
+                C.READY,
+                True,
+                C.REASON_AVAILABLE,
+                f"{available}/{want} engine replicas available",
+                gen,
+            )
+        else:
+            ready_c = set_condition(
+                existing,
+                C.READY,
+                False,
+                C.REASON_UNAVAILABLE,
+                f"{available}/{want} engine replicas available",
+                gen,
+            )
+        if rolled or want == 0:
+            prog = set_condition(existing, C.PROGRESSING, False, C.REASON_ROLLOUT_COMPLETE, "", gen)
+        else:
+            prog = set_condition(
+                existing,
+                C.PROGRESSING,
+                True,
+                C.REASON_ROLLING_OUT,
+                f"{updated}/{want} updated, {ready}/{want} ready",
+                gen,
+            )
+        if stuck or failure:
+            why = (dconds.get("ReplicaFailure") or dconds.get("Progressing") or {}).get("message", "")
+            deg = set_condition(existing, C.DEGRADED, True, C.REASON_UNAVAILABLE, why, gen)
+        else:
+            deg = set_condition(existing, C.DEGRADED, False, C.REASON_AS_EXPECTED, "", gen)
+        conds = [
+            ready_c,
+            prog,
+            deg,
+            *kstatus_conditions(
+                existing,
+                reconciling=None if deg["status"] == "True" or prog["status"] != "True" else prog,
+                stalled=(deg["reason"], deg["message"]) if deg["status"] == "True" else None,
+                generation=gen,
+            ),
+        ]
+        old_ready: Obj = next((c for c in existing if c.get("type") == C.READY), {})
+        if old_ready.get("status") != ready_c["status"]:
+            flipped = ready_c
+    status["conditions"] = conds
+    return ClassStatus(status, rolled, flipped)
