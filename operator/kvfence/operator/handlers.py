@@ -142,7 +142,7 @@ class Controller:
         if self.api_keys.track(binding, namespace, secret_name) and self.secret_watches is not None:
             self.secret_watches.want(self.api_keys.namespaces())
         if old is not None and old not in self.api_keys:
-            self.reconciler.state.secret_versions.pop(old, None)
+            self.reconciler.secret_untracked(old)
 
     def api_key_secret_event(self, namespace: str, name: str, resource_version: str) -> None:
         """A Secret in a watched namespace was added, changed or deleted (``DELETED``): re-decide the
@@ -154,7 +154,7 @@ class Controller:
         if stale is None:
             metrics.SECRET_EVENTS.labels("api-key", "ignored").inc()
             return
-        self.reconciler.state.secret_versions[(namespace, name)] = resource_version
+        self.reconciler.secret_changed(namespace, name, resource_version)
         if not stale:
             metrics.SECRET_EVENTS.labels("api-key", "current").inc()
             return
@@ -213,7 +213,7 @@ class Controller:
             # A safety net behind the Secret watches, and the only way to see a change in a tenant
             # namespace that lets the operator read but not watch its Secrets: API keys are re-read,
             # and each class's signing-key Secret is checked (one GET per class).
-            self.reconciler.state.keys.clear()
+            self.reconciler.forget_api_keys()
             self.enqueue(ROUTING)
             for name in sorted(self.known_classes):
                 self.enqueue(ClassSecretKey(name))
@@ -308,7 +308,7 @@ async def tenantbinding_event(
     generation = meta.get("generation")
     if type == "DELETED" or c.binding_generations.get(key) != generation:
         # The spec changed (or the binding is new/gone): its API keys are read again.
-        c.reconciler.state.keys.pop(key, None)
+        c.reconciler.forget_api_keys(key)
     if type == "DELETED":
         c.binding_generations.pop(key, None)
         c.track_binding(key, namespace or "", None)

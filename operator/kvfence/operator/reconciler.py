@@ -527,6 +527,22 @@ class Reconciler:
         self.state.signing[tc.name] = keys
         return keys
 
+    # --- what the work queue tells the reconciler (its state is its own) ----------------------------
+    def forget_api_keys(self, binding: str | None = None) -> None:
+        """Read ``binding``'s API keys again at its next routing decision (every binding's: None)."""
+        if binding is None:
+            self.state.keys.clear()
+        else:
+            self.state.keys.pop(binding, None)
+
+    def secret_changed(self, namespace: str, name: str, resource_version: str) -> None:
+        """The watch saw this version of an API-key Secret: a cached read of an older one is stale."""
+        self.state.secret_versions[(namespace, name)] = resource_version
+
+    def secret_untracked(self, secret: tuple[str, str]) -> None:
+        """No binding reads this Secret any more."""
+        self.state.secret_versions.pop(secret, None)
+
     def cached_secret_version(self, binding: str) -> str | None:
         """resourceVersion of the API-key Secret whose keys are cached for ``binding`` (or None)."""
         cached = self.state.keys.get(binding)
