@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.api import conditions as C
+from kvfence.api import conditions
 from kvfence.api.common import TenantQuotas
 from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
@@ -28,8 +28,8 @@ from kvfence.contract.routing import (
 )
 from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorOptions, endpoint
 
-REASON_DUPLICATE_API_KEY = C.REASON_DUPLICATE_API_KEY
-REASON_KV_OVERCOMMITTED = C.REASON_KV_OVERCOMMITTED
+REASON_DUPLICATE_API_KEY = conditions.REASON_DUPLICATE_API_KEY
+REASON_KV_OVERCOMMITTED = conditions.REASON_KV_OVERCOMMITTED
 #: suffix of the pseudo binding key under which the Secret of a last accepted spec is read and watched
 ACCEPTED_SUFFIX = "#accepted"
 
@@ -52,7 +52,7 @@ class KeyLookup:
     """What reading a binding's API-key Secret gave: hashes, or the reason it gave none."""
 
     hashes: tuple[str, ...] = ()
-    error: str | None = None  # a C.REASON_* when the Secret could not be used
+    error: str | None = None  # a conditions.REASON_* when the Secret could not be used
     message: str = ""
 
 
@@ -153,25 +153,27 @@ def decide(
         cname = spec.trust_class_name
         found = classes.get(cname)
         if found is None or found.deleting:
-            return _deny(C.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist")
+            return _deny(conditions.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist")
         cs = found
         selector = cs.tc.spec.namespace_selector
         ns_labels = dict(namespace_labels.get(b.namespace, {}))
         if selector is None or not selector.matches(ns_labels):
             return _deny(
-                C.REASON_NAMESPACE_NOT_ADMITTED,
+                conditions.REASON_NAMESPACE_NOT_ADMITTED,
                 f"namespace {b.namespace!r} is not admitted by TrustClass {cname!r} (namespaceSelector)",
             )
         class_adapters = {a.name for a in cs.tc.spec.engine.adapters}
         missing = sorted(set(spec.allowed_adapters) - class_adapters)
         if missing:
             return _deny(
-                C.REASON_ADAPTER_NOT_IN_CLASS, f"adapters {missing} are not served by TrustClass {cname!r}"
+                conditions.REASON_ADAPTER_NOT_IN_CLASS,
+                f"adapters {missing} are not served by TrustClass {cname!r}",
             )
         over = spec.quotas.exceeds(cs.tc.spec.quotas.limits)
         if over:
             return _deny(
-                C.REASON_QUOTA_EXCEEDS_LIMIT, f"quotas above the limits of TrustClass {cname!r}: {over}"
+                conditions.REASON_QUOTA_EXCEEDS_LIMIT,
+                f"quotas above the limits of TrustClass {cname!r}: {over}",
             )
         effective = spec.quotas.merged_over(cs.tc.spec.quotas.defaults)
         if (
@@ -180,12 +182,13 @@ def decide(
             and effective.guaranteed_kv_blocks > effective.max_kv_blocks
         ):
             return _deny(
-                C.REASON_QUOTA_EXCEEDS_LIMIT, "effective guaranteedKVBlocks exceeds effective maxKVBlocks"
+                conditions.REASON_QUOTA_EXCEEDS_LIMIT,
+                "effective guaranteedKVBlocks exceeds effective maxKVBlocks",
             )
         if lookup.error is not None:
             return _deny(lookup.error, lookup.message)
         if not lookup.hashes:
-            return _deny(C.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
+            return _deny(conditions.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
         clash = next((claimed_keys[h] for h in lookup.hashes if h in claimed_keys), None)
         if clash is not None:
             return _deny(
@@ -209,7 +212,7 @@ def decide(
             return Decision(
                 bound=False,
                 denied=False,
-                reason=C.REASON_TRUST_CLASS_NOT_READY,
+                reason=conditions.REASON_TRUST_CLASS_NOT_READY,
                 message=f"TrustClass {cname!r} has no signing key yet",
                 trust_class=cname,
             )
@@ -219,12 +222,14 @@ def decide(
         owner = claimed_ids.get(b.spec.tenant_id)
         if owner is not None:
             out.decisions[b.key] = _deny(
-                C.REASON_DUPLICATE_TENANT_ID,
+                conditions.REASON_DUPLICATE_TENANT_ID,
                 f"tenant id {b.spec.tenant_id!r} is already bound by {_other(owner, b.namespace)}",
             )
             continue
         claimed_ids[b.spec.tenant_id] = b.key
-        lookup = keys.get(b.key, KeyLookup(error=C.REASON_SECRET_NOT_FOUND, message="API keys not read yet"))
+        lookup = keys.get(
+            b.key, KeyLookup(error=conditions.REASON_SECRET_NOT_FOUND, message="API keys not read yet")
+        )
         got = evaluate(b, b.spec, lookup)
         refused: Decision | None = None
         accepted = b.accepted_spec()
@@ -265,7 +270,7 @@ def decide(
         out.decisions[b.key] = Decision(
             bound=True,
             denied=False,
-            reason=C.REASON_BOUND,
+            reason=conditions.REASON_BOUND,
             message=f"tenant {b.spec.tenant_id!r} routes to TrustClass {cname!r}",
             trust_class=cname,
             api_keys=len(set(admit.hashes)),

@@ -19,13 +19,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvfence.api import conditions as C
+from kvfence.api import conditions
 from kvfence.api.common import API_VERSION, TenantQuotas
 from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
-from kvfence.operator import builders as B
+from kvfence.operator import builders
 from kvfence.operator.apply import Kube, KubeError, is_subset, manages, now_rfc3339
 from kvfence.operator.bindings import (
     ClassState,
@@ -73,7 +73,7 @@ def with_spec_hash(obj: Obj) -> Obj:
     h = spec_hash(obj)
     out = dict(obj)
     meta = dict(out["metadata"])
-    meta["annotations"] = {**meta.get("annotations", {}), B.ANNOTATION_SPEC_HASH: h}
+    meta["annotations"] = {**meta.get("annotations", {}), builders.ANNOTATION_SPEC_HASH: h}
     out["metadata"] = meta
     return out
 
@@ -125,7 +125,7 @@ class Reconciler:
     def __init__(
         self,
         kube: Kube,
-        opts: B.OperatorOptions,
+        opts: builders.OperatorOptions,
         *,
         emit: Callable[[Event], None] | None = None,
         new_key: Callable[[], bytes] = new_signing_key,
@@ -192,45 +192,56 @@ class Reconciler:
                     f"(generation {(body.get('status') or {}).get(ACCEPTED_GENERATION)}): {msg}"
                 )
             was: Obj = next(
-                (c for c in (body.get("status") or {}).get("conditions", []) if c.get("type") == C.DEGRADED),
+                (
+                    c
+                    for c in (body.get("status") or {}).get("conditions", [])
+                    if c.get("type") == conditions.DEGRADED
+                ),
                 {},
             )
             if (was.get("reason"), was.get("observedGeneration")) != (
-                C.REASON_INVALID_SPEC,
+                conditions.REASON_INVALID_SPEC,
                 meta.get("generation"),
             ):
-                self._emit(Event(body, C.REASON_INVALID_SPEC, msg[:1024], "Warning"))
-            self._class_status(body, None, degraded=(C.REASON_INVALID_SPEC, msg))
+                self._emit(Event(body, conditions.REASON_INVALID_SPEC, msg[:1024], "Warning"))
+            self._class_status(body, None, degraded=(conditions.REASON_INVALID_SPEC, msg))
             return set()
         ns_name = tc.target_namespace
         self.state.class_namespace[name] = ns_name
-        owner = B.owner_reference(body)
+        owner = builders.owner_reference(body)
         live_ns = self.kube.get("v1", "Namespace", ns_name)
-        if live_ns is not None and (live_ns["metadata"].get("labels") or {}).get(B.LABEL_TRUST_CLASS) != name:
+        if (
+            live_ns is not None
+            and (live_ns["metadata"].get("labels") or {}).get(builders.LABEL_TRUST_CLASS) != name
+        ):
             msg = f"namespace {ns_name!r} exists and does not belong to TrustClass {name!r}"
-            self._class_status(body, tc, degraded=(C.REASON_NAMESPACE_CONFLICT, msg))
-            self._emit(Event(body, C.REASON_NAMESPACE_CONFLICT, msg, "Warning"))
+            self._class_status(body, tc, degraded=(conditions.REASON_NAMESPACE_CONFLICT, msg))
+            self._emit(Event(body, conditions.REASON_NAMESPACE_CONFLICT, msg, "Warning"))
             return set()
         if live_ns is not None and live_ns["metadata"].get("deletionTimestamp"):
             raise Requeue(f"namespace {ns_name} is still terminating", delay=5)
         changed: list[str] = []
-        self._ensure(B.namespace(tc, self.opts, owner), live_ns, changed)
+        self._ensure(builders.namespace(tc, self.opts, owner), live_ns, changed)
 
         if not self.state.routing_ready.is_set():
             raise Requeue("waiting for the first routing decision", delay=0.5)
         # The signing key: kept, created once, rotated on request; a second rotation waits until the
         # first has reached every engine (the key it would retire may still be the one signing).
-        live_secret = self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns_name)
-        live_keys = B.read_signing_secret(live_secret)
-        rotation = (meta.get("annotations") or {}).get(B.ANNOTATION_ROTATE)
+        live_secret = self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns_name)
+        live_keys = builders.read_signing_secret(live_secret)
+        rotation = (meta.get("annotations") or {}).get(builders.ANNOTATION_ROTATE)
         if live_keys is not None and rotation and rotation != live_keys.rotated_for:
-            wait = B.key_propagation_left(live_keys, self._clock(), self.opts.signing_key_propagation_seconds)
+            wait = builders.key_propagation_left(
+                live_keys, self._clock(), self.opts.signing_key_propagation_seconds
+            )
             if wait > 0:
                 log.info("class %s: rotation %r waits %.0fs for the previous one", name, rotation, wait)
                 self.later(ClassKey(name), wait + 0.5)
                 rotation = live_keys.rotated_for
         needs_key = live_keys is None or bool(rotation and rotation != live_keys.rotated_for)
-        keys = B.plan_signing_keys(live_keys, rotation, self._new_key() if needs_key else b"", now_rfc3339())
+        keys = builders.plan_signing_keys(
+            live_keys, rotation, self._new_key() if needs_key else b"", now_rfc3339()
+        )
         if live_keys is not None and keys.current != live_keys.current:
             self._emit(
                 Event(
@@ -244,11 +255,11 @@ class Reconciler:
             shared_texts = self._shared_prefix_texts(tc, ns_name)
         except LookupError as e:
             # Nothing is applied: the engines keep serving with the last config they were given.
-            self._class_status(body, tc, degraded=(C.REASON_SHARED_PREFIX_UNRESOLVED, str(e)))
-            self._emit(Event(body, C.REASON_SHARED_PREFIX_UNRESOLVED, str(e), "Warning"))
+            self._class_status(body, tc, degraded=(conditions.REASON_SHARED_PREFIX_UNRESOLVED, str(e)))
+            self._emit(Event(body, conditions.REASON_SHARED_PREFIX_UNRESOLVED, str(e), "Warning"))
             raise Requeue(str(e), delay=10) from None
         try:
-            objs = B.children(
+            objs = builders.children(
                 tc,
                 signing=keys,
                 tenant_quotas=self.state.tenant_quotas.get(name),
@@ -256,13 +267,13 @@ class Reconciler:
                 owner=owner,
                 shared_texts=shared_texts,
             )
-        except B.RefusedExtraArgs as e:
+        except builders.RefusedExtraArgs as e:
             # Nothing is applied: the engine keeps running as last rendered, and never with the flag.
-            self._class_status(body, tc, degraded=(C.REASON_FORBIDDEN_EXTRA_ARGS, str(e)))
-            self._emit(Event(body, C.REASON_FORBIDDEN_EXTRA_ARGS, str(e), "Warning"))
+            self._class_status(body, tc, degraded=(conditions.REASON_FORBIDDEN_EXTRA_ARGS, str(e)))
+            self._emit(Event(body, conditions.REASON_FORBIDDEN_EXTRA_ARGS, str(e), "Warning"))
             return set()
         except ValueError as e:
-            self._class_status(body, tc, degraded=(C.REASON_INVALID_ENGINE_CONFIG, str(e)))
+            self._class_status(body, tc, degraded=(conditions.REASON_INVALID_ENGINE_CONFIG, str(e)))
             return set()
         deployment_live: Obj | None = None
         for obj in objs:
@@ -281,10 +292,10 @@ class Reconciler:
         # new one: the kubelet refreshes the mounted Secret in place (no new pod) and the engines reload
         # it, within the propagation delay counted from the rotation time on the Secret (it survives an
         # operator restart). Then the new key goes first. Engines verify both keys throughout.
-        wait = B.key_propagation_left(keys, self._clock(), self.opts.signing_key_propagation_seconds)
+        wait = builders.key_propagation_left(keys, self._clock(), self.opts.signing_key_propagation_seconds)
         if wait > 0:
             self.later(ClassKey(name), wait + 0.5)
-        router_keys = B.router_signing_keys(keys, propagated=wait == 0)
+        router_keys = builders.router_signing_keys(keys, propagated=wait == 0)
         self._class_status(body, tc, deployment=deployment_live, key=router_keys[0])
         follow: set[Key] = set()
         old = self.state.signing.get(name)
@@ -302,7 +313,7 @@ class Reconciler:
         field manager applies the live count first, so that dropping them from the operator's apply
         keeps the count (server-side apply would otherwise remove the field: back to 1 replica) until
         the autoscaler writes its own through /scale."""
-        if live is None or not manages(live, B.FIELD_MANAGER, "spec", "replicas"):
+        if live is None or not manages(live, builders.FIELD_MANAGER, "spec", "replicas"):
             return
         meta = live["metadata"]
         count = (live.get("spec") or {}).get("replicas", 1)
@@ -313,7 +324,7 @@ class Reconciler:
                 "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
                 "spec": {"replicas": count},
             },
-            field_manager=B.REPLICAS_HANDOVER_MANAGER,
+            field_manager=builders.REPLICAS_HANDOVER_MANAGER,
         )
         log.info(
             "engine replicas of %s handed over at %s (replicasManagedExternally)", meta["namespace"], count
@@ -346,7 +357,7 @@ class Reconciler:
         ns, keys = self.state.class_namespace.get(name), self.state.signing.get(name)
         if ns is None or keys is None:
             return {ClassKey(name)}
-        held = B.read_signing_secret(self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, ns))
+        held = builders.read_signing_secret(self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns))
         live = (
             set()
             if held is None
@@ -389,7 +400,7 @@ class Reconciler:
             live_ns = self.kube.get("v1", "Namespace", tc_ns)
             if (
                 live_ns is not None
-                and (live_ns["metadata"].get("labels") or {}).get(B.LABEL_TRUST_CLASS) == name
+                and (live_ns["metadata"].get("labels") or {}).get(builders.LABEL_TRUST_CLASS) == name
             ):
                 self.kube.delete("v1", "Namespace", tc_ns)
         self._emit(Event(body, "Deleted", "trust class removed from routing; its namespace is being deleted"))
@@ -416,7 +427,7 @@ class Reconciler:
         out = trust_class_status(
             body,
             tc,
-            endpoint=B.endpoint(tc, self.opts) if tc is not None else None,
+            endpoint=builders.endpoint(tc, self.opts) if tc is not None else None,
             bound_tenants=self.state.bound_count.get(tc.name, 0) if tc is not None else 0,
             deployment=deployment,
             key=key,
@@ -517,13 +528,13 @@ class Reconciler:
         cached = self.state.signing.get(tc.name)
         if cached is not None:
             return cached
-        secret = self.kube.get("v1", "Secret", B.SIGNING_SECRET_NAME, tc.target_namespace)
-        held = B.read_signing_secret(secret)
+        secret = self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, tc.target_namespace)
+        held = builders.read_signing_secret(secret)
         if held is None:
             return ()
         # (after a restart) the order reconcile_class uses: the previous key first until propagated
-        wait = B.key_propagation_left(held, self._clock(), self.opts.signing_key_propagation_seconds)
-        keys = B.router_signing_keys(held, propagated=wait == 0)
+        wait = builders.key_propagation_left(held, self._clock(), self.opts.signing_key_propagation_seconds)
+        keys = builders.router_signing_keys(held, propagated=wait == 0)
         self.state.signing[tc.name] = keys
         return keys
 
@@ -562,7 +573,7 @@ class Reconciler:
         except KubeError as e:
             if e.forbidden:
                 lookup = KeyLookup(
-                    error=C.REASON_SECRET_FORBIDDEN,
+                    error=conditions.REASON_SECRET_FORBIDDEN,
                     message=f"the operator may not read Secret {b.namespace}/{ref.name} "
                     "(bind the kvfence-operator-tenant-secrets ClusterRole in this namespace)",
                 )
@@ -570,14 +581,16 @@ class Reconciler:
             raise
         if secret is None:
             lookup = KeyLookup(
-                error=C.REASON_SECRET_NOT_FOUND, message=f"Secret {b.namespace}/{ref.name} not found"
+                error=conditions.REASON_SECRET_NOT_FOUND, message=f"Secret {b.namespace}/{ref.name} not found"
             )
         else:
             try:
                 keys = api_keys_from_secret(secret, ref.key)
                 lookup = KeyLookup(hashes=tuple(sorted({hash_api_key(k) for k in keys})))
             except (ValueError, UnicodeDecodeError):
-                lookup = KeyLookup(error=C.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text")
+                lookup = KeyLookup(
+                    error=conditions.REASON_NO_API_KEYS, message="the API-key Secret is not UTF-8 text"
+                )
         if lookup.error is None:
             version = str(((secret or {}).get("metadata") or {}).get("resourceVersion", ""))
             self.state.keys[cache_key] = (ident, lookup, version)
@@ -588,18 +601,18 @@ class Reconciler:
         gen = meta.get("generation")
         live_status: Obj = body.get("status") or {}
         existing = live_status.get("conditions", [])
-        bound_reason = d.reason if not d.bound else C.REASON_BOUND
+        bound_reason = d.reason if not d.bound else conditions.REASON_BOUND
         conds = [
-            set_condition(existing, C.BOUND, d.bound, bound_reason, d.message, gen),
+            set_condition(existing, conditions.BOUND, d.bound, bound_reason, d.message, gen),
             set_condition(
                 existing,
-                C.DENIED,
+                conditions.DENIED,
                 d.denied,
-                d.reason if d.denied else C.REASON_NOT_DENIED,
+                d.reason if d.denied else conditions.REASON_NOT_DENIED,
                 d.message if d.denied else "",
                 gen,
             ),
-            set_condition(existing, C.READY, d.bound, bound_reason, d.message, gen),
+            set_condition(existing, conditions.READY, d.bound, bound_reason, d.message, gen),
         ]
         accepted_spec, accepted_gen = live_status.get(ACCEPTED_SPEC), live_status.get(ACCEPTED_GENERATION)
         refused = d.refused
@@ -610,11 +623,15 @@ class Reconciler:
                 f"generation {gen} is not accepted: {refused.message}; the tenant is served with its last "
                 f"accepted spec (generation {accepted_gen})"
             )
-            conds.append(set_condition(existing, C.SPEC_ACCEPTED, False, refused.reason, refusal, gen))
+            conds.append(
+                set_condition(existing, conditions.SPEC_ACCEPTED, False, refused.reason, refusal, gen)
+            )
         elif d.bound:
-            conds.append(set_condition(existing, C.SPEC_ACCEPTED, True, C.REASON_ACCEPTED, "", gen))
+            conds.append(
+                set_condition(existing, conditions.SPEC_ACCEPTED, True, conditions.REASON_ACCEPTED, "", gen)
+            )
         else:
-            conds.append(set_condition(existing, C.SPEC_ACCEPTED, False, d.reason, d.message, gen))
+            conds.append(set_condition(existing, conditions.SPEC_ACCEPTED, False, d.reason, d.message, gen))
         conds += kstatus_conditions(
             existing,
             reconciling=None
@@ -643,11 +660,11 @@ class Reconciler:
         )
         old = {c.get("type"): c for c in existing}
         if (
-            old.get(C.BOUND, {}).get("status") != conds[0]["status"]
-            or old.get(C.DENIED, {}).get("reason") != conds[1]["reason"]
+            old.get(conditions.BOUND, {}).get("status") != conds[0]["status"]
+            or old.get(conditions.DENIED, {}).get("reason") != conds[1]["reason"]
         ):
             self._emit(Event(body, d.reason, d.message, "Normal" if d.bound or not d.denied else "Warning"))
         spec_c = conds[3]
-        was = old.get(C.SPEC_ACCEPTED, {})
+        was = old.get(conditions.SPEC_ACCEPTED, {})
         if refused is not None and (was.get("status"), was.get("reason")) != ("False", refused.reason):
             self._emit(Event(body, refused.reason, spec_c["message"], "Warning"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvfence.api import conditions as C
+from kvfence.api import conditions
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id
 from kvfence.operator import builders
@@ -58,17 +58,17 @@ def kstatus_conditions(
     return [
         set_condition(
             existing,
-            C.RECONCILING,
+            conditions.RECONCILING,
             reconciling is not None,
-            (reconciling or {}).get("reason") or C.REASON_RECONCILED,
+            (reconciling or {}).get("reason") or conditions.REASON_RECONCILED,
             (reconciling or {}).get("message", ""),
             generation,
         ),
         set_condition(
             existing,
-            C.STALLED,
+            conditions.STALLED,
             stalled is not None,
-            stalled[0] if stalled else C.REASON_AS_EXPECTED,
+            stalled[0] if stalled else conditions.REASON_AS_EXPECTED,
             stalled[1] if stalled else "",
             generation,
         ),
@@ -180,9 +180,9 @@ def trust_class_status(
     if degraded is not None:
         reason, msg = degraded
         conds = [
-            set_condition(existing, C.READY, False, reason, msg, gen),
-            set_condition(existing, C.PROGRESSING, False, reason, msg, gen),
-            set_condition(existing, C.DEGRADED, True, reason, msg, gen),
+            set_condition(existing, conditions.READY, False, reason, msg, gen),
+            set_condition(existing, conditions.PROGRESSING, False, reason, msg, gen),
+            set_condition(existing, conditions.DEGRADED, True, reason, msg, gen),
             *kstatus_conditions(existing, reconciling=None, stalled=(reason, msg), generation=gen),
         ]
     else:
@@ -200,41 +200,45 @@ def trust_class_status(
         failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
         rolled = rolled_out(deployment, want)
         if want == 0:
-            ready_c = set_condition(existing, C.READY, False, C.REASON_SCALED_TO_ZERO, "replicas is 0", gen)
+            ready_c = set_condition(
+                existing, conditions.READY, False, conditions.REASON_SCALED_TO_ZERO, "replicas is 0", gen
+            )
         elif rolled:
             ready_c = set_condition(
                 existing,
-                C.READY,
+                conditions.READY,
                 True,
-                C.REASON_AVAILABLE,
+                conditions.REASON_AVAILABLE,
                 f"{available}/{want} engine replicas available",
                 gen,
             )
         else:
             ready_c = set_condition(
                 existing,
-                C.READY,
+                conditions.READY,
                 False,
-                C.REASON_UNAVAILABLE,
+                conditions.REASON_UNAVAILABLE,
                 f"{available}/{want} engine replicas available",
                 gen,
             )
         if rolled or want == 0:
-            prog = set_condition(existing, C.PROGRESSING, False, C.REASON_ROLLOUT_COMPLETE, "", gen)
+            prog = set_condition(
+                existing, conditions.PROGRESSING, False, conditions.REASON_ROLLOUT_COMPLETE, "", gen
+            )
         else:
             prog = set_condition(
                 existing,
-                C.PROGRESSING,
+                conditions.PROGRESSING,
                 True,
-                C.REASON_ROLLING_OUT,
+                conditions.REASON_ROLLING_OUT,
                 f"{updated}/{want} updated, {ready}/{want} ready",
                 gen,
             )
         if stuck or failure:
             why = (dconds.get("ReplicaFailure") or dconds.get("Progressing") or {}).get("message", "")
-            deg = set_condition(existing, C.DEGRADED, True, C.REASON_UNAVAILABLE, why, gen)
+            deg = set_condition(existing, conditions.DEGRADED, True, conditions.REASON_UNAVAILABLE, why, gen)
         else:
-            deg = set_condition(existing, C.DEGRADED, False, C.REASON_AS_EXPECTED, "", gen)
+            deg = set_condition(existing, conditions.DEGRADED, False, conditions.REASON_AS_EXPECTED, "", gen)
         conds = [
             ready_c,
             prog,
@@ -246,7 +250,7 @@ def trust_class_status(
                 generation=gen,
             ),
         ]
-        old_ready: Obj = next((c for c in existing if c.get("type") == C.READY), {})
+        old_ready: Obj = next((c for c in existing if c.get("type") == conditions.READY), {})
         if old_ready.get("status") != ready_c["status"]:
             flipped = ready_c
     status["conditions"] = conds
