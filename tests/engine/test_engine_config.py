@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from kvfence.contract import CacheScope
 from kvfence.contract.engine_config import ConfigError, EngineConfig, load_config, load_signing_keys
@@ -117,3 +118,19 @@ def test_signing_keys(tmp_path: Path) -> None:
     (tmp_path / "previous").write_bytes(b"short")
     with pytest.raises(ConfigError, match="exactly 32 raw bytes"):
         load_signing_keys(tmp_path)
+
+
+def test_the_config_carries_its_format_version_and_refuses_another() -> None:
+    from kvfence.contract.engine_config import ENGINE_CONFIG_VERSION
+
+    base = {
+        "trustClass": "gold",
+        "model": {"name": "m"},
+        "numBlocks": 8,
+        "maxModelLen": 64,
+        "signingKeyDir": "/k",
+    }
+    assert EngineConfig.model_validate(base).version == ENGINE_CONFIG_VERSION == 1
+    assert EngineConfig.model_validate({**base, "version": 1}).version == 1
+    with pytest.raises(ValidationError, match="version"):
+        EngineConfig.model_validate({**base, "version": 2})

@@ -147,9 +147,16 @@ class ListenConfig(_Model):
     port: int = Field(8000, ge=0, le=65535)
 
 
+#: The version of this file's format. A file of another version is refused (``version`` absent: 1).
+ENGINE_CONFIG_VERSION: Literal[1] = 1
+
+
 class EngineConfig(_Model):
     """Everything one engine (one trust class) needs."""
 
+    version: Literal[1] = Field(
+        ENGINE_CONFIG_VERSION, description="The format's version (ENGINE_CONFIG_VERSION; absent: 1)"
+    )
     trust_class: str = Field(alias="trustClass", min_length=1)
     model: ModelConfig
     adapters: list[str] = Field(default_factory=list, description="LoRA adapter names served")
