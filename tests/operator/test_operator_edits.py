@@ -19,7 +19,7 @@ import pytest
 from cluster.manifests import condition, keys_secret, secret, tenant_binding, tenant_namespace, trust_class
 from router.support import Proc
 from support.argocd import argocd_health
-from support.livestack import Traffic, complete, live_stack
+from support.livestack import Traffic, bound_tenant_stack, complete
 
 pytestmark = pytest.mark.cluster
 
@@ -69,22 +69,27 @@ def live(
     operator: Any, cluster: Any, kv: Any, wait: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Live]:
     logs: Path = tmp_path_factory.mktemp("edits")
-    assert kv.apply(tc_body(), *tenant_namespace(TENANT_NS, label=CLASS, grant=True)).returncode == 0
-    assert kv.apply(keys_secret("acme", TENANT_NS, KEY), binding()).returncode == 0
-    wait(
-        lambda: condition(kv.json("get", "tb", "acme", "-n", TENANT_NS), "Bound").get("status") == "True",
-        "acme Bound",
-        120,
-        dump=operator.tail,
-    )
-    try:
-        with live_stack(cluster, kv, CLASS_NS, ROUTER_NS, logs) as stack:
-            env = Live(kv, stack.router, stack.engine)
-            wait(lambda: complete(env.router, KEY, MODEL) == 200, "a completion through the router", 60)
-            yield env
-    finally:
-        kv("delete", "trustclass", CLASS, "--ignore-not-found", "--wait=false")
-        kv("delete", "namespace", TENANT_NS, "--ignore-not-found", "--wait=false")
+    objects = [
+        tc_body(),
+        *tenant_namespace(TENANT_NS, label=CLASS, grant=True),
+        keys_secret("acme", TENANT_NS, KEY),
+        binding(),
+    ]
+    with bound_tenant_stack(
+        operator,
+        cluster,
+        kv,
+        wait,
+        logs,
+        objects,
+        tenant=(TENANT_NS, "acme"),
+        class_name=CLASS,
+        class_ns=CLASS_NS,
+        router_ns=ROUTER_NS,
+        api_key=KEY,
+        model=MODEL,
+    ) as stack:
+        yield Live(kv, stack.router, stack.engine)
 
 
 def refused(obj: dict[str, Any], reason: str) -> bool:

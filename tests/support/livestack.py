@@ -245,3 +245,42 @@ def live_stack(
         for p in reversed(procs):
             p.stop()
         mount.stop()
+
+
+@contextmanager
+def bound_tenant_stack(
+    operator: Any,
+    cluster: Any,
+    kv: Any,
+    wait: Any,
+    logs: Path,
+    objects: list[dict[str, Any]],
+    *,
+    tenant: tuple[str, str],
+    class_name: str,
+    class_ns: str,
+    router_ns: str,
+    api_key: str,
+    model: str,
+) -> Iterator[LiveStack]:
+    """Apply ``objects`` (a TrustClass, a tenant namespace, its key Secret and binding), wait for the
+    binding ``tenant`` (namespace, name) to be Bound, and run a :func:`live_stack` that answers a
+    completion; delete the class and the tenant namespace on exit."""
+    assert kv.apply(*objects).returncode == 0
+    ns, name = tenant
+    wait(
+        lambda: any(
+            c.get("type") == "Bound" and c.get("status") == "True"
+            for c in ((kv.json("get", "tb", name, "-n", ns) or {}).get("status") or {}).get("conditions", [])
+        ),
+        f"{name} Bound",
+        120,
+        dump=operator.tail,
+    )
+    try:
+        with live_stack(cluster, kv, class_ns, router_ns, logs) as stack:
+            wait(lambda: complete(stack.router, api_key, model) == 200, "a completion through the router", 60)
+            yield stack
+    finally:
+        kv("delete", "trustclass", class_name, "--ignore-not-found", "--wait=false")
+        kv("delete", "namespace", ns, "--ignore-not-found", "--wait=false")
