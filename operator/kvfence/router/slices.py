@@ -26,10 +26,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kubernetes import client as k8s
-from kubernetes import watch as k8s_watch
 
 from kvfence.router.endpoints import Member
-from kvfence.router.source import WATCH_SECONDS, load_api_client
+from kvfence.router.source import follow, load_api_client
 
 log = logging.getLogger("kvfence.router.slices")
 
@@ -157,37 +156,18 @@ class SliceSource:
 
     def _follow(self, deliver: Callable[[tuple[str, Any]], None]) -> None:
         api = k8s.DiscoveryV1Api(load_api_client(self.kubeconfig))
-        selector = f"{SERVICE_NAME_LABEL} in ({','.join(self.names)})"
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                listed = api.list_endpoint_slice_for_all_namespaces(
-                    label_selector=selector, _request_timeout=30
-                )
-                deliver(("snapshot", listed.items))
-                w = k8s_watch.Watch()  # type: ignore[no-untyped-call]
-                for event in w.stream(  # type: ignore[no-untyped-call]
-                    api.list_endpoint_slice_for_all_namespaces,
-                    label_selector=selector,
-                    resource_version=listed.metadata.resource_version if listed.metadata else None,
-                    timeout_seconds=WATCH_SECONDS,
-                    _request_timeout=WATCH_SECONDS + 30,
-                ):
-                    if self._stop.is_set():
-                        w.stop()  # type: ignore[no-untyped-call]
-                        break
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        deliver((event["type"], event["object"]))
-                backoff = 1.0
-                continue  # the watch ended normally: list again, then watch again
-            except k8s.ApiException as e:
-                if e.status == 410:
-                    continue
-                hint = ""
-                if e.status in (401, 403):
-                    hint = " (check the router's ClusterRole: list/watch endpointslices)"
-                log.error("following EndpointSlices failed: %s %s%s", e.status, e.reason, hint)
-            except Exception as e:  # connection errors and the like: retried
-                log.error("following EndpointSlices failed: %s: %s", type(e).__name__, e)
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 30.0)
+
+        def on_event(kind: str, obj: Any) -> None:
+            if kind in ("ADDED", "MODIFIED", "DELETED"):
+                deliver((kind, obj))
+
+        follow(
+            api.list_endpoint_slice_for_all_namespaces,
+            (),
+            {"label_selector": f"{SERVICE_NAME_LABEL} in ({','.join(self.names)})"},
+            lambda items: deliver(("snapshot", items)),
+            on_event,
+            self._stop,
+            what="following EndpointSlices",
+            forbidden_hint="check the router's ClusterRole: list/watch endpointslices",
+        )

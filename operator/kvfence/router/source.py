@@ -35,6 +35,52 @@ log = logging.getLogger("kvfence.router.source")
 WATCH_SECONDS = 240
 
 
+def follow(
+    list_fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    on_list: Any,
+    on_event: Any,
+    stop: threading.Event,
+    *,
+    what: str,
+    forbidden_hint: str,
+) -> None:
+    """List, then watch from the listed version, until ``stop``: ``on_list(items)`` after every list,
+    ``on_event(type, object)`` for every watch event. A watch that ends lists again; an expired
+    version (410) lists again at once; any other error is logged (with ``forbidden_hint`` on 401/403)
+    and retried with a backoff up to 30 s. Runs in a thread of its own (the client is blocking)."""
+    backoff = 1.0
+    while not stop.is_set():
+        try:
+            listed = list_fn(*args, _request_timeout=30, **kwargs)
+            on_list(listed.items)
+            w = k8s_watch.Watch()  # type: ignore[no-untyped-call]
+            for event in w.stream(  # type: ignore[no-untyped-call]
+                list_fn,
+                *args,
+                resource_version=listed.metadata.resource_version if listed.metadata else None,
+                timeout_seconds=WATCH_SECONDS,
+                _request_timeout=WATCH_SECONDS + 30,
+                **kwargs,
+            ):
+                if stop.is_set():
+                    w.stop()  # type: ignore[no-untyped-call]
+                    break
+                on_event(event["type"], event["object"])
+            backoff = 1.0
+            continue  # the watch ended normally: list again, then watch again
+        except k8s.ApiException as e:
+            if e.status == 410:  # the resource version is too old: list again at once
+                continue
+            hint = f" ({forbidden_hint})" if e.status in (401, 403) else ""
+            log.error("%s failed: %s %s%s", what, e.status, e.reason, hint)
+        except Exception as e:  # connection errors and the like: retried
+            log.error("%s failed: %s: %s", what, type(e).__name__, e)
+        stop.wait(backoff)
+        backoff = min(backoff * 2, 30.0)
+
+
 def role(namespace: str, secret_name: str, name: str = "kvfence-router") -> dict[str, Any]:
     """The Role the router's ServiceAccount needs in ``--routing-secret`` mode: read one Secret.
     (A list or watch is allowed by ``resourceNames`` when it selects that name with a field selector.)"""
@@ -107,43 +153,23 @@ class SecretSource:
 
     def _follow(self, deliver: Any) -> None:
         api = k8s.CoreV1Api(load_api_client(self.kubeconfig))
-        selector = f"metadata.name={self.name}"
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                listed = api.list_namespaced_secret(
-                    self.namespace, field_selector=selector, _request_timeout=30
-                )
-                deliver(self._extract(listed.items[0]) if listed.items else f"{self.where} not found")
-                w = k8s_watch.Watch()  # type: ignore[no-untyped-call]
-                for event in w.stream(  # type: ignore[no-untyped-call]
-                    api.list_namespaced_secret,
-                    self.namespace,
-                    field_selector=selector,
-                    resource_version=listed.metadata.resource_version if listed.metadata else None,
-                    timeout_seconds=WATCH_SECONDS,
-                    _request_timeout=WATCH_SECONDS + 30,
-                ):
-                    if self._stop.is_set():
-                        w.stop()  # type: ignore[no-untyped-call]
-                        break
-                    kind = event["type"]
-                    if kind in ("ADDED", "MODIFIED"):
-                        deliver(self._extract(event["object"]))
-                    elif kind == "DELETED":
-                        deliver(f"{self.where} was deleted")
-                backoff = 1.0
-                continue  # the watch ended normally: list again, then watch again
-            except k8s.ApiException as e:
-                if e.status == 410:  # the resource version is too old: list again at once
-                    continue
-                hint = (
-                    " (check the router's Role: get/list/watch on this Secret)"
-                    if e.status in (401, 403)
-                    else ""
-                )
-                log.error("reading %s failed: %s %s%s", self.where, e.status, e.reason, hint)
-            except Exception as e:  # connection errors and the like: retried
-                log.error("reading %s failed: %s: %s", self.where, type(e).__name__, e)
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 30.0)
+
+        def on_list(items: list[Any]) -> None:
+            deliver(self._extract(items[0]) if items else f"{self.where} not found")
+
+        def on_event(kind: str, obj: Any) -> None:
+            if kind in ("ADDED", "MODIFIED"):
+                deliver(self._extract(obj))
+            elif kind == "DELETED":
+                deliver(f"{self.where} was deleted")
+
+        follow(
+            api.list_namespaced_secret,
+            (self.namespace,),
+            {"field_selector": f"metadata.name={self.name}"},
+            on_list,
+            on_event,
+            self._stop,
+            what=f"reading {self.where}",
+            forbidden_hint="check the router's Role: get/list/watch on this Secret",
+        )
