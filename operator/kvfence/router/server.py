@@ -32,7 +32,7 @@ from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body
 from kvfence.router.quota_store import QuotaStore, SharedQuotaStore
 from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
@@ -259,7 +259,6 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
             state.metrics.stripped.inc(("header",), len(request.headers) - len(client_headers))
         state.proxy.check_available(cls)
         payload = build_body(plan, body)
-        headers = build_headers(plan, path, client_headers, payload)
 
         grant = state.quotas.acquire(plan.name, plan.quotas, tokens)
         if isinstance(grant, Rejection):
@@ -277,7 +276,7 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         try:
             try:
                 relay = await state.proxy.forward(
-                    request, plan, path, payload, headers, want_usage=grant.quota.tpm is not None
+                    request, plan, path, payload, client_headers, want_usage=grant.quota.tpm is not None
                 )
             except RouterError:
                 used = 0  # the engine could not be reached or failed before answering: refund
