@@ -518,3 +518,21 @@ def test_signer_is_rfc2104_hmac_sha256_for_every_key_length() -> None:
             Verifier("gold", [key]).verify(headers, "POST", "/v1/completions", b'{"a":1}')
     with pytest.raises(ValueError, match="line breaks"):
         Signer(b"k" * 32, Identity("alice\r\nX-Evil: 1", "gold", "tenant/gold/alice"))
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=12), _json_values, max_size=6))
+def test_the_upstream_body_encoder_writes_what_json_dumps_writes(doc: dict[str, object]) -> None:
+    """The router's encoder (the C encoder built once) gives json.dumps(separators=(",", ":"))'s
+    bytes: what the signature is computed over must not depend on which encoder ran."""
+    from kvfence.router.proxy import _encode
+
+    assert _encode(doc) == json.dumps(doc, separators=(",", ":"))
+    assert _encode(doc).isascii()

@@ -34,6 +34,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -102,8 +103,23 @@ MAX_ATTEMPTS = 3
 RETRY_ELSEWHERE = frozenset({"connect", "closed", "stale"})
 
 
-#: json.dumps(doc, separators=...) builds an encoder per call; this one is built once (ASCII output).
-_encode = json.JSONEncoder(separators=(",", ":")).encode
+def _compact_encoder() -> Callable[[Any], str]:
+    """``json.dumps(doc, separators=(",", ":"))`` (ASCII output) without building an encoder per call:
+    the C encoder made once (no circular-reference markers: the document was parsed from JSON, so it
+    has no cycles); the pure-Python encoder where the C one is missing."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return json.JSONEncoder(separators=(",", ":")).encode
+
+    def reject(o: Any) -> Any:
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+    c = make(None, reject, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+    join = "".join
+    return lambda doc: join(c(doc, 0))
+
+
+_encode = _compact_encoder()
 
 
 def build_body(plan: TenantPlan, body: dict[str, Any]) -> bytes:

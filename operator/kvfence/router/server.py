@@ -46,6 +46,7 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 MAX_N = 128
 MAX_TOKENS_LIMIT = 1 << 30
+GC_YOUNG_THRESHOLD = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,6 +461,10 @@ async def serve(
     # the cyclic GC's generations, so that full collections stay short (they show up in p99 latency).
     gc.collect()
     gc.freeze()
+    # A request allocates a few dozen tracked objects that die with it: a young-generation collection
+    # every GC_YOUNG_THRESHOLD allocations instead of every 700 (each one scans only what is alive,
+    # the requests in flight, so it costs about the same and runs ~14x less often).
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     log.info("kvfence-router listening on %s:%d (pid %d)", host, port, os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
