@@ -1,7 +1,11 @@
 """Router benchmark (not a test): what kvfence-router adds in front of a fast upstream, next to peers.
 
     .venv/bin/python bench/bench_router.py [--rate 1000] [--seconds 10] [--rounds 3] [--pin]
-                                           [--vllm-router PATH]
+                                           [--vllm-router PATH|install] [--only NAME,...]
+
+Peers to install first: ``apt-get install -y nginx wrk`` (Debian); ``--vllm-router install`` puts
+vllm-router 0.1.17 with its dependencies (its launcher imports setproctitle, fastapi, uvicorn, aiohttp,
+orjson) into a venv under the temporary directory, once, and uses it.
 
 Same run, same fixed-response upstream, same request (POST /v1/completions, a small JSON body, an
 Authorization header), four paths:
@@ -10,8 +14,8 @@ Authorization header), four paths:
 * ``kvfence-router`` auth, quotas, body strip + salt, HMAC signing, relay; once with one worker and
                      once with ``--workers 2`` (quota counters in shared memory, SO_REUSEPORT);
 * ``nginx``          Debian's nginx as a plain reverse proxy with an upstream keep-alive pool;
-* ``vllm-router``    the Rust router from PyPI (``pip download --no-deps vllm-router``; install it into
-                     a venv under /tmp and pass ``--vllm-router /tmp/.../bin/vllm-router``);
+* ``vllm-router``    the Rust router from PyPI (``--vllm-router install``, or the path of an installed
+                     ``bin/vllm-router``);
 * ``aiohttp proxy``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what the framework
                      the router was first built on costs by itself, three times the whole of
                      vllm-router, and the reason the router has its own HTTP layer
@@ -51,6 +55,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -551,6 +556,27 @@ def start_vllm_router(
     return Target(name, port, [p])
 
 
+VLLM_ROUTER_VERSION = "0.1.17"
+
+
+def install_vllm_router() -> str:
+    """vllm-router from PyPI with its dependencies in a venv of its own (reused when present): the
+    Python launcher imports setproctitle, fastapi, uvicorn, aiohttp and orjson before it starts the
+    Rust router, so a ``--no-deps`` install does not start."""
+    venv = Path(tempfile.gettempdir()) / f"kvfence-vllm-router-{VLLM_ROUTER_VERSION}"
+    exe = venv / "bin" / "vllm-router"
+    check = [str(venv / "bin" / "python"), "-c", "import vllm_router.launch_router"]
+    if exe.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return str(exe)
+    print(f"installing vllm-router {VLLM_ROUTER_VERSION} into {venv}", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True
+    )
+    subprocess.run(check, check=True)
+    return str(exe)
+
+
 def cpu_text(v: object) -> str:
     x = float(v)  # type: ignore[arg-type]
     return "-" if math.isnan(x) else f"{x:.1f}"
@@ -574,7 +600,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64, help="connections for the throughput runs")
     ap.add_argument("--latency-connections", type=int, default=32)
-    ap.add_argument("--vllm-router", default=None)
+    ap.add_argument(
+        "--vllm-router",
+        default=None,
+        help="path of bin/vllm-router, or 'install': from PyPI into a venv under the temporary directory",
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated names: measure only the targets whose name starts with one of them "
+        "(direct is always measured, as the baseline)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     ap.add_argument(
         "--pin",
@@ -595,6 +631,8 @@ def main() -> None:
         print(json.dumps(asyncio.run(_closed_loop(a.target_port, a.seconds, a.connections))))
         return
 
+    if a.vllm_router == "install":
+        a.vllm_router = install_vllm_router()
     cores = os.cpu_count() or 1
     if a.pin and cores >= 2 and shutil.which("taskset"):
         PIN_SUT[:] = ["taskset", "-c", str(cores - 1)]
@@ -603,16 +641,23 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     upstream = start_upstream(workdir)
     assert upstream.port is not None
-    targets = [
-        Target("direct", upstream.port, []),
-        start_kvfence(workdir, upstream.port),
+    up = upstream.port
+    starters: list[tuple[str, Callable[[], Target]]] = [
+        ("kvfence-router", lambda: start_kvfence(workdir, up)),
         # Two workers on the same pinned core(s): what the supervisor, SO_REUSEPORT and the shared
         # quota lock cost per request; on a machine with spare cores, give them one each.
-        start_kvfence(workdir, upstream.port, workers=2),
-        start_nginx_proxy(workdir, upstream.port),
-        start_vllm_router(a.vllm_router, upstream.port, workdir),
-        start_vllm_router(a.vllm_router, upstream.port, workdir, "cache_aware", "vllm-router cache_aware"),
-        start_aiohttp_floor(upstream.port),
+        ("kvfence-router 2 workers", lambda: start_kvfence(workdir, up, workers=2)),
+        ("nginx", lambda: start_nginx_proxy(workdir, up)),
+        ("vllm-router", lambda: start_vllm_router(a.vllm_router, up, workdir)),
+        (
+            "vllm-router cache_aware",
+            lambda: start_vllm_router(a.vllm_router, up, workdir, "cache_aware", "vllm-router cache_aware"),
+        ),
+        ("aiohttp proxy", lambda: start_aiohttp_floor(up)),
+    ]
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    targets = [Target("direct", up, [])] + [
+        start() for name, start in starters if not only or any(name == o for o in only)
     ]
     have_wrk = shutil.which("wrk") is not None
     # Rounds interleave the targets, so that a burst of load from elsewhere on the machine hits all of
@@ -683,22 +728,21 @@ def main() -> None:
             f"{r['achieved_rps']:>9.0f} {int(r['errors']) + int(r['thr_errors']):>6} {r['rps']:>10.0f} "  # type: ignore[call-overload]
             f"{ratio:>15} {cpu_text(r['cpu_us']):>11}"
         )
-    kv = next(r for r in rows if r["name"] == "kvfence-router")
+    kv = next((r for r in rows if r["name"] == "kvfence-router" and "rps" in r), None)
     print()
-    print(
-        f"target: kvfence-router added p99 <= 0.1 ms at {a.rate:.0f} req/s: "
-        f"{float(kv['p99']) - float(base['p99']):.3f} ms"
-    )  # type: ignore[arg-type]
-    if vllm:
+    if kv is None:
+        print("kvfence-router not measured")
+    else:
+        kv_added = float(kv["p99"]) - float(base["p99"])  # type: ignore[arg-type]
+        print(f"target: kvfence-router added p99 <= 0.1 ms at {a.rate:.0f} req/s: {kv_added:.3f} ms")
+    if vllm and kv:
         floor = next((r["cpu_us"] for r in rows if r["name"] == "aiohttp proxy" and "cpu_us" in r), math.nan)
         print(
             f"CPU per request: kvfence-router {cpu_text(kv['cpu_us'])} us, "
             f"vllm-router {cpu_text(vllm['cpu_us'])} us, aiohttp proxy {cpu_text(floor)} us"
         )
-        print(
-            f"target: kvfence-router throughput >= 1.0x vllm-router (one pinned core): "
-            f"{float(kv['rps']) / float(vllm['rps']):.2f}x"
-        )  # type: ignore[arg-type]
+        kv_ratio = float(kv["rps"]) / float(vllm["rps"])  # type: ignore[arg-type]
+        print(f"target: kvfence-router throughput >= 1.0x vllm-router (one pinned core): {kv_ratio:.2f}x")
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"router-{time.strftime('%Y%m%dT%H%M%S')}.json"

@@ -258,3 +258,37 @@ def test_fast_path_and_generic_path_find_the_same_prefixes(prompts: list[list[in
         assert fast.cached_prefix_tokens(c, arr(*p)) == slow.cached_prefix_tokens(c, arr(*p))
     check_consistency(fast)
     check_consistency(slow)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b", "generic"])
+def test_lookup_across_split_windows_stops_at_the_first_bad_block(algo: str) -> None:
+    """The walk splits the prompt a window of blocks at a time: a prompt longer than several windows
+    hits in full, a planted entry past the first window stops it exactly there (counted), the key it
+    hands on is the last verified block's, and asking for more blocks than the prompt holds ends at
+    its last full block."""
+    from kvfence.engine.prefix_cache import SPLIT_WINDOW
+
+    n = SPLIT_WINDOW * 2 + 7  # blocks
+    m = EngineMetrics()
+    hash_fn = hash_function("sha256") if algo == "generic" else None
+    pc = PrefixCache(BS, m, hash_algorithm="sha256" if algo == "generic" else algo, hash_fn=hash_fn)
+    a = FencedAllocator("gold", n + 8, BS, metrics=m, prefix_cache=pc)
+    c = ctx()
+    prompt = np.arange(1, n * BS + 2, dtype=np.int32)  # n full blocks and one token more
+    cache_prompt(a, "s", c, "a", prompt)
+    raw = prompt.tobytes()
+    keys = pc.keys(c, raw, n)
+    full = pc.lookup(c, raw, n)
+    assert len(full.blocks) == n and full.next_parent_key == keys[-1]
+    assert len(pc.lookup(c, raw, n + 50).blocks) == n  # no partial block is ever hashed or matched
+    assert len(pc.lookup(c, raw[: 5 * BS * 4], n).blocks) == 5
+    # from the middle (a shared prefix's end): the same chain from block 10 on
+    tail = pc.lookup(c, raw, n, start=10, key=keys[9], parent=full.blocks[9].cache_handle)
+    assert tail.blocks == full.blocks[10:]
+    bad = SPLIT_WINDOW + 3
+    other = prompt.copy()
+    other[bad * BS] += 1  # block `bad` differs by one token
+    plant(pc, c, other, bad, full.blocks[bad])  # found under other's key: same parent, other tokens
+    got = pc.lookup(c, other.tobytes(), n)
+    assert got.blocks == full.blocks[:bad] and got.next_parent_key == keys[bad - 1]
+    assert m.value("kv_cache_hash_collision_total") == 1

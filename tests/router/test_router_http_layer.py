@@ -18,7 +18,7 @@ from kvfence.contract import HEADER_NONCE
 from kvfence.router.errors import error_response
 from kvfence.router.http import HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.proxy import Proxy, ProxyConfig, build_body
 from kvfence.router.table import parse_table
 from kvfence.router.upstream import Pool, UpstreamError
 
@@ -461,6 +461,38 @@ def test_pool_streams_chunks_as_they_arrive_and_reads_bodies_ended_by_close(run:
     run(main())
 
 
+def test_pool_read_timeout_holds_on_a_reused_connection(run: Any) -> None:
+    """One timer per connection, armed across its answers: a request on a kept-alive connection
+    whose earlier answers came fast still times out when the engine goes silent, whether that
+    connection's timer was still armed from the answers before (sent at once) or had run out (sent
+    after the read timeout), and a fast answer in between never trips it."""
+
+    async def main() -> None:
+        async def fast_then_silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            for _ in range(3):
+                await read_request(r)
+                w.write(ok(b"fast"))
+            await read_request(r)
+            await asyncio.sleep(3600)
+
+        for pause in (0.0, 0.5):
+            server = RawServer(fast_then_silent)
+            pool = Pool("127.0.0.1", await server.start(), read_timeout=0.3, total_timeout=5.0)
+            for i in range(3):
+                resp = await pool.request("POST", "/", {}, b"x")
+                assert resp.status == 200 and await resp.read() == b"fast"
+                resp.release()
+                if i == 1:
+                    await asyncio.sleep(pause)  # past the read timeout: the timer ran out meanwhile
+            with pytest.raises(UpstreamError) as e:
+                await pool.request("POST", "/", {}, b"x")
+            assert e.value.kind == "timeout" and "read timeout" in str(e.value)  # not the total one
+            assert server.connections == 1  # all four on the one kept-alive connection
+            pool.close()
+
+    run(main())
+
+
 def test_pool_errors_connect_timeout_protocol_and_injection(run: Any) -> None:
     async def main() -> None:
         async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -595,8 +627,7 @@ def test_proxy_retries_a_stale_connection_once_with_a_fresh_nonce(run: Any) -> N
         proxy.sync(table.classes)
         for _ in range(2):
             payload = build_body(plan, {"model": "tiny", "prompt": "p"})
-            headers = build_headers(plan, "/v1/completions", [], payload)
-            resp, ce, ep = await proxy._send(plan, "/v1/completions", payload, headers)
+            resp, ce, ep = await proxy._send(plan, "/v1/completions", payload, [])
             assert resp.status == 200 and await resp.read() == b'{"usage":{"total_tokens":3}}'
             resp.release()
             ce.end(ep)

@@ -14,12 +14,14 @@ from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, wri
 from support.ports import free_port
 
 from kvfence.contract import (
+    HEADER_NONCE,
     HEADER_SIGNATURE,
     HEADER_TENANT,
     CacheScope,
     Verifier,
     cache_namespace,
     derive_cache_salt,
+    strip_client_headers,
 )
 from kvfence.contract.routing import Quotas, RoutingTable, encode_table, hash_api_key
 from kvfence.router.auth import AuthError, authenticate
@@ -31,7 +33,7 @@ from kvfence.router.proxy import (
     ProxyConfig,
     _UsageScanner,
     build_body,
-    build_headers,
+    build_head,
 )
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
@@ -203,15 +205,22 @@ def test_build_body_strips_and_salts_and_signature_verifies() -> None:
     payload = build_body(alice, body)
     sent = json.loads(payload)
     assert sent == {"model": "tiny", "prompt": "hi", "cache_salt": alice.cache_salt}
-    headers = build_headers(
-        alice,
-        "/v1/completions",
-        [("X-Tenant-ID", "bob"), ("X-Kvfence-Tenant", "bob"), ("User-Agent", "t"), ("Cookie", "c")],
-        payload,
-    )
+    client = [("X-Tenant-ID", "bob"), ("X-Kvfence-Tenant", "bob"), ("User-Agent", "t"), ("Cookie", "c")]
+    head = build_head(alice, "/v1/completions", strip_client_headers(client), payload)
+    assert head.endswith(b"\r\n") and b"\r\n\r\n" not in head
+    lines = head.decode("latin-1").split("\r\n")[:-1]
+    names = [line.split(": ", 1)[0] for line in lines]
+    assert len(names) == len(set(names))  # each header once
+    headers = dict(line.split(": ", 1) for line in lines)
     assert headers[HEADER_TENANT] == "alice" and headers["User-Agent"] == "t"
+    assert headers["Content-Type"] == "application/json"
     assert "X-Tenant-ID" not in headers and "Cookie" not in headers
+    # every call signs afresh: another nonce, so that a retry is not refused as a replay
+    again_lines = build_head(alice, "/v1/completions", [], payload).decode().split("\r\n")[:-1]
+    again = dict(line.split(": ", 1) for line in again_lines)
+    assert again[HEADER_NONCE] != headers[HEADER_NONCE]
     v = Verifier("gold", [GOLD_KEY])
+    assert v.verify(again, "POST", "/v1/completions", payload).cache_salt == alice.cache_salt
     verified = v.verify(headers, "POST", "/v1/completions", payload)
     assert verified.cache_salt == alice.cache_salt
     sig = headers[HEADER_SIGNATURE]
@@ -483,3 +492,47 @@ def test_a_full_shared_store_refuses_a_new_tenant_by_name() -> None:
     q.sync([("a", Quotas()), ("b", Quotas())])  # the same tenants again: their slots
     with pytest.raises(QuotaStoreFull, match="holds 2 tenants"):
         q.sync([("a", Quotas()), ("b", Quotas()), ("c", Quotas())])
+
+
+def test_signer_is_rfc2104_hmac_sha256_for_every_key_length() -> None:
+    """The precomputed inner/outer states give exactly hmac.new's signature (keys shorter than, equal
+    to and longer than SHA-256's 64-byte block), and the router's header lines verify."""
+    import hmac
+    import os
+
+    from kvfence.contract import CONTRACT_VERSION, Identity, Signer, body_digest, canonical_string, sign
+
+    identity = Identity("alice", "gold", "tenant/gold/alice")
+    for size in (1, 32, 63, 64, 65, 200):
+        key = os.urandom(size)
+        got = sign(key, identity, "POST", "/v1/completions", b"{}", now=1000, nonce="n0")
+        canonical = canonical_string(identity, "POST", "/v1/completions", "1000", "n0", body_digest(b"{}"))
+        want = hmac.new(key, canonical, "sha256").hexdigest()
+        assert got[HEADER_SIGNATURE] == f"{CONTRACT_VERSION}={want}"
+        lines = Signer(key, identity).head("POST", "/v1/chat/completions", b'{"a":1}').decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[:-1])
+        assert set(headers) == set(got)
+        verified = Verifier("gold", [key]).verify(headers, "POST", "/v1/chat/completions", b'{"a":1}')
+        assert verified.identity == identity
+        with pytest.raises(Exception, match="signature"):  # bound to the path and the body
+            Verifier("gold", [key]).verify(headers, "POST", "/v1/completions", b'{"a":1}')
+    with pytest.raises(ValueError, match="line breaks"):
+        Signer(b"k" * 32, Identity("alice\r\nX-Evil: 1", "gold", "tenant/gold/alice"))
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=12), _json_values, max_size=6))
+def test_the_upstream_body_encoder_writes_what_json_dumps_writes(doc: dict[str, object]) -> None:
+    """The router's encoder (the C encoder built once) gives json.dumps(separators=(",", ":"))'s
+    bytes: what the signature is computed over must not depend on which encoder ran."""
+    from kvfence.router.proxy import _encode
+
+    assert _encode(doc) == json.dumps(doc, separators=(",", ":"))
+    assert _encode(doc).isascii()

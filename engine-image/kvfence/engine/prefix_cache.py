@@ -26,6 +26,7 @@ The cache holds no lock of its own: every method is called with the allocator's 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from kvfence.engine.metrics import EngineMetrics
 HashFn = Callable[[bytes, bytes | memoryview], bytes]
 
 ROOT_SEED = b"kvfence-prefix-root-v1"
+#: Blocks of a prompt a lookup splits at a time.
+SPLIT_WINDOW = 128
 
 
 def sha256_chain(parent: bytes, payload: bytes | memoryview) -> bytes:
@@ -129,6 +132,8 @@ class PrefixCache:
         #: an empty hasher of the built-in algorithm (None with an injected hash_fn): copying it and
         #: hashing ``parent + payload`` gives hash_fn's digest with fewer calls than hash_fn itself
         self._seed: Any = None if hash_fn is not None else _SEEDS[hash_algorithm]()
+        #: splits token bytes into whole blocks in one C call (``findall(raw, pos, endpos)``)
+        self._split = re.compile(b".{%d}" % self.block_bytes, re.DOTALL)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -213,57 +218,69 @@ class PrefixCache:
         raw = token_bytes if type(token_bytes) is bytes else bytes(token_bytes)
         bb = self.block_bytes
         ctx, root = self.canonical(ctx)
-        if key is None:
-            key = root
+        key = matched = root if key is None else key
         blocks: list[KVBlock] = []
         append = blocks.append
         get = self.index.get
         fenced = BlockState.FENCED
         seed = self._seed
-        span = range(start * bb, max_blocks * bb, bb)
-        # The two loops differ only in how the key is computed. Each block is checked on a fast path
-        # first: the interned context, the very parent handle object the previous block carries (or
-        # the caller's), the same tokens byte for byte, usable. Anything else goes through verify(),
-        # which compares by value and counts what it refuses.
-        if seed is not None:  # a built-in algorithm: hash_fn's digest, one call fewer per block
-            new = seed.copy
-            for i in span:
-                chunk = raw[i : i + bb]
-                h = new()
-                h.update(key + chunk)
-                nxt = h.digest()
-                cand = get(nxt)
-                if cand is None:
-                    break
-                if (
-                    cand.context is not ctx
-                    or cand.parent is not parent
-                    or cand.tokens != chunk
-                    or cand.state is fenced
-                ) and not self._verified(cand, ctx, parent, chunk):
+        split = self._split.findall
+        hf = self.hash_fn
+        # The prompt's full blocks come from one C call per window of blocks (no slicing per block,
+        # and at most a window split in vain when the walk stops early). Each block is checked on a
+        # fast path first: the interned context, the very parent handle object the previous block
+        # carries (or the caller's), the same tokens byte for byte, usable. Anything else goes through
+        # verify(), which compares by value and counts what it refuses. The two inner loops differ
+        # only in how the key is computed.
+        pos, end, step = start * bb, min(max_blocks * bb, len(raw)), SPLIT_WINDOW * bb
+        while pos < end:
+            stop = min(end, pos + step)
+            if seed is not None:  # a built-in algorithm: hash_fn's digest in fewer calls
+                new = seed.copy
+                for chunk in split(raw, pos, stop):
+                    h = new()
+                    h.update(key)
+                    h.update(chunk)
+                    key = h.digest()
+                    cand = get(key)
+                    if cand is None or (
+                        (
+                            cand.context is not ctx
+                            or cand.parent is not parent
+                            or cand.tokens != chunk
+                            or cand.state is fenced
+                        )
+                        and not self._verified(cand, ctx, parent, chunk)
+                    ):
+                        break
+                    append(cand)
+                    matched = key
+                    parent = cand.cache_handle
+                else:
+                    pos = stop
+                    continue
+                break
+            for chunk in split(raw, pos, stop):
+                key = hf(key, chunk)
+                cand = get(key)
+                if cand is None or (
+                    (
+                        cand.context is not ctx
+                        or cand.parent is not parent
+                        or cand.tokens != chunk
+                        or cand.state is fenced
+                    )
+                    and not self._verified(cand, ctx, parent, chunk)
+                ):
                     break
                 append(cand)
-                key = nxt
+                matched = key
                 parent = cand.cache_handle
-        else:
-            hf = self.hash_fn
-            for i in span:
-                chunk = raw[i : i + bb]
-                nxt = hf(key, chunk)
-                cand = get(nxt)
-                if cand is None:
-                    break
-                if (
-                    cand.context is not ctx
-                    or cand.parent is not parent
-                    or cand.tokens != chunk
-                    or cand.state is fenced
-                ) and not self._verified(cand, ctx, parent, chunk):
-                    break
-                append(cand)
-                key = nxt
-                parent = cand.cache_handle
-        return Match(blocks, key)
+            else:
+                pos = stop
+                continue
+            break
+        return Match(blocks, matched)
 
     def _verified(self, cand: KVBlock, ctx: CacheContext, parent: BlockHandle | None, chunk: bytes) -> bool:
         verdict = self.verify(cand, ctx, parent, chunk)

@@ -52,6 +52,10 @@ RESOURCES: dict[tuple[str, str], Resource] = {
 }
 
 
+#: Objects per page when the operator lists a kind (see :meth:`Kube.list`).
+LIST_PAGE = 500
+
+
 class KubeError(Exception):
     """A request the API server answered with an error status."""
 
@@ -150,12 +154,41 @@ class Kube:
             raise
 
     def list(
-        self, api_version: str, kind: str, namespace: str | None = None, label_selector: str | None = None
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        *,
+        page: int = LIST_PAGE,
     ) -> list[Obj]:
-        query = {"labelSelector": label_selector} if label_selector else None
-        out: Obj = self.request("GET", path_for(api_version, kind, namespace), query=query)
-        items: list[Obj] = out.get("items", [])
-        return items
+        """Every object, read ``page`` at a time (``limit``/``continue``: one consistent snapshot, as
+        one LIST would be) and without ``metadata.managedFields``, which the operator never reads and
+        which are the largest part of an object written by server-side apply: a list of 10,000
+        bindings never holds the whole answer at once."""
+        path = path_for(api_version, kind, namespace)
+        items: list[Obj] = []
+        cont = ""
+        while True:
+            query = {"limit": str(page)}
+            if label_selector:
+                query["labelSelector"] = label_selector
+            if cont:
+                query["continue"] = cont
+            try:
+                out: Obj = self.request("GET", path, query=query)
+            except KubeError as e:
+                if e.status == 410 and cont:
+                    # The continue token expired (etcd compacted the snapshot): read it all again.
+                    items, cont = [], ""
+                    continue
+                raise
+            for item in out.get("items", []):
+                (item.get("metadata") or {}).pop("managedFields", None)
+                items.append(item)
+            cont = (out.get("metadata") or {}).get("continue") or ""
+            if not cont:
+                return items
 
     # --- writes ---------------------------------------------------------------------------------
     def apply(self, obj: Obj, *, field_manager: str = FIELD_MANAGER, subresource: str = "") -> Obj:

@@ -144,6 +144,10 @@ class ClassEndpoints:
         if self.policy == "random":
             choices = [e for e in serving if e not in exclude] if exclude else serving
             return (random.choice(choices), False) if choices else None
+        if len(serving) == 1 and not exclude:
+            # One replica is every key's home and never at its bound (the bound exceeds the class's
+            # in-flight count, which is all its own): what the walk below would return, without it.
+            return serving[0], True
         cap = bound(self.inflight, len(serving))
         home = True
         for i in self.ring.order(key):

@@ -103,8 +103,8 @@ class Stream:
 
 
 class Request:
-    """One parsed request. ``headers`` keeps what the client sent, in order; :meth:`header` looks a
-    header up by its lower-case name (the first occurrence)."""
+    """One parsed request. ``headers`` keeps what the client sent, in order (``names``: their names in
+    lower case); :meth:`header` looks a header up by its lower-case name (the first occurrence)."""
 
     __slots__ = (
         "_conn",
@@ -113,6 +113,7 @@ class Request:
         "headers",
         "keep_alive",
         "method",
+        "names",
         "path",
         "query",
         "streamed",
@@ -129,6 +130,7 @@ class Request:
         headers: list[tuple[str, str]],
         keep_alive: bool,
         body: bytes,
+        names: list[str] | None = None,
     ) -> None:
         self._conn = conn
         self.method = method
@@ -137,6 +139,7 @@ class Request:
         self.query = query
         self.version = version
         self.headers = headers
+        self.names = names if names is not None else [k.lower() for k, _ in headers]
         self.keep_alive = keep_alive
         self.body = body
         self.streamed = False  # stream() wrote the head of the answer
@@ -147,8 +150,8 @@ class Request:
         index = self._index
         if index is None:
             index = {}
-            for k, v in self.headers:
-                index.setdefault(k.lower(), v)
+            for k, (_, v) in zip(self.names, self.headers, strict=True):
+                index.setdefault(k, v)
             self._index = index
         return index.get(name)
 
@@ -160,7 +163,7 @@ class Request:
         return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "-"
 
     def header_count(self, name: str) -> int:
-        return sum(1 for k, _ in self.headers if k.lower() == name)
+        return self.names.count(name)
 
     def stream(self, status: int, headers: Iterable[tuple[str, str]]) -> Stream:
         """Write the head of a streamed answer now; the body follows through the returned
@@ -207,6 +210,7 @@ class _Connection(asyncio.Protocol):
         self._started = 0.0
         self._url = b""
         self._headers: list[tuple[str, str]] = []
+        self._names: list[str] = []
         self._head_bytes = 0
         self._body: list[bytes] = []
         self._body_bytes = 0
@@ -281,6 +285,7 @@ class _Connection(asyncio.Protocol):
         self._started = time.monotonic()
         self._url = b""
         self._headers = []
+        self._names = []
         self._head_bytes = 0
         self._body = []
         self._body_bytes = 0
@@ -295,7 +300,9 @@ class _Connection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_HEAD_BYTES or len(self._headers) >= MAX_HEADERS:
             raise _Reject(431, "Request header fields too large.")
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        k = name.decode("latin-1")
+        self._headers.append((k, value.decode("latin-1")))
+        self._names.append(k.lower())
 
     def on_headers_complete(self) -> None:
         parser = self.parser
@@ -303,8 +310,7 @@ class _Connection(asyncio.Protocol):
         self._version = parser.get_http_version()
         self._keep_alive = parser.should_keep_alive()
         expect = None
-        for k, v in self._headers:
-            kl = k.lower()
+        for kl, (_, v) in zip(self._names, self._headers, strict=True):
             if kl == "content-length":
                 if not v.strip().isdigit():
                     raise _Reject(400, "Invalid Content-Length.")
@@ -329,7 +335,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._reading = False
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = Request(self, self._method, self._url, self._version, self._headers, self._keep_alive, body)
+        req = Request(
+            self, self._method, self._url, self._version, self._headers, self._keep_alive, body, self._names
+        )
         if self.closing:
             return  # answering the last request of this connection: drop what follows
         if self.task is None:

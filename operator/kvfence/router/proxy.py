@@ -34,11 +34,12 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvfence.contract import BODY_CACHE_SALT, sign, strip_client_body, strip_client_headers
+from kvfence.contract import BODY_CACHE_SALT, strip_client_body
 from kvfence.contract.errors import error_body
 from kvfence.router.endpoints import ClassEndpoints, Endpoint, Member, PoolFactory
 from kvfence.router.errors import RouterError
@@ -102,20 +103,44 @@ MAX_ATTEMPTS = 3
 RETRY_ELSEWHERE = frozenset({"connect", "closed", "stale"})
 
 
+def _compact_encoder() -> Callable[[Any], str]:
+    """``json.dumps(doc, separators=(",", ":"))`` (ASCII output) without building an encoder per call:
+    the C encoder made once (no circular-reference markers: the document was parsed from JSON, so it
+    has no cycles); the pure-Python encoder where the C one is missing."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return json.JSONEncoder(separators=(",", ":")).encode
+
+    def reject(o: Any) -> Any:
+        raise TypeError(f"Object of type {type(o).__name__} is not JSON serializable")
+
+    c = make(None, reject, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+    join = "".join
+    return lambda doc: join(c(doc, 0))
+
+
+_encode = _compact_encoder()
+
+
 def build_body(plan: TenantPlan, body: dict[str, Any]) -> bytes:
     """The exact bytes sent upstream: stripped body plus the derived salt."""
     out = strip_client_body(body)
     out[BODY_CACHE_SALT] = plan.cache_salt
-    return json.dumps(out, separators=(",", ":")).encode("ascii")
+    return _encode(out).encode("ascii")
 
 
-def build_headers(
-    plan: TenantPlan, path: str, client_headers: list[tuple[str, str]], payload: bytes
-) -> dict[str, str]:
-    headers = {k: v for k, v in strip_client_headers(client_headers) if k.lower() in FORWARD_HEADERS}
-    headers["Content-Type"] = "application/json"
-    headers.update(sign(plan.trust_class.signing_key, plan.identity, "POST", path, payload))
-    return headers
+def build_head(plan: TenantPlan, path: str, client_headers: list[tuple[str, str]], payload: bytes) -> bytes:
+    """The header lines sent upstream with ``payload`` (Host and Content-Length are the pool's): the
+    allowlisted client headers (``client_headers`` already went through
+    :func:`kvfence.contract.strip_client_headers`), Content-Type, and the identity headers signed over
+    exactly ``payload``, with a fresh timestamp and nonce on every call."""
+    lines = [f"{k}: {v}\r\n".encode("latin-1") for k, v in client_headers if k.lower() in FORWARD_HEADERS]
+    for line in lines:
+        if b"\n" in line[:-2] or b"\r" in line[:-2]:
+            raise ValueError("a forwarded header contains a line break")
+    lines.append(b"Content-Type: application/json\r\n")
+    lines.append(plan.signer.head("POST", path, payload))
+    return b"".join(lines)
 
 
 class _UsageScanner:
@@ -289,7 +314,7 @@ class Proxy:
             self._export(ce)
 
     async def _get_status(self, ce: ClassEndpoints, ep: Endpoint, path: str) -> int:
-        resp = await ep.pool.request("GET", ce.base + path, {})
+        resp = await ep.pool.request("GET", ce.base + path, None)
         try:
             await resp.read()
             return resp.status
@@ -351,7 +376,7 @@ class Proxy:
         return "no ready endpoint" if ce.members else "no endpoints"
 
     async def _send(
-        self, plan: TenantPlan, path: str, payload: bytes, headers: dict[str, str]
+        self, plan: TenantPlan, path: str, payload: bytes, client_headers: list[tuple[str, str]]
     ) -> tuple[UpstreamResponse, ClassEndpoints, Endpoint]:
         """Pick a replica and send; on a failure that the engine cannot have answered, another one.
         Returns the answer (status and headers read) and the endpoint it is on, whose ``inflight``
@@ -370,21 +395,21 @@ class Proxy:
             if attempt == 0:
                 self.metrics.affinity.inc(ce.hit_labels if home else ce.spill_labels)
             else:
-                # A fresh nonce: the engine refuses a replayed one.
-                headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
                 self.metrics.retries.inc((cls.name, last.kind if last else "connect"))
             self.metrics.endpoint_requests.inc(ep.labels)
             ce.begin(ep)
             try:
+                # Signed for each attempt: a fresh nonce, since the engine refuses a replayed one.
+                head = build_head(plan, path, client_headers, payload)
                 try:
-                    return await ep.pool.request("POST", ce.base + path, headers, payload), ce, ep
+                    return await ep.pool.request("POST", ce.base + path, None, payload, head=head), ce, ep
                 except UpstreamError as e:
                     if e.kind != "stale":
                         raise
                     # A pooled keep-alive connection the engine had just closed: nothing was
                     # processed. Once more on a fresh connection to the same replica.
-                    headers.update(sign(cls.signing_key, plan.identity, "POST", path, payload))
-                    resp = await ep.pool.request("POST", ce.base + path, headers, payload, fresh=True)
+                    head = build_head(plan, path, client_headers, payload)
+                    resp = await ep.pool.request("POST", ce.base + path, None, payload, head=head, fresh=True)
                     return resp, ce, ep
             except UpstreamError as e:
                 ce.end(ep)
@@ -416,13 +441,13 @@ class Proxy:
         plan: TenantPlan,
         path: str,
         payload: bytes,
-        headers: dict[str, str],
+        client_headers: list[tuple[str, str]],
         want_usage: bool,
     ) -> Relay:
-        """Send ``payload`` to the engine and relay its answer."""
+        """Send ``payload`` to the engine (with :func:`build_head`'s headers) and relay its answer."""
         cls = plan.trust_class
         self.check_available(cls)
-        resp, ce, ep = await self._send(plan, path, payload, headers)
+        resp, ce, ep = await self._send(plan, path, payload, client_headers)
         try:
             if resp.status == 401:
                 # The client was authenticated by the router; an engine refusing the router's

@@ -32,7 +32,7 @@ from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, build_headers
+from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body
 from kvfence.router.quota_store import QuotaStore, SharedQuotaStore
 from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
@@ -46,6 +46,7 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 MAX_N = 128
 MAX_TOKENS_LIMIT = 1 << 30
+GC_YOUNG_THRESHOLD = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +260,6 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
             state.metrics.stripped.inc(("header",), len(request.headers) - len(client_headers))
         state.proxy.check_available(cls)
         payload = build_body(plan, body)
-        headers = build_headers(plan, path, client_headers, payload)
 
         grant = state.quotas.acquire(plan.name, plan.quotas, tokens)
         if isinstance(grant, Rejection):
@@ -277,7 +277,7 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         try:
             try:
                 relay = await state.proxy.forward(
-                    request, plan, path, payload, headers, want_usage=grant.quota.tpm is not None
+                    request, plan, path, payload, client_headers, want_usage=grant.quota.tpm is not None
                 )
             except RouterError:
                 used = 0  # the engine could not be reached or failed before answering: refund
@@ -461,6 +461,10 @@ async def serve(
     # the cyclic GC's generations, so that full collections stay short (they show up in p99 latency).
     gc.collect()
     gc.freeze()
+    # A request allocates a few dozen tracked objects that die with it: a young-generation collection
+    # every GC_YOUNG_THRESHOLD allocations instead of every 700 (each one scans only what is alive,
+    # the requests in flight, so it costs about the same and runs ~14x less often).
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     log.info("kvfence-router listening on %s:%d (pid %d)", host, port, os.getpid())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

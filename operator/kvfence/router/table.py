@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from kvfence.contract import CacheScope, Identity, cache_namespace, derive_cache_salt, key_id
+from kvfence.contract import CacheScope, Identity, Signer, cache_namespace, derive_cache_salt, key_id
 from kvfence.contract.routing import KEY_HASH_PREFIX, Quotas, RoutingTable, decode_table_bytes
 from kvfence.router.balance import hash64
 
@@ -64,6 +64,8 @@ class TenantPlan:
     allowed_models: frozenset[str]
     models_body: bytes  # the JSON answer to GET /v1/models
     quotas: Quotas
+    # signs its requests with the class's key (derived from signing_key and identity: not compared)
+    signer: Signer = field(compare=False, repr=False)
     # Where the tenant's requests land on its class's replica ring: the hash of its cache namespace,
     # the unit the engines' prefix caches are scoped by (kvfence.router.balance).
     affinity: int = 0
@@ -147,14 +149,16 @@ def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
                 warnings.append(f"tenant {name!r}: adapter {a!r} is not served by {cls.name!r}; ignored")
         models = [*cls.served_models, *(a for a in adapters if a not in cls.served_models)]
         namespace = cache_namespace(cls.name, name, cls.cache_scope)
+        identity = Identity(tenant=name, trust_class=cls.name, namespace=namespace)
         plan = TenantPlan(
             name=name,
             trust_class=cls,
-            identity=Identity(tenant=name, trust_class=cls.name, namespace=namespace),
+            identity=identity,
             cache_salt=derive_cache_salt(cls.signing_key, cls.name, namespace),
             allowed_models=frozenset(models),
             models_body=_models_body(models),
             quotas=tr.quotas,
+            signer=Signer(cls.signing_key, identity),
             affinity=hash64(namespace),
         )
         tenants[name] = plan

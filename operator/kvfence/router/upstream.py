@@ -96,6 +96,8 @@ class Response:
         return data
 
     async def read(self) -> bytes:
+        if self.complete and self.error is None:  # all of it arrived with the head (short answers)
+            return self._take() if self.chunks else b""
         parts: list[bytes] = []
         async for chunk in self.chunks_iter():
             parts.append(chunk)
@@ -141,6 +143,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._disarm()
         resp = self.resp
         if resp is None or resp.complete or resp.error is not None:
             return
@@ -202,16 +205,21 @@ class _Connection(asyncio.Protocol):
         self.uses += 1
         self.resp = resp = Response(self)
         self._until_eof = False
-        now = time.monotonic()
-        self._deadline = now + self.pool.total_timeout
-        self._timer = self.loop.call_later(min(self.pool.read_timeout, self.pool.total_timeout), self._check)
+        self._deadline = resp.progress + self.pool.total_timeout
+        if self._timer is None:
+            # One timer per connection, not per request: it stays armed across the answers of a
+            # kept-alive connection and re-arms itself for what is left when it fires early.
+            self._timer = self.loop.call_later(
+                min(self.pool.read_timeout, self.pool.total_timeout), self._check
+            )
         self.transport.write(data)
         return resp
 
     def _check(self) -> None:
+        self._timer = None
         resp = self.resp
         if resp is None or resp.complete:
-            return
+            return  # idle: the next request arms it again
         now = time.monotonic()
         read_left = resp.progress + self.pool.read_timeout - now
         total_left = self._deadline - now
@@ -234,12 +242,15 @@ class _Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
 
-    def finish(self, reusable: bool) -> None:
+    def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def finish(self, reusable: bool) -> None:
         self.resp = None
         if not reusable or self.transport is None or self.paused:
+            self._disarm()
             if self.transport is not None:
                 self.transport.close()
             self.pool._done(None)
@@ -348,15 +359,25 @@ class Pool:
             idle.append(conn)
 
     async def request(
-        self, method: str, path: str, headers: Mapping[str, str], body: bytes = b"", *, fresh: bool = False
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str] | None,
+        body: bytes = b"",
+        *,
+        head: bytes = b"",
+        fresh: bool = False,
     ) -> Response:
-        """Send a request; returns once the answer's status and headers arrived. ``fresh``: on a new
-        connection (the retry after a ``stale`` error)."""
+        """Send a request; returns once the answer's status and headers arrived. ``head``: header
+        lines already formatted (``Name: value\\r\\n`` each), sent after ``headers``. ``fresh``: on a
+        new connection (the retry after a ``stale`` error)."""
         lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), self._host_line]
-        for k, v in headers.items():
-            if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
-                raise ValueError(f"header {k!r} contains a line break")
-            lines.append(f"{k}: {v}\r\n".encode("latin-1"))
+        if headers:
+            for k, v in headers.items():
+                if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
+                    raise ValueError(f"header {k!r} contains a line break")
+                lines.append(f"{k}: {v}\r\n".encode("latin-1"))
+        lines.append(head)
         if body or method == "POST":
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
