@@ -472,7 +472,8 @@ def local_stack(workdir: Path) -> Iterator[Router]:
     from kvfence.api.trustclass import TrustClass
     from kvfence.contract import new_signing_key
     from kvfence.contract.routing import hash_api_key
-    from kvfence.operator import builders, routes
+    from kvfence.operator import builders
+    from kvfence.operator.bindings import ClassState, KeyLookup, api_keys_from_secret, decide, table_json
     from kvfence.operator.builders import OperatorOptions
 
     classes = {
@@ -486,12 +487,12 @@ def local_stack(workdir: Path) -> Iterator[Router]:
     for b in bindings:
         s = secrets[(b.namespace, b.spec.api_key_secret_ref.name)]
         data = {k: base64.b64encode(v.encode()).decode() for k, v in s.get("stringData", {}).items()}
-        keys = routes.api_keys_from_secret({"data": data}, b.spec.api_key_secret_ref.key)
-        lookups[b.key] = routes.KeyLookup(hashes=tuple(hash_api_key(k) for k in keys))
+        keys = api_keys_from_secret({"data": data}, b.spec.api_key_secret_ref.key)
+        lookups[b.key] = KeyLookup(hashes=tuple(hash_api_key(k) for k in keys))
     signing = {name: new_signing_key() for name in classes}
     opts = OperatorOptions()
-    states = {n: routes.ClassState(tc, signing_keys=(signing[n],)) for n, tc in classes.items()}
-    outcome = routes.decide(states, bindings, labels, lookups, opts)
+    states = {n: ClassState(tc, signing_keys=(signing[n],)) for n, tc in classes.items()}
+    outcome = decide(states, bindings, labels, lookups, opts)
     denied = {k: d.message for k, d in outcome.decisions.items() if not d.bound}
     if denied:
         raise RuntimeError(f"examples/ bindings not bound: {denied}")
@@ -528,7 +529,7 @@ def local_stack(workdir: Path) -> Iterator[Router]:
                 }
             }
         )
-        (workdir / "routing.json").write_text(routes.table_json(table))
+        (workdir / "routing.json").write_text(table_json(table))
         port = free_port()
         table_path = str(workdir / "routing.json")
         router_cmd = [_script("kvfence-router"), "--routing-table", table_path, "--host", "127.0.0.1"]

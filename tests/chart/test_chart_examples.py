@@ -15,7 +15,8 @@ from cluster.localcluster import LocalCluster
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract.routing import hash_api_key
-from kvfence.operator import builders, routes
+from kvfence.operator import builders
+from kvfence.operator.bindings import ClassState, KeyLookup, api_keys_from_secret, decide
 from kvfence.operator.builders import OperatorOptions
 
 EXAMPLES = ROOT / "examples"
@@ -41,10 +42,10 @@ def test_examples_parse_with_the_api_models_and_bind_three_tenants_to_two_classe
     for b in bindings:
         s = secrets[(b.namespace, b.spec.api_key_secret_ref.name)]
         data = {k: base64.b64encode(v.encode()).decode() for k, v in s["stringData"].items()}
-        found = routes.api_keys_from_secret({"data": data}, b.spec.api_key_secret_ref.key)
-        keys[b.key] = routes.KeyLookup(hashes=tuple(hash_api_key(k) for k in found))
-    states = {tc.name: routes.ClassState(tc, signing_keys=(bytes(32),)) for tc in classes}
-    out = routes.decide(states, bindings, labels, keys, OperatorOptions())
+        found = api_keys_from_secret({"data": data}, b.spec.api_key_secret_ref.key)
+        keys[b.key] = KeyLookup(hashes=tuple(hash_api_key(k) for k in found))
+    states = {tc.name: ClassState(tc, signing_keys=(bytes(32),)) for tc in classes}
+    out = decide(states, bindings, labels, keys, OperatorOptions())
     assert {k: d.reason for k, d in out.decisions.items() if not d.bound} == {}
     assert {t: r.trust_class for t, r in out.table.tenants.items()} == {
         "acme": "gold",
