@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cluster.manifests import keys_secret, tenant_namespace
 from support import prom
+from support.livestack import BoundTenant, LiveStack, bound_tenant_stack
 from support.ports import free_port
 from support.process import ManagedProcess
 from support.waiting import wait_until
@@ -288,3 +290,35 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         op = getattr(item, "funcargs", {}).get("operator")
         if isinstance(op, OperatorProcess):
             report.sections.append(("kvfence operator log", op.tail(200)))
+
+
+@pytest.fixture(scope="module")
+def bound_tenant(
+    operator: Any,
+    cluster: Any,
+    kv: Any,
+    wait: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[LiveStack]:
+    """A class with the tenant acme bound, and a real engine and router following the operator: the
+    test module says which (``CLASS``, ``CLASS_NS``, ``TENANT_NS``, ``ROUTER_NS``, ``KEY``, ``MODEL``,
+    ``tc_body()``, ``binding()``)."""
+    m = request.module
+    tenant = BoundTenant(
+        m.CLASS,
+        m.CLASS_NS,
+        m.TENANT_NS,
+        m.ROUTER_NS,
+        m.KEY,
+        m.MODEL,
+        [
+            m.tc_body(),
+            *tenant_namespace(m.TENANT_NS, label=m.CLASS, grant=True),
+            keys_secret("acme", m.TENANT_NS, m.KEY),
+            m.binding(),
+        ],
+    )
+    logs = tmp_path_factory.mktemp(m.__name__.rsplit(".", 1)[-1])
+    with bound_tenant_stack(operator, cluster, kv, wait, logs, tenant) as stack:
+        yield stack

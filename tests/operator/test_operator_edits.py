@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster.manifests import condition, keys_secret, secret, tenant_binding, tenant_namespace, trust_class
+from cluster.manifests import condition, secret, tenant_binding, trust_class
 from router.support import Proc
 from support.argocd import argocd_health
-from support.livestack import Traffic, bound_tenant_stack, complete
+from support.livestack import LiveStack, Traffic, complete
 
 pytestmark = pytest.mark.cluster
 
@@ -65,31 +63,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(
-    operator: Any, cluster: Any, kv: Any, wait: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Live]:
-    logs: Path = tmp_path_factory.mktemp("edits")
-    objects = [
-        tc_body(),
-        *tenant_namespace(TENANT_NS, label=CLASS, grant=True),
-        keys_secret("acme", TENANT_NS, KEY),
-        binding(),
-    ]
-    with bound_tenant_stack(
-        operator,
-        cluster,
-        kv,
-        wait,
-        logs,
-        objects,
-        tenant=(TENANT_NS, "acme"),
-        class_name=CLASS,
-        class_ns=CLASS_NS,
-        router_ns=ROUTER_NS,
-        api_key=KEY,
-        model=MODEL,
-    ) as stack:
-        yield Live(kv, stack.router, stack.engine)
+def live(kv: Any, bound_tenant: LiveStack) -> Live:
+    return Live(kv, bound_tenant.router, bound_tenant.engine)
 
 
 def refused(obj: dict[str, Any], reason: str) -> bool:

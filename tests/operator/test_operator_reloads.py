@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster.manifests import keys_secret, tenant_binding, tenant_namespace, trust_class
+from cluster.manifests import tenant_binding, trust_class
 from router.support import Proc, auth, request
-from support.livestack import LiveStack, Traffic, bound_tenant_stack
+from support.livestack import LiveStack, Traffic
 from support.waiting import wait_until
 
 from kvfence.contract import key_id
@@ -59,31 +57,8 @@ def binding(**spec: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def live(
-    operator: Any, cluster: Any, kv: Any, wait: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiveStack]:
-    logs: Path = tmp_path_factory.mktemp("reloads")
-    objects = [
-        tc_body(),
-        *tenant_namespace(TENANT_NS, label=CLASS, grant=True),
-        keys_secret("acme", TENANT_NS, KEY),
-        binding(),
-    ]
-    with bound_tenant_stack(
-        operator,
-        cluster,
-        kv,
-        wait,
-        logs,
-        objects,
-        tenant=(TENANT_NS, "acme"),
-        class_name=CLASS,
-        class_ns=CLASS_NS,
-        router_ns=ROUTER_NS,
-        api_key=KEY,
-        model=MODEL,
-    ) as stack:
-        yield stack
+def live(bound_tenant: LiveStack) -> LiveStack:
+    return bound_tenant
 
 
 def big(router: Proc) -> int:

@@ -247,40 +247,47 @@ def live_stack(
         mount.stop()
 
 
+@dataclass(frozen=True)
+class BoundTenant:
+    """A class with one bound tenant ("acme") on the test control plane: where everything is, and
+    the objects that make it (the TrustClass, the tenant namespace, its key Secret and binding)."""
+
+    class_name: str
+    class_ns: str
+    tenant_ns: str
+    router_ns: str
+    api_key: str
+    model: str
+    objects: list[dict[str, Any]]
+    tenant: str = "acme"
+
+
 @contextmanager
 def bound_tenant_stack(
-    operator: Any,
-    cluster: Any,
-    kv: Any,
-    wait: Any,
-    logs: Path,
-    objects: list[dict[str, Any]],
-    *,
-    tenant: tuple[str, str],
-    class_name: str,
-    class_ns: str,
-    router_ns: str,
-    api_key: str,
-    model: str,
+    operator: Any, cluster: Any, kv: Any, wait: Any, logs: Path, t: BoundTenant
 ) -> Iterator[LiveStack]:
-    """Apply ``objects`` (a TrustClass, a tenant namespace, its key Secret and binding), wait for the
-    binding ``tenant`` (namespace, name) to be Bound, and run a :func:`live_stack` that answers a
-    completion; delete the class and the tenant namespace on exit."""
-    assert kv.apply(*objects).returncode == 0
-    ns, name = tenant
+    """Apply ``t``'s objects, wait for its binding to be Bound, and run a :func:`live_stack` that
+    answers a completion; delete the class and the tenant namespace on exit."""
+    assert kv.apply(*t.objects).returncode == 0
     wait(
         lambda: any(
             c.get("type") == "Bound" and c.get("status") == "True"
-            for c in ((kv.json("get", "tb", name, "-n", ns) or {}).get("status") or {}).get("conditions", [])
+            for c in ((kv.json("get", "tb", t.tenant, "-n", t.tenant_ns) or {}).get("status") or {}).get(
+                "conditions", []
+            )
         ),
-        f"{name} Bound",
+        f"{t.tenant} Bound",
         120,
         dump=operator.tail,
     )
     try:
-        with live_stack(cluster, kv, class_ns, router_ns, logs) as stack:
-            wait(lambda: complete(stack.router, api_key, model) == 200, "a completion through the router", 60)
+        with live_stack(cluster, kv, t.class_ns, t.router_ns, logs) as stack:
+            wait(
+                lambda: complete(stack.router, t.api_key, t.model) == 200,
+                "a completion through the router",
+                60,
+            )
             yield stack
     finally:
-        kv("delete", "trustclass", class_name, "--ignore-not-found", "--wait=false")
-        kv("delete", "namespace", ns, "--ignore-not-found", "--wait=false")
+        kv("delete", "trustclass", t.class_name, "--ignore-not-found", "--wait=false")
+        kv("delete", "namespace", t.tenant_ns, "--ignore-not-found", "--wait=false")
