@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,8 @@ FINALIZER_MANAGER = "kvfence-operator-finalizer"
 #: status fields holding the last accepted spec (both kinds) and its generation
 ACCEPTED_SPEC = "acceptedSpec"
 ACCEPTED_GENERATION = "acceptedGeneration"
+#: Requests the routing decision has in flight at once for its per-binding reads and writes.
+ROUTING_CONCURRENCY = 8
 
 
 class Requeue(Exception):
@@ -222,6 +225,9 @@ class Reconciler:
         self._emit = emit or (lambda e: None)
         self._new_key = new_key
         self._routing_lock = threading.Lock()
+        # The routing decision's per-binding requests (API-key Secret reads, status writes and their
+        # Events) are independent of each other: sent ROUTING_CONCURRENCY at a time, not one by one.
+        self._fanout = ThreadPoolExecutor(ROUTING_CONCURRENCY, thread_name_prefix="kvfence-routing")
 
     # ---------------------------------------------------------------------------------------------
     def reconcile(self, key: Key) -> set[Key]:
@@ -575,7 +581,13 @@ class Reconciler:
                 continue
             bindings.append(b)
             raw[b.key] = body
-        lookups = {b.key: self._api_keys(b, b.spec, b.key) for b in bindings}
+        lookups = dict(
+            zip(
+                [b.key for b in bindings],
+                self._fanout.map(lambda b: self._api_keys(b, b.spec, b.key), bindings),
+                strict=True,
+            )
+        )
         for b in bindings:
             accepted = b.accepted_spec()
             if accepted is not None and accepted.api_key_secret_ref != b.spec.api_key_secret_ref:
@@ -613,8 +625,8 @@ class Reconciler:
                 len(out.table.trust_classes),
                 len(out.table.tenants),
             )
-        for b in bindings:
-            self._binding_status(raw[b.key], out.decisions[b.key])
+        # list(): wait for every write, and raise the first failure (the routing key is retried).
+        list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), bindings))
         done, self.state.pending_follow = self.state.pending_follow, set()
         return done
 
