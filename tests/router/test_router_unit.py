@@ -536,3 +536,26 @@ def test_the_upstream_body_encoder_writes_what_json_dumps_writes(doc: dict[str, 
 
     assert _encode(doc) == json.dumps(doc, separators=(",", ":"))
     assert _encode(doc).isascii()
+
+
+def test_nonces_are_unique_per_request_and_per_forked_worker() -> None:
+    """Nonces come from a per-process random prefix and a counter: consecutive ones differ, and a
+    forked worker (``--workers``) draws its own prefix, so two workers never send the same nonce."""
+    import os
+
+    from kvfence.contract import _nonces
+
+    first, second = _nonces.next(), _nonces.next()
+    assert first != second and len(first) == len(second) == 32
+    int(first, 16)  # hex, as before
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its next nonce and leave at once
+        os.write(w, _nonces.next().encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 64).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    parent = _nonces.next()
+    assert len(child) == 32 and child[:16] != parent[:16] and child != parent

@@ -52,6 +52,8 @@ RESOURCES: dict[tuple[str, str], Resource] = {
 }
 
 
+#: Keep-alive connections to the API server the operator's client keeps (see load_api_client).
+API_CONNECTIONS = 32
 #: Objects per page when the operator lists a kind (see :meth:`Kube.list`).
 LIST_PAGE = 500
 
@@ -99,6 +101,9 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
         k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     except k8s_config.ConfigException:
         k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
+    # Kept-alive connections for every thread that talks to the API server at once (the work queue's
+    # workers and the routing decision's fan-out); the client's default is 5 per CPU.
+    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, API_CONNECTIONS)
     return k8s.ApiClient(cfg)
 
 

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +53,8 @@ log = logging.getLogger("kvfence.operator")
 Obj = dict[str, Any]
 FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
-#: status fields holding the last accepted spec (both kinds) and its generation
+#: Requests the routing decision has in flight at once for its per-binding reads and writes.
+ROUTING_CONCURRENCY = 8
 
 
 class Requeue(Exception):
@@ -140,6 +142,9 @@ class Reconciler:
         self._routing_lock = threading.Lock()
         self._later_lock = threading.Lock()
         self._later: dict[Key, float] = {}
+        # The routing decision's per-binding requests (API-key Secret reads, status writes and their
+        # Events) are independent of each other: sent ROUTING_CONCURRENCY at a time, not one by one.
+        self._fanout = ThreadPoolExecutor(ROUTING_CONCURRENCY, thread_name_prefix="kvfence-routing")
 
     def later(self, key: Key, delay: float) -> None:
         """Ask for ``key`` to be reconciled again in ``delay`` seconds (the work queue takes these
@@ -481,7 +486,13 @@ class Reconciler:
                 continue
             bindings.append(b)
             raw[b.key] = body
-        lookups = {b.key: self._api_keys(b, b.spec, b.key) for b in bindings}
+        lookups = dict(
+            zip(
+                [b.key for b in bindings],
+                self._fanout.map(lambda b: self._api_keys(b, b.spec, b.key), bindings),
+                strict=True,
+            )
+        )
         for b in bindings:
             accepted = b.accepted_spec()
             if accepted is not None and accepted.api_key_secret_ref != b.spec.api_key_secret_ref:
@@ -519,8 +530,8 @@ class Reconciler:
                 len(out.table.trust_classes),
                 len(out.table.tenants),
             )
-        for b in bindings:
-            self._binding_status(raw[b.key], out.decisions[b.key])
+        # list(): wait for every write, and raise the first failure (the routing key is retried).
+        list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), bindings))
         done, self.state.pending_follow = self.state.pending_follow, set()
         return done
 
