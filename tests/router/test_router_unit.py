@@ -230,10 +230,21 @@ def test_build_body_strips_and_salts_and_signature_verifies() -> None:
 
 
 def test_parse_body_and_reservation() -> None:
-    for bad in (b"", b"[]", b"nan", b'{"a": NaN}', b"\xff", b"[" * 100_000):
+    # 1e400 overflows to infinity, which the router would re-send as Infinity (not JSON): refused too
+    for bad in (
+        b"",
+        b"[]",
+        b"nan",
+        b'{"a": NaN}',
+        b'{"temperature": 1e400}',
+        b'{"a": -1E999}',
+        b"\xff",
+        b"[" * 100_000,
+    ):
         with pytest.raises(RouterError) as e:
             parse_body(bad)
         assert e.value.status == 400
+    assert parse_body(b'{"temperature": 0.7, "top_p": 1e-300}') == {"temperature": 0.7, "top_p": 1e-300}
     raw = b'{"model":"m","prompt":"abc","max_tokens":10,"n":2}'
     assert reserve_tokens(len(raw), parse_body(raw), 99) == len(raw) + 20
     assert reserve_tokens(5, {"max_completion_tokens": 7}, 99) == 12

@@ -172,8 +172,15 @@ def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     return v
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e400: re-sent as Infinity, which is not JSON
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 _DECODER = json.JSONDecoder(
-    parse_constant=_reject_constant
+    parse_constant=_reject_constant, parse_float=_finite_float
 )  # built once: json.loads(**kw) builds one per call
 
 
