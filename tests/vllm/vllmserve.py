@@ -3,9 +3,10 @@
 :func:`rendered` takes the engine Deployment the operator builds (``kvfence.operator.builders``) and
 returns its container's arguments and environment, with only what a pod has and a test process does
 not swapped in: the model is the tiny model built offline (``tinymodel.py``), the mounted files (engine
-config, signing keys, ``/tmp``, the Hugging Face cache) are files in a test directory, and the device is
-the CPU (``VLLM_TARGET_DEVICE=cpu`` and vLLM's CPU KV-cache size). The kvfence plugin is imported from
-this source tree (``PYTHONPATH``), as the engine image installs it.
+config, signing keys, ``/tmp``, the Hugging Face cache) are files in a test directory. The class runs
+on vLLM's CPU backend as a user would declare it (``engine.device: CPU``, ``engine.kvCacheMemory``), so
+the CPU environment and the KV cache's size are the operator's rendering too. The kvfence plugin is
+imported from this source tree (``PYTHONPATH``), as the engine image installs it.
 
 :class:`VllmServer` starts it with the pinned vLLM (``tests/vllm/install-vllm.sh``), waits for
 ``/health`` (30-90 s: vLLM compiles the model; the compile cache is kept under ``~/.cache/kvfence``),
@@ -34,11 +35,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CACHE = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
 
-#: What a pod of the class has, here: the CPU device and its KV-cache size (GiB).
+#: What the CPU image sets for itself (engine-image/Dockerfile.vllm-cpu) and a pod would not render:
+#: no hub access. The CPU backend's own settings (VLLM_TARGET_DEVICE, thread binding, the KV cache's
+#: size) come from the operator's rendering of ``engine.device: CPU`` and ``engine.kvCacheMemory``.
 DEVICE_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
@@ -65,6 +65,8 @@ def trust_class(model: Path, port: int, *, prefix_cache: bool = True, **engine: 
                 "port": port,
                 "dtype": "float32",
                 "maxModelLen": 1024,
+                "device": "CPU",
+                "kvCacheMemory": "1Gi",
                 **engine,
             },
             resources={"gpu": {"count": 0}},
