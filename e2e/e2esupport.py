@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from support import prom, waiting
+from support import waiting
 from support.ports import free_port
 from support.process import ManagedProcess
 
@@ -146,16 +146,6 @@ class Router:
 def cached_tokens(resp: Response) -> int:
     usage = resp.json().get("usage") or {}
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Every sample of a Prometheus text exposition, keyed by its name with labels."""
-    return prom.samples(text)
-
-
-def metric_sum(samples: dict[str, float], name: str) -> float:
-    """The sum of every sample of ``name`` (all label sets)."""
-    return prom.total(samples, name)
 
 
 def wait_until(fn: Callable[[], T], what: str, timeout: float = 300.0, interval: float = 1.0) -> T:

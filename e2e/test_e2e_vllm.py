@@ -17,7 +17,8 @@ import random
 import uuid
 from typing import Any
 
-from e2esupport import Kube, Router, Tenant, cached_tokens, metric_sum, parse_metrics
+from e2esupport import Kube, Router, Tenant, cached_tokens
+from support import prom
 from support.waiting import wait_until as support_wait_until
 
 from kvfence.contract import (
@@ -49,7 +50,7 @@ def engine_metrics(kube: Kube) -> dict[str, float]:
     raw = kube.run(
         "get", "--raw", "/api/v1/namespaces/kvf-vllm-cpu/services/kvfence-engine:http/proxy/metrics"
     )
-    return parse_metrics(raw)
+    return prom.samples(raw)
 
 
 def eventually(check: Any, what: str, timeout: float = 15.0) -> None:
@@ -95,11 +96,11 @@ def test_a_prefix_hooli_warmed_is_no_hit_for_umbrella(
     prompt = text(170)  # about 3 blocks: fits umbrella's 4 with the answer
     cached = warm(router, hooli, prompt)
     assert cached >= 2 * BLOCK, "the prefix cache does not work for the tenant itself"
-    hits = metric_sum(engine_metrics(kube), "vllm:prefix_cache_hits_total")
+    hits = prom.total(engine_metrics(kube), "vllm:prefix_cache_hits_total")
     other = router.complete(umbrella, prompt, max_tokens=2)
     assert other.status == 200, other.body
     assert cached_tokens(other) == 0, f"umbrella hit hooli's cached prefix: {other.json()['usage']}"
-    assert metric_sum(engine_metrics(kube), "vllm:prefix_cache_hits_total") == hits
+    assert prom.total(engine_metrics(kube), "vllm:prefix_cache_hits_total") == hits
     # hooli's prefix is still there for hooli
     assert cached_tokens(router.complete(hooli, prompt, max_tokens=2)) == cached
 
@@ -151,12 +152,12 @@ def test_umbrella_is_held_to_its_kv_blocks_and_hooli_is_not(
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert usage["prompt_tokens"] + usage["completion_tokens"] == UMBRELLA_MAX_BLOCKS * BLOCK, usage
     # A prompt that cannot fit at all is refused with an OpenAI error, and counted.
-    rejected = metric_sum(engine_metrics(kube), "kvfence_engine_quota_rejected_total")
+    rejected = prom.total(engine_metrics(kube), "kvfence_engine_quota_rejected_total")
     long_prompt = text(330)
     r = router.complete(umbrella, long_prompt, max_tokens=4)
     assert r.status >= 400 and set(r.json()["error"]) >= {"message", "type", "code"}, (r.status, r.body)
     eventually(
-        lambda: metric_sum(engine_metrics(kube), "kvfence_engine_quota_rejected_total") == rejected + 1,
+        lambda: prom.total(engine_metrics(kube), "kvfence_engine_quota_rejected_total") == rejected + 1,
         "kvfence_engine_quota_rejected_total to count the refusal",
     )
     # The neighbour, without a maximum, is served the same prompt in full (within maxModelLen, 1024).
@@ -177,4 +178,4 @@ def test_the_engine_pod_exports_the_isolation_counters(
         # nothing this suite sent was a collision, a cross-namespace hit or a stale reference
         assert m[name] == 0, (name, m[name])
     # vLLM's own metrics are there too, next to the fence's
-    assert metric_sum(m, "vllm:prefix_cache_hits_total") >= cached
+    assert prom.total(m, "vllm:prefix_cache_hits_total") >= cached

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.support import Proc, auth, request
+from router.support import Proc, auth, request, router_account
 
 from kvfence.contract.engine_config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS
 from kvfence.contract.routing import ROUTING_SECRET_NAME
 from kvfence.operator import builders as B
-from kvfence.router.slices import ENGINE_PORT_NAME, ENGINE_SERVICE, SERVICE_NAME_LABEL, cluster_role
+from kvfence.router.slices import ENGINE_PORT_NAME, ENGINE_SERVICE, SERVICE_NAME_LABEL
 from kvfence.router.source import role
 from support.ports import free_port
 from support.waiting import wait_until
@@ -124,32 +124,15 @@ def engine_slice(namespace: str, host: str, port: int) -> dict[str, Any]:
 
 def router_kubeconfig(cluster: Any, router_ns: str, path: Path) -> Path:
     """A ServiceAccount that may read the routing Secret and the EndpointSlices, nothing else."""
-    crole = cluster_role(f"{ROUTER_SA}-slices")
     cluster.apply(
         [
-            {
-                "apiVersion": "v1",
-                "kind": "ServiceAccount",
-                "metadata": {"name": ROUTER_SA, "namespace": router_ns},
-            },
+            *router_account(router_ns, ROUTER_SA),  # its namespace, itself, the EndpointSlices' ClusterRole
             role(router_ns, ROUTING_SECRET_NAME, ROUTER_SA),
             {
                 "apiVersion": "rbac.authorization.k8s.io/v1",
                 "kind": "RoleBinding",
                 "metadata": {"name": ROUTER_SA, "namespace": router_ns},
                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER_SA},
-                "subjects": [{"kind": "ServiceAccount", "name": ROUTER_SA, "namespace": router_ns}],
-            },
-            crole,
-            {
-                "apiVersion": "rbac.authorization.k8s.io/v1",
-                "kind": "ClusterRoleBinding",
-                "metadata": {"name": crole["metadata"]["name"]},
-                "roleRef": {
-                    "apiGroup": "rbac.authorization.k8s.io",
-                    "kind": "ClusterRole",
-                    "name": crole["metadata"]["name"],
-                },
                 "subjects": [{"kind": "ServiceAccount", "name": ROUTER_SA, "namespace": router_ns}],
             },
         ]

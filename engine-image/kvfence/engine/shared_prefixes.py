@@ -25,7 +25,7 @@ changes the KV a prefix produces.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,14 +61,15 @@ class Pinned:
     #: each block's chained prefix-cache key (in the shared namespace)
     keys: tuple[bytes, ...]
     seq_id: tuple[str, str, str, int]
+    #: ``tokens`` as little-endian int32, as the allocator compares prompts (computed once)
+    token_bytes: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_bytes", np.ascontiguousarray(self.tokens, dtype="<i4").tobytes())
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
-
-    @property
-    def token_bytes(self) -> bytes:
-        return np.ascontiguousarray(self.tokens, dtype="<i4").tobytes()
 
     def starts(self, prompt: IntArray) -> bool:
         """Whether ``prompt`` begins with the whole prefix, token for token."""

@@ -84,8 +84,9 @@ class SharedPin:
     :data:`~kvfence.engine.quotas.SHARED_OWNER`), their vLLM block hashes and records."""
 
     name: str
-    #: the rendered prefix's tokens (a request must begin with all of them)
-    tokens: tuple[int, ...]
+    #: the rendered prefix's tokens (a request must begin with all of them); a list, as prompts are,
+    #: so that a prompt's slice compares with it directly (never modified)
+    tokens: list[int]
     block_ids: tuple[int, ...]
     hashes: tuple[Any, ...]
     records: tuple[Record, ...]

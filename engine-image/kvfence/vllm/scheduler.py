@@ -450,7 +450,7 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
             return
         pin = SharedPin(
             name,
-            tuple(tokens),
+            list(tokens),
             tuple(b.block_id for b in keep),
             tuple(request.block_hashes[:k]),
             tuple(r for r in records if r is not None),
@@ -665,10 +665,10 @@ class FenceMixin:
             log.error("kvfence: shared prefixes not changed: %s", e)
             return
         self._shared_decls = decls
-        kept = {(p.name, p.tokens) for p in self.fence.shared}
+        kept = {(p.name, tuple(p.tokens)) for p in self.fence.shared}
         self._pins_todo = [pl for pl in plans if (pl[0], tuple(pl[1])) not in kept]
         wanted = {(name, tuple(tokens)) for name, tokens, _ in plans}
-        self._retiring = [p for p in self.fence.shared if (p.name, p.tokens) not in wanted]
+        self._retiring = [p for p in self.fence.shared if (p.name, tuple(p.tokens)) not in wanted]
         log.info(
             "kvfence: shared prefixes redeclared: %d to pin, %d to release",
             len(self._pins_todo),
@@ -726,7 +726,7 @@ class FenceMixin:
         prompt = request.prompt_token_ids
         if prompt is None:
             return 0
-        pin = next((p for p in pins if prompt[: len(p.tokens)] == list(p.tokens)), None)
+        pin = next((p for p in pins if prompt[: len(p.tokens)] == p.tokens), None)
         if pin is None:
             return 0
         bs = self.block_size
