@@ -64,6 +64,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Said again at the end, where -q does not hide it: tests left out are not passes."""
+    if collect_ignore:
+        terminalreporter.write_line(
+            f"kvfence e2e: NOT RUN in local mode (no Kubernetes): {', '.join(collect_ignore)}", yellow=True
+        )
+
+
 @pytest.fixture(scope="session")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     global _KUBE
