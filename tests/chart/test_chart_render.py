@@ -230,6 +230,11 @@ def test_router_deployment_reads_the_routing_table_the_operator_renders(
         container(one(render(sets=["router.accessLog=true"]), "Deployment", "kvfence-router"))["args"]
     )
     assert logged.access_log
+    assert args.workers == 1
+    several = parse_args(
+        container(one(render(sets=["router.workers=4"]), "Deployment", "kvfence-router"))["args"]
+    )
+    assert several.workers == 4
     # The Service reaches those pods.
     svc = one(objs, "Service", "kvfence-router")
     assert svc["spec"]["selector"].items() <= r["spec"]["template"]["metadata"]["labels"].items()
@@ -521,6 +526,7 @@ def test_alerts_and_dashboard_only_use_metrics_that_exist(
     ("sets", "message"),
     [
         (["router.replicaCount=0"], "minimum"),
+        (["router.workers=0"], "minimum"),
         (["operator.logFormat=xml"], "logFormat"),
         (["router.typo=1"], "additional properties"),
         (["image.digest=latest"], "digest"),

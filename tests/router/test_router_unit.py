@@ -287,6 +287,51 @@ def test_metrics_render() -> None:
     assert "# TYPE kvfence_router_request_duration_seconds histogram" in text
 
 
+def test_metrics_of_several_workers_merge() -> None:
+    """--workers: counters and histograms add up; gauges of what each worker holds add up, gauges of
+    a state each worker observes keep the worst (min) or the widest (max) view; the live registry is
+    left alone."""
+    a, b = RouterMetrics(), RouterMetrics()
+    a.requests.inc(("t", "gold", "/v1/completions", "200"), 2)
+    b.requests.inc(("t", "gold", "/v1/completions", "200"), 3)
+    b.requests.inc(("u", "gold", "/v1/completions", "429"))
+    a.duration.observe(0.003, ("gold", "/v1/completions"))
+    b.duration.observe(0.003, ("gold", "/v1/completions"))
+    b.duration.observe(7.0, ("gold", "/v1/completions"))
+    a.inflight.set(2, ("gold",))
+    b.inflight.set(1, ("gold",))
+    a.engine_healthy.set(1, ("gold",))
+    b.engine_healthy.set(0, ("gold",))
+    a.router_replicas.set(2)
+    b.router_replicas.set(3)
+    b.table_generation.set(4)
+    a.table_generation.set(5)
+    snap = json.loads(json.dumps(b.snapshot()))  # what crosses the socket
+    text = a.merged([snap]).render().decode()
+    assert 'tenant="t",trust_class="gold",endpoint="/v1/completions",code="200"} 5' in text
+    assert 'tenant="u",trust_class="gold",endpoint="/v1/completions",code="429"} 1' in text
+    assert (
+        'kvfence_router_request_duration_seconds_count{trust_class="gold",endpoint="/v1/completions"} 3'
+        in text
+    )
+    assert 'endpoint="/v1/completions",le="0.005"} 2' in text
+    assert 'kvfence_router_inflight_requests{trust_class="gold"} 3' in text
+    assert 'kvfence_router_engine_healthy{trust_class="gold"} 0' in text
+    assert "kvfence_router_replicas 3" in text
+    assert "kvfence_router_routing_table_generation 4" in text
+    # The live registry is unchanged by a scrape.
+    assert a.requests.get(("t", "gold", "/v1/completions", "200")) == 2
+    assert a.inflight.get(("gold",)) == 2
+
+
+def test_metrics_merge_refuses_what_it_cannot_read() -> None:
+    a = RouterMetrics()
+    with pytest.raises(ValueError, match="unknown here"):
+        a.merged([{"kvfence_router_made_up_total": [[[], 1]]}])
+    with pytest.raises(ValueError, match="buckets"):
+        a.merged([{"kvfence_router_request_duration_seconds": [[["gold", "/v1/completions"], [1, 2], 0.5]]}])
+
+
 def test_compile_is_pure_function_of_table() -> None:
     from kvfence.contract.routing import RoutingTable
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from router.support import KEYS, Proc, auth, request, standard_table, start_router, write_table
+from support import prom
 from support.waiting import wait_until
 
 from kvfence.contract.routing import hash_api_key
@@ -33,6 +34,7 @@ def workers_router(logs: Path, fake_gold: Proc, fake_silver: Proc) -> Iterator[P
         "apiKeyHashes": [hash_api_key(KEYS["pool"])],
         "quotas": {"maxConcurrentRequests": CONCURRENT},
     }
+    table["tenants"]["meter"] = {"trustClass": "gold", "apiKeyHashes": [hash_api_key(KEYS["meter"])]}
     path = logs / "routing-workers.json"
     write_table(path, table)
     router = start_router(logs, path, "--workers", str(WORKERS))
@@ -41,6 +43,7 @@ def workers_router(logs: Path, fake_gold: Proc, fake_silver: Proc) -> Iterator[P
 
 
 KEYS.setdefault("pool", "sk-pool-shared-concurrency")
+KEYS.setdefault("meter", "sk-meter-counted-by-every-worker")
 
 
 def connect(router: Proc) -> tuple[int, http.client.HTTPConnection]:
@@ -170,3 +173,41 @@ def test_sigterm_stops_every_worker_cleanly(logs: Path, fake_gold: Proc, fake_si
     assert router.process.stop() == 0, router.output()
     for pid in pids:
         wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), f"worker {pid} to exit", 30)
+
+
+def scrape(conn: http.client.HTTPConnection) -> str:
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    assert resp.status == 200, text
+    return text
+
+
+def test_metrics_add_up_over_every_worker(workers_router: Proc, logs: Path) -> None:
+    """Worker i serves 2i+1 of meter's requests (1 and 3): whichever worker answers a scrape, the
+    page counts all 4 (one worker's own registry would say 1 or 3), and a gauge of what each worker
+    holds (requests in flight) is their sum."""
+    tenants = len(json.loads((logs / "routing-workers.json").read_text())["tenants"])
+    conns = on_each_worker(workers_router, 2)
+    quick = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    served = {w: 0 for w in range(WORKERS)}
+    try:
+        for w, conn in conns:
+            if served[w] == 0:
+                for _ in range(2 * w + 1):
+                    assert send(conn, KEYS["meter"], quick) == 200
+                served[w] = 2 * w + 1
+        pages = [(w, prom.samples(scrape(conn))) for w, conn in conns]
+    finally:
+        for _, conn in conns:
+            conn.close()
+    key = (
+        'kvfence_router_requests_total{tenant="meter",trust_class="gold",endpoint="/v1/completions",'
+        'code="200"}'
+    )
+    for w, page in pages:
+        assert page.get(key) == 4, (w, {k: v for k, v in page.items() if "meter" in k})
+        assert prom.total(page, "kvfence_router_inflight_requests") == 0, w
+        # A state every worker observes on its own is shown once, not summed over the workers.
+        assert page["kvfence_router_routing_table_tenants"] == tenants, w
+        assert page['kvfence_router_engine_healthy{trust_class="gold"}'] == 1, w

@@ -3,15 +3,25 @@
 A tiny registry instead of ``prometheus_client``: the hot path only increments dict entries keyed by
 label tuples (no locks, no label validation per call; the router is one asyncio thread), and
 ``render()`` writes the text exposition format on scrape.
+
+With ``--workers N`` each worker process keeps its own registry; a scrape is answered by one of
+them, which merges the others' ``snapshot()`` into its own (``merged()``; the exchange itself is in
+``siblings.py``): counters and histograms add up, and each gauge says how its per-worker values
+combine (``sum`` for what each worker holds, ``min``/``max`` for a state every worker observes on
+its own, so that one lagging worker shows).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 Labels = tuple[str, ...]
+#: What one metric's values look like between processes: ``[[labels...], value]`` rows (JSON).
+Snapshot = dict[str, list[Any]]
+GaugeMerge = Literal["sum", "min", "max"]
 
 # Buckets (seconds) for the request-duration histogram: router-added overhead is sub-millisecond,
 # model answers take seconds.
@@ -54,10 +64,34 @@ class Counter:
         for labels, v in sorted(self.values.items()):
             out.append(f"{self.name}{_labels(self.labelnames, labels)} {_num(v)}")
 
+    def snapshot(self) -> list[Any]:
+        return [[list(k), v] for k, v in self.values.items()]
+
+    def merge(self, rows: list[Any]) -> None:
+        """Add another worker's values (a copy made for one scrape, never the live registry)."""
+        values = self.values
+        for labels, v in rows:
+            key = tuple(labels)
+            values[key] = values.get(key, 0.0) + v
+
 
 class Gauge(Counter):
+    def __init__(self, name: str, help_: str, labelnames: Labels = (), merge: GaugeMerge = "sum") -> None:
+        super().__init__(name, help_, labelnames)
+        self.merge_mode: GaugeMerge = merge
+
     def set(self, value: float, labels: Labels = ()) -> None:
         self.values[labels] = value
+
+    def merge(self, rows: list[Any]) -> None:
+        if self.merge_mode == "sum":
+            super().merge(rows)
+            return
+        pick = min if self.merge_mode == "min" else max
+        values = self.values
+        for labels, v in rows:
+            key = tuple(labels)
+            values[key] = pick(values[key], v) if key in values else v
 
     def render(self, out: list[str]) -> None:
         out.append(f"# HELP {self.name} {self.help}")
@@ -93,6 +127,23 @@ class Histogram:
                 out.append(f"{self.name}_bucket{_labels(self.labelnames, labels, le)} {acc}")
             out.append(f"{self.name}_sum{_labels(self.labelnames, labels)} {_num(total[0])}")
             out.append(f"{self.name}_count{_labels(self.labelnames, labels)} {acc}")
+
+    def snapshot(self) -> list[Any]:
+        return [[list(k), counts, total[0]] for k, (counts, total) in self.values.items()]
+
+    def merge(self, rows: list[Any]) -> None:
+        width = len(self.buckets) + 1
+        for labels, counts, total in rows:
+            if len(counts) != width:
+                raise ValueError(f"{self.name}: {len(counts)} buckets from a sibling, {width} here")
+            key = tuple(labels)
+            entry = self.values.get(key)
+            if entry is None:
+                entry = self.values[key] = ([0] * width, [0.0])
+            mine = entry[0]
+            for i, c in enumerate(counts):
+                mine[i] += c
+            entry[1][0] += total
 
 
 class RouterMetrics:
@@ -139,18 +190,20 @@ class RouterMetrics:
             ("trust_class", "reason"),
         )
         self.inflight = Gauge(
-            "kvfence_router_inflight_requests", "Requests being proxied now.", ("trust_class",)
+            "kvfence_router_inflight_requests", "Requests being proxied now.", ("trust_class",), merge="sum"
         )
         self.engine_healthy = Gauge(
             "kvfence_router_engine_healthy",
             "1 if at least one replica of the trust class's engine serves (ready and healthy).",
             ("trust_class",),
+            merge="min",
         )
         self.endpoint_serving = Gauge(
             "kvfence_router_engine_endpoint_serving",
             "1 if this engine replica (ip:port) receives requests: ready in its EndpointSlice and "
             "passing the router's health checks; 0 if it is known but left out.",
             ("trust_class", "engine"),
+            merge="min",
         )
         self.endpoint_requests = Counter(
             "kvfence_router_engine_endpoint_requests_total",
@@ -161,6 +214,7 @@ class RouterMetrics:
             "kvfence_router_engine_endpoint_inflight_requests",
             "Requests in flight on each engine replica, as the router counts them.",
             ("trust_class", "engine"),
+            merge="sum",
         )
         self.affinity = Counter(
             "kvfence_router_affinity_total",
@@ -177,17 +231,22 @@ class RouterMetrics:
             "kvfence_router_replicas",
             "Router replicas this router divides each tenant's quotas by (ready endpoints of its "
             "Service with --router-service, else --replicas).",
+            merge="max",
         )
         self.reloads = Counter(
             "kvfence_router_routing_table_reloads_total", "Routing table loads, by result.", ("result",)
         )
         self.table_generation = Gauge(
-            "kvfence_router_routing_table_generation", "How many valid routing tables were loaded."
+            "kvfence_router_routing_table_generation",
+            "How many valid routing tables were loaded (with --workers: by the worker that loaded fewest).",
+            merge="min",
         )
-        self.table_tenants = Gauge("kvfence_router_routing_table_tenants", "Tenants in the current table.")
+        self.table_tenants = Gauge(
+            "kvfence_router_routing_table_tenants", "Tenants in the current table.", merge="min"
+        )
         #: Called before each scrape to set gauges that are read from live state (in-flight counts).
         self.collect: Callable[[], None] | None = None
-        self.all = (
+        self.all: tuple[Counter | Histogram, ...] = (
             self.requests,
             self.duration,
             self.auth_failures,
@@ -209,9 +268,32 @@ class RouterMetrics:
             self.table_tenants,
         )
 
-    def render(self) -> bytes:
+    def _collect(self) -> None:
         if self.collect is not None:
             self.collect()
+
+    def snapshot(self) -> Snapshot:
+        """This process's values, for a sibling worker's scrape (JSON-serialisable)."""
+        self._collect()
+        return {m.name: m.snapshot() for m in self.all}
+
+    def merged(self, siblings: Iterable[Snapshot]) -> RouterMetrics:
+        """A new registry holding this process's values plus every sibling's."""
+        self._collect()
+        out = RouterMetrics()
+        for theirs, mine in zip(out.all, self.all, strict=True):
+            theirs.merge(mine.snapshot())
+        by_name = {m.name: m for m in out.all}
+        for snap in siblings:
+            for name, rows in snap.items():
+                metric = by_name.get(name)
+                if metric is None:
+                    raise ValueError(f"a sibling worker exports {name!r}, unknown here")
+                metric.merge(rows)
+        return out
+
+    def render(self) -> bytes:
+        self._collect()
         out: list[str] = []
         for m in self.all:
             m.render(out)

@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body
 from kvfence.router.quota_store import QuotaStore, SharedQuotaStore
 from kvfence.router.quotas import QuotaManager, Rejection
+from kvfence.router.siblings import SiblingError, Siblings
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
 from kvfence.router.source import SecretSource
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
@@ -99,6 +101,7 @@ class RouterState:
         )
         self.draining = False
         self.worker = 0  # which of the --workers processes this is
+        self.siblings: Siblings | None = None  # the other workers' metrics (--workers N)
         self.tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -328,7 +331,15 @@ async def models(state: RouterState, request: Request) -> Answer:
 
 
 async def metrics(state: RouterState, request: Request) -> Answer:
-    return Response(200, state.metrics.render(), content_type="text/plain; charset=utf-8")
+    if state.siblings is None:
+        body = state.metrics.render()
+    else:
+        try:
+            body = await state.siblings.render()
+        except SiblingError as e:
+            log.warning("metrics scrape failed: %s", e)
+            return Response(503, f"{e}\n".encode(), content_type="text/plain; charset=utf-8")
+    return Response(200, body, content_type="text/plain; charset=utf-8")
 
 
 async def healthz(state: RouterState, request: Request) -> Answer:
@@ -443,9 +454,13 @@ async def serve(
     drain_delay: float,
     store: QuotaStore | None = None,
     worker: int = 0,
+    siblings_token: str | None = None,
 ) -> None:
     state = RouterState(config, store)
     state.worker = worker
+    if siblings_token is not None:
+        state.siblings = Siblings(siblings_token, worker, config.workers, state.metrics)
+        await state.siblings.start()
     await state.start()
     routes = (
         API_ROUTES if not config.metrics_port else {p: r for p, r in API_ROUTES.items() if p != "/metrics"}
@@ -491,6 +506,8 @@ async def serve(
     await api.shutdown(shutdown_timeout)
     if ops is not None:
         await ops.shutdown(1.0)
+    if state.siblings is not None:
+        await state.siblings.stop()
     await state.stop()
 
 
@@ -655,10 +672,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def run_worker(
-    config: RouterConfig, args: argparse.Namespace, store: QuotaStore | None, worker: int = 0
+    config: RouterConfig,
+    args: argparse.Namespace,
+    store: QuotaStore | None,
+    worker: int = 0,
+    siblings_token: str | None = None,
 ) -> None:
     """One serving process: its own event loop, the API port shared with its siblings."""
-    run = serve(config, args.host, args.port, args.shutdown_timeout, args.drain_delay, store, worker)
+    run = serve(
+        config, args.host, args.port, args.shutdown_timeout, args.drain_delay, store, worker, siblings_token
+    )
     try:
         import uvloop  # the faster event loop; the router runs (slower) without it
     except ImportError:
@@ -674,13 +697,14 @@ def supervise(config: RouterConfig, args: argparse.Namespace) -> int:
     its own takes the others down (exit 1): its in-flight counts would otherwise stay charged, so
     the whole router restarts clean rather than run with quotas it can no longer count exactly."""
     store = SharedQuotaStore()
+    token = secrets.token_hex(8)  # names the workers' metrics sockets (siblings.py)
     children: dict[int, int] = {}
     for i in range(config.workers):
         pid = os.fork()
         if pid == 0:  # the worker
             code = 0
             try:
-                run_worker(config, args, store, i)
+                run_worker(config, args, store, i, token)
             except BaseException:
                 log.exception("router worker %d failed", i)
                 code = 1
