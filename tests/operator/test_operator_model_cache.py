@@ -4,7 +4,7 @@ adapter volume renders; the model-cache claim across the class's life (Retain ke
 namespace, a class created again mounts it again, Delete takes it); an existing claim never deleted;
 a token Secret the operator may not read or that does not exist reported as a condition and an Event
 until it is there (nothing applied meanwhile, the class never touched); claim changes Kubernetes
-cannot make refused with a condition."""
+cannot make refused with a condition; a deleted claim created again."""
 
 from __future__ import annotations
 
@@ -280,8 +280,11 @@ def test_claim_changes_kubernetes_cannot_make_are_refused_with_a_condition(
     body = vllm_class(name, modelCache=cache)
     body["spec"]["replicas"] = 0
     assert kv.apply(body).returncode == 0
-    wait(lambda: _claim_uid(kv, ns), "claim created", 60, dump=operator.tail)
+    first = wait(lambda: _claim_uid(kv, ns), "claim created", 60, dump=operator.tail)
     dep = wait(lambda: kv.json("get", "deployment", "kvfence-engine", "-n", ns), "engine Deployment", 60)
+    # drift: a deleted claim is created again (the operator watches its claims)
+    kv("delete", "pvc", "kvfence-model-cache", "-n", ns, "--wait=false")
+    wait(lambda: _claim_uid(kv, ns) not in (None, first), "claim created again", 60, dump=operator.tail)
     template = dep["spec"]["template"]
 
     def refused(words: str) -> bool:
