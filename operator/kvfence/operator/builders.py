@@ -724,16 +724,19 @@ def children(
     owner: Obj | None,
     shared_texts: Mapping[str, str] | None = None,
 ) -> list[Obj]:
-    """Every namespaced object of a trust class, in apply order (config and key before the engine)."""
+    """Every namespaced object of a trust class, in apply order (the model-cache claim, then config and
+    key, the engine last)."""
     check_extra_args(tc)
     cfg = engine_config(tc, tenant_quotas, shared_texts)
     claim = model_cache_claim(tc, opts, owner)
     return [
+        # First: a change of the claim the API server refuses then stops the reconcile before anything
+        # else of the class is applied.
+        *([claim] if claim is not None else []),
         config_map(tc, cfg, opts, owner),
         signing_secret(tc, signing, opts, owner),
         service(tc, opts, owner),
         network_policy(tc, opts, owner),
         pod_disruption_budget(tc, opts, owner),
-        *([claim] if claim is not None else []),
         deployment(tc, config_hash(cfg), opts, owner),
     ]
