@@ -35,6 +35,138 @@ EXTRA_ARGS_CASES: list[tuple[list[str], list[str]]] = [
     (["--middlewarex", "--kv-cache-dtype", "fp8", "--", "-x"], []),
 ]  # fmt: skip
 
+#: A vLLM engine on GPU (the runtime that downloads weights and loads adapters).
+VLLM_ENGINE: dict[str, Any] = {"runtime": "vllm", "image": "x", "model": {"name": "org/m"}}
+ADAPTER_VOLUME: dict[str, Any] = {
+    "extraVolumes": [{"name": "loras", "persistentVolumeClaim": {"claimName": "loras"}}],
+    "extraVolumeMounts": [{"name": "loras", "mountPath": "/adapters"}],
+}
+
+#: (engine fields over :data:`VLLM_ENGINE`, the field the API server names, words both the model
+#: (tests/operator/test_api.py) and the CRD (tests/operator/test_operator_crds.py) say; None: accepted).
+POD_EXTRAS_CASES: list[tuple[dict[str, Any], str | None, str | None]] = [
+    (
+        {
+            "model": {"name": "org/gated", "tokenSecretRef": {"name": "hf"}},
+            "modelCache": {"volumeClaim": {"size": "100Gi", "storageClassName": "fast"}},
+            "imagePullSecrets": [{"name": "registry"}],
+            "extraEnv": [
+                {"name": "HF_HUB_OFFLINE", "value": "1"},
+                {"name": "OMP_NUM_THREADS", "valueFrom": {"configMapKeyRef": {"name": "tune", "key": "omp"}}},
+            ],
+            "adapters": [
+                {"name": "support-bot", "source": "/adapters/support-bot"},
+                {"name": "cached", "source": "/cache/loras/cached"},
+                {"name": "hub", "source": "org/lora"},
+            ],
+            **ADAPTER_VOLUME,
+        },
+        None,
+        None,
+    ),
+    ({"modelCache": {"existingClaim": {"name": "weights"}}}, None, None),
+    (
+        {"modelCache": {"existingClaim": {"name": "w"}, "volumeClaim": {"size": "1Gi"}}},
+        "spec.engine.modelCache",
+        "set exactly one of existingClaim and volumeClaim",
+    ),
+    ({"modelCache": {}}, "spec.engine.modelCache", "set exactly one of existingClaim and volumeClaim"),
+    ({"modelCache": {"volumeClaim": {}}}, "spec.engine.modelCache.volumeClaim.size", "Required value"),
+    (
+        {"modelCache": {"volumeClaim": {"size": "1Gi", "accessModes": ["ReadOnlyMany"]}}},
+        "spec.engine.modelCache.volumeClaim.accessModes[0]",
+        "ReadOnlyMany",
+    ),
+    (
+        {"modelCache": {"volumeClaim": {"size": "1Gi", "retentionPolicy": {"whenDeleted": "Orphan"}}}},
+        "spec.engine.modelCache.volumeClaim.retentionPolicy.whenDeleted",
+        "Orphan",
+    ),
+    (
+        {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "evil"}]},
+        "spec.engine.extraEnv[0].name",
+        "engine.extraEnv: VLLM_PLUGINS refused: kvfence sets it itself",
+    ),
+    (
+        {"extraEnv": [{"name": "OK", "value": "1"}, {"name": "LD_PRELOAD", "value": "/x.so"}]},
+        "spec.engine.extraEnv[1].name",
+        "engine.extraEnv: LD_PRELOAD refused",
+    ),
+    ({"extraEnv": [{"name": "PYTHONPATH", "value": "/x"}]}, "spec.engine.extraEnv[0].name", "PYTHONPATH"),
+    ({"extraEnv": [{"name": "HF_TOKEN", "value": "hf_x"}]}, "spec.engine.extraEnv[0].name", "HF_TOKEN"),
+    (
+        {"extraEnv": [{"name": "KVFENCE_ENGINE_CONFIG", "value": "/x"}]},
+        "spec.engine.extraEnv[0].name",
+        "KVFENCE_ENGINE_CONFIG refused",
+    ),
+    (
+        {"extraEnv": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+        "spec.engine.extraEnv[0].name",
+        "NVIDIA_VISIBLE_DEVICES refused",
+    ),
+    ({"extraEnv": [{"name": "A-B", "value": "1"}]}, "spec.engine.extraEnv[0].name", "should match"),
+    ({"extraEnv": [{"name": "A"}]}, "spec.engine.extraEnv[0]", "A: set exactly one of value and valueFrom"),
+    (
+        {"extraVolumes": [{"name": "host", "emptyDir": {}, "secret": {"secretName": "s"}}]},
+        "spec.engine.extraVolumes[0]",
+        "engine.extraVolumes[host]: set exactly one of configMap, secret, persistentVolumeClaim and emptyDir",
+    ),
+    (
+        {"extraVolumes": [{"name": "tmp", "emptyDir": {}}]},
+        "spec.engine.extraVolumes[0].name",
+        "engine.extraVolumes: tmp is a volume kvfence mounts itself",
+    ),
+    (
+        {
+            "extraVolumes": [{"name": "x", "emptyDir": {}}],
+            "extraVolumeMounts": [{"name": "y", "mountPath": "/data"}],
+        },
+        "spec.engine.extraVolumeMounts",
+        "every mount must name a volume of engine.extraVolumes",
+    ),
+    (
+        {
+            "extraVolumes": [{"name": "x", "emptyDir": {}}],
+            "extraVolumeMounts": [{"name": "x", "mountPath": "/etc/kvfence/keys"}],
+        },
+        "spec.engine.extraVolumeMounts[0].mountPath",
+        "should match",
+    ),
+    (
+        {
+            "extraVolumes": [{"name": "x", "emptyDir": {}}],
+            "extraVolumeMounts": [{"name": "x", "mountPath": "/data/../etc"}],
+        },
+        "spec.engine.extraVolumeMounts[0].mountPath",
+        "should match",
+    ),
+    (
+        {"adapters": [{"name": "support-bot", "source": "/adapters/support-bot"}]},
+        "spec.engine.adapters",
+        "an absolute path must lie under a mountPath of engine.extraVolumeMounts",
+    ),
+    (
+        {"adapters": [{"name": "c", "source": "/cache/loras/c"}]},
+        "spec.engine.adapters",
+        "an absolute path must lie under a mountPath",
+    ),
+    (
+        {"adapters": [{"name": "a", "source": "/adaptersX/a"}], **ADAPTER_VOLUME},
+        "spec.engine.adapters",
+        "an absolute path must lie under a mountPath",
+    ),
+    (
+        {"runtime": "reference", "modelCache": {"existingClaim": {"name": "w"}}},
+        "spec.engine.modelCache",
+        "engine.modelCache applies to the vllm runtime only",
+    ),
+    (
+        {"runtime": "reference", "model": {"name": "m", "tokenSecretRef": {"name": "hf"}}},
+        "spec.engine.model.tokenSecretRef",
+        "engine.model.tokenSecretRef applies to the vllm runtime only",
+    ),
+]
+
 
 def trust_class(name: str, **spec: Any) -> dict[str, Any]:
     """A TrustClass with the dev engine; ``spec`` overrides or adds top-level spec fields."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster.manifests import EXTRA_ARGS_CASES
+from cluster.manifests import EXTRA_ARGS_CASES, POD_EXTRAS_CASES, VLLM_ENGINE
 from pydantic import ValidationError
 
 from kvfence.api import crdgen
@@ -238,6 +238,51 @@ def test_extra_args_that_undo_isolation_are_refused(args: list[str], refused: li
         assert why is not None and why.startswith(
             f"engine.extraArgs: {', '.join(refused)} refused: kvfence sets this itself"
         )
+
+
+@pytest.mark.parametrize(("engine", "field", "words"), POD_EXTRAS_CASES)
+def test_model_cache_token_env_volumes_and_adapter_sources_are_validated(
+    engine: dict[str, Any], field: str | None, words: str | None
+) -> None:
+    """The model refuses what the CRD refuses (the same cases go to the API server in
+    tests/operator/test_operator_crds.py), with the same words where the CRD's rule writes them."""
+    body = {"metadata": {"name": "gold"}, "spec": {"engine": {**VLLM_ENGINE, **engine}}}
+    if field is None:
+        T.TrustClass.model_validate(body)
+        return
+    with pytest.raises(ValidationError) as e:
+        T.TrustClass.model_validate(body)
+    assert words is not None
+    expected = "Field required" if words == "Required value" else words
+    assert expected in str(e.value), str(e.value)
+
+
+def test_forbidden_env_names_cover_what_the_builders_set(make_tc: Any) -> None:
+    """Every variable the operator renders into an engine container is one extraEnv cannot set."""
+    from kvfence.operator import builders as B
+
+    tc = make_tc(
+        engine={
+            "runtime": "vllm",
+            "device": "CPU",
+            "kvCacheMemory": "1Gi",
+            "model": {"name": "org/m", "tokenSecretRef": {"name": "hf"}},
+        },
+        resources={"gpu": {"count": 0}},
+    )
+    rendered = [
+        e["name"]
+        for e in B.deployment(tc, "h", B.OperatorOptions())["spec"]["template"]["spec"]["containers"][0][
+            "env"
+        ]
+    ]
+    assert {"HF_HOME", "HF_TOKEN", "HOME", "VLLM_TARGET_DEVICE"} <= set(rendered)
+    for name in rendered:
+        assert T.env_refusal(name) is not None, name
+    for name in ("VLLM_PLUGINS", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PYTHONSTARTUP", "LD_AUDIT", "PATH"):
+        assert T.env_refusal(name) is not None, name
+    for name in ("HF_HUB_OFFLINE", "OMP_NUM_THREADS", "NCCL_DEBUG", "CUDA_LAUNCH_BLOCKING", "HOMEDIR"):
+        assert T.env_refusal(name) is None, name
 
 
 def test_every_flag_kvfence_renders_for_isolation_is_refused_in_extra_args(make_tc: Any) -> None:

@@ -9,8 +9,17 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster.manifests import ENGINE, EXTRA_ARGS_CASES, tenant_binding, trust_class
+from cluster.manifests import (
+    ENGINE,
+    EXTRA_ARGS_CASES,
+    POD_EXTRAS_CASES,
+    VLLM_ENGINE,
+    tenant_binding,
+    trust_class,
+)
 from support.waiting import wait_until
+
+from kvfence.operator.apply import is_subset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -403,3 +412,17 @@ def test_extra_args_that_undo_isolation_are_refused_naming_the_flag(installed: A
             for arg in refused:
                 i = args.index(arg)
                 assert f"spec.engine.extraArgs[{i}]: Forbidden: engine.extraArgs: {arg} refused: " in got, got
+
+
+def test_model_cache_token_env_volumes_and_adapter_sources_on_the_api_server(installed: Any, kv: Any) -> None:
+    """The CRD refuses what the model refuses (the cases of tests/operator/test_api.py), naming the
+    field, and stores what both accept as written."""
+    for engine, field, words in POD_EXTRAS_CASES:
+        got = _dry_run(kv, trust_class("crd-pod-extras", engine={**VLLM_ENGINE, **engine}))
+        if field is None:
+            assert isinstance(got, dict), f"{engine}: {got}"
+            # stored as written, plus the defaults (model.revision, tokenSecretRef.key, retentionPolicy)
+            assert is_subset(engine, got["spec"]["engine"]), got["spec"]["engine"]
+            continue
+        assert isinstance(got, str), f"{engine} accepted"
+        assert field in got and words is not None and words in got, (field, words, got)

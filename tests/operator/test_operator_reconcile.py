@@ -63,6 +63,8 @@ def test_operator_rbac_is_least_privilege(installed: Any, kv: Any) -> None:
     assert can("watch", "trustclasses.kvfence.dev")
     assert can("patch", "trustclasses.kvfence.dev", "--subresource=status")
     assert can("patch", "deployments", "-n", "kvf-anything")
+    assert can("patch", "persistentvolumeclaims", "-n", "kvf-anything")  # the model cache
+    assert can("watch", "persistentvolumeclaims", "--all-namespaces")
     assert can("get", "secret/kvfence-signing-key", "-n", "kvf-anything")
     assert can("patch", "secret/kvfence-routing", "-n", "kvfence-system")
     assert can("update", "lease/kvfence-operator", "-n", "kvfence-system")
@@ -72,6 +74,8 @@ def test_operator_rbac_is_least_privilege(installed: Any, kv: Any) -> None:
     assert not can("list", "secrets", "--all-namespaces")
     assert not can("watch", "secrets", "-n", "kvfence-system")
     assert not can("delete", "deployments", "-n", "kvf-anything")
+    assert not can("delete", "persistentvolumeclaims", "-n", "kvf-anything")
+    assert not can("get", "secret/hf-token", "-n", "kvf-anything")  # only where a namespace grants it
     assert not can("create", "pods", "-n", "kvf-anything")
     assert not can("create", "clusterrolebindings")
     assert not can("update", "lease/someone-else", "-n", "kvfence-system")

@@ -60,6 +60,7 @@ CLASSES = {
             {"name": "sql", "source": "hf://org/sql-lora"},
         ],
         extraArgs=["--max-num-seqs", "64"],
+        **manifests.ADAPTER_VOLUME,  # /adapters/support-bot is mounted where vLLM reads it
     ),
     "no-prefix-cache": trust_class(prefixCache={"enabled": False}, blockSize=16),
     # The GPU example of examples/ (what users copy).

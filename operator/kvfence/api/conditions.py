@@ -38,6 +38,14 @@ REASON_INVALID_ENGINE_CONFIG: Final = "InvalidEngineConfig"
 #: last config they were given)
 REASON_SHARED_PREFIX_UNRESOLVED: Final = "SharedPrefixUnresolved"
 REASON_FORBIDDEN_EXTRA_ARGS: Final = "ForbiddenExtraArgs"
+#: engine.model.tokenSecretRef names a Secret or key that does not exist (nothing is applied: no pod is
+#: left failing on a dangling reference), or one the operator may not read (its namespace has not
+#: granted the kvfence-operator-tenant-secrets ClusterRole)
+REASON_MODEL_TOKEN_MISSING: Final = "ModelTokenSecretMissing"
+REASON_MODEL_TOKEN_FORBIDDEN: Final = "ModelTokenSecretForbidden"
+#: engine.modelCache.volumeClaim asks for a change its existing claim cannot take (storage class, access
+#: modes, a smaller size), or the API server refused the change (an expansion its StorageClass forbids)
+REASON_MODEL_CACHE_CLAIM_REFUSED: Final = "ModelCacheClaimRefused"
 REASON_RECONCILED: Final = "Reconciled"
 REASON_ACCEPTED: Final = "Accepted"
 

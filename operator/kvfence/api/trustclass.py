@@ -145,6 +145,21 @@ EXTRA_ARG_RULE: dict[str, JsonValue] = {
 }
 
 
+#: A Kubernetes object name (DNS-1123 subdomain).
+OBJECT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+#: A key of a Secret or ConfigMap.
+DATA_KEY = r"^[-._a-zA-Z0-9]+$"
+
+
+class SecretKeySelector(KubeModel):
+    """A key of a Secret in the trust class's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME, description="The Secret.")
+    key: str = Field(
+        "token", min_length=1, max_length=253, pattern=DATA_KEY, description="The key (default token)."
+    )
+
+
 class ModelSpec(KubeModel):
     """The model the engine serves."""
 
@@ -165,6 +180,16 @@ class ModelSpec(KubeModel):
         min_length=1,
         max_length=256,
         description="The model name clients send in requests; defaults to name.",
+    )
+
+    token_secret_ref: SecretKeySelector | None = Field(
+        None,
+        alias="tokenSecretRef",
+        description="A key of a Secret in the class's namespace holding a Hugging Face token, for gated "
+        "models (vllm only). It reaches the engine as HF_TOKEN from the Secret (secretKeyRef): the "
+        "operator never copies the value. A Secret or key that does not exist keeps the class Stalled "
+        "(ModelTokenSecretMissing) with nothing applied; the operator reads it only where the class "
+        "namespace grants it the kvfence-operator-tenant-secrets ClusterRole.",
     )
 
     @property
@@ -267,6 +292,348 @@ class RolloutSpec(KubeModel):
         return surge, unavailable
 
 
+# --- where the weights come from and what else the engine pod may carry ------------------------
+#: Where a model cache (``engine.modelCache``) is mounted; vLLM's HF_HOME lies under it.
+MODEL_CACHE_PATH = "/cache"
+HF_HOME_PATH = f"{MODEL_CACHE_PATH}/huggingface"
+#: The only places ``engine.extraVolumeMounts`` may mount at (the mount point itself or below it):
+#: nothing of the engine images, the operator's own mounts (config, signing keys, /tmp, /dev/shm, the
+#: model cache) or the system lives there, so an extra mount can neither shadow code the isolation
+#: relies on nor the files the operator gives the engine.
+EXTRA_MOUNT_ROOTS: tuple[str, ...] = ("/adapters", "/models", "/mnt", "/data")
+EXTRA_MOUNT_PATTERN = (
+    "^/(" + "|".join(r.removeprefix("/") for r in EXTRA_MOUNT_ROOTS) + r")(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"
+)
+#: Names of the operator's own volumes in the engine pod (``engine.extraVolumes`` may not take them).
+RESERVED_VOLUMES: tuple[str, ...] = ("config", "signing-key", "tmp", "cache", "dshm")
+#: ``engine.extraEnv`` names the operator sets itself or that can undo isolation: code loaded into the
+#: engine (PYTHON*, LD_*, PATH, VLLM_PLUGINS and every other VLLM_* switch: attention backend, plugin
+#: loading, runtime LoRA loading, dev endpoints, cache hashing), the kvfence settings (KVFENCE_*), the
+#: accelerators the container sees (NVIDIA_*), and the model cache and token (HF_HOME, HF_TOKEN: use
+#: engine.modelCache and model.tokenSecretRef).
+FORBIDDEN_ENV_PATTERN = (
+    "^(KVFENCE_|VLLM_|PYTHON|LD_|NVIDIA_|(HOME|PATH|HF_HOME|HF_HUB_CACHE|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)$)"
+)
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+ENV_WHY = (
+    "kvfence sets it itself or it changes what the engine loads or sees (see docs/threat-model.md); "
+    "use the TrustClass field that chooses it"
+)
+MAX_EXTRA_ENV = 32
+MAX_EXTRA_VOLUMES = 16
+MODEL_CACHE_ON_REFERENCE = (
+    "engine.modelCache applies to the vllm runtime only: the reference engine downloads no weights"
+)
+TOKEN_ON_REFERENCE = (
+    "engine.model.tokenSecretRef applies to the vllm runtime only: the reference engine downloads no weights"
+)
+MOUNT_WITHOUT_VOLUME = "engine.extraVolumeMounts: every mount must name a volume of engine.extraVolumes"
+ADAPTER_NOT_MOUNTED = (
+    "engine.adapters[].source: an absolute path must lie under a mountPath of engine.extraVolumeMounts "
+    f"(or under {MODEL_CACHE_PATH}/ with engine.modelCache): nothing else is mounted where vLLM reads "
+    "adapters; a Hugging Face repo id (org/name) is downloaded into the model cache"
+)
+
+
+def env_refusal(name: str) -> str | None:
+    """Why ``engine.extraEnv`` may not set ``name`` (the CRD rule's message), or None."""
+    if re.match(FORBIDDEN_ENV_PATTERN, name):
+        return f"engine.extraEnv: {name} refused: {ENV_WHY}"
+    return None
+
+
+def under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+class ClaimRef(KubeModel):
+    """A PersistentVolumeClaim of the trust class's namespace that someone else manages."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME, description="The claim.")
+
+
+class ClaimRetention(KubeModel):
+    """What happens to an operator-created claim when its TrustClass is deleted (as a StatefulSet's
+    persistentVolumeClaimRetentionPolicy)."""
+
+    when_deleted: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        alias="whenDeleted",
+        description="Retain (default): the claim survives the class, and so does the class namespace "
+        "that holds it (the operator drops the namespace's owner reference instead of deleting it); a "
+        "class created again with that namespace mounts the same claim. Delete: the claim is deleted "
+        "with the class and its namespace.",
+    )
+
+
+AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"]
+
+
+def _rwo() -> list[AccessMode]:
+    return ["ReadWriteOnce"]
+
+
+class VolumeClaimSpec(KubeModel):
+    """A claim the operator creates per trust class (``kvfence-model-cache``)."""
+
+    storage_class_name: str | None = Field(
+        None,
+        alias="storageClassName",
+        min_length=1,
+        max_length=253,
+        pattern=OBJECT_NAME,
+        description="StorageClass of the claim; unset: the cluster's default. Cannot change once the "
+        "claim exists.",
+    )
+    size: ByteQuantity = Field(
+        description="Requested size, e.g. 200Gi. May grow later (if the StorageClass allows expansion); "
+        "a smaller size is refused."
+    )
+    access_modes: list[AccessMode] = Field(
+        default_factory=_rwo,
+        alias="accessModes",
+        min_length=1,
+        max_length=3,
+        description="Access modes (default ReadWriteOnce: every replica must then run on the node that "
+        "mounts it; ReadWriteMany for replicas on several nodes). Cannot change once the claim exists.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    retention_policy: ClaimRetention = Field(
+        default_factory=ClaimRetention,
+        alias="retentionPolicy",
+        description="Whether the claim is deleted with the class.",
+        json_schema_extra={"default": {}},
+    )
+
+
+class ModelCacheSpec(KubeModel):
+    """Where the engine keeps downloaded weights (HF_HOME), so that a restart does not download them
+    again. Unset: an emptyDir (downloads on every start)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.existingClaim) != has(self.volumeClaim)",
+                    "message": "engine.modelCache: set exactly one of existingClaim and volumeClaim",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    existing_claim: ClaimRef | None = Field(
+        None,
+        alias="existingClaim",
+        description="A claim of the class's namespace; the operator never creates, changes or deletes "
+        "it, and keeps the namespace when the class is deleted.",
+    )
+    volume_claim: VolumeClaimSpec | None = Field(
+        None, alias="volumeClaim", description="A claim the operator creates for the class."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> ModelCacheSpec:
+        if (self.existing_claim is None) == (self.volume_claim is None):
+            raise ValueError("engine.modelCache: set exactly one of existingClaim and volumeClaim")
+        return self
+
+    @property
+    def retained(self) -> bool:
+        """Whether the claim outlives the class (an existing one always does)."""
+        return self.volume_claim is None or self.volume_claim.retention_policy.when_deleted == "Retain"
+
+
+class LocalObjectReference(KubeModel):
+    """An object of the trust class's namespace, by name."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME, description="Its name.")
+
+
+class EnvKeyRef(KubeModel):
+    """A key of a Secret or ConfigMap in the trust class's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME, description="The object.")
+    key: str = Field(min_length=1, max_length=253, pattern=DATA_KEY, description="The key.")
+
+
+class EnvVarSource(KubeModel):
+    """Where an extra env var's value comes from."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+                    "message": "valueFrom: set exactly one of secretKeyRef and configMapKeyRef",
+                    "reason": "FieldValueInvalid",
+                }
+            ]
+        }
+    )
+
+    secret_key_ref: EnvKeyRef | None = Field(None, alias="secretKeyRef", description="A Secret's key.")
+    config_map_key_ref: EnvKeyRef | None = Field(
+        None, alias="configMapKeyRef", description="A ConfigMap's key."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvVarSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("valueFrom: set exactly one of secretKeyRef and configMapKeyRef")
+        return self
+
+
+class EnvVar(KubeModel):
+    """An extra environment variable of the engine container."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!self.name.matches('{FORBIDDEN_ENV_PATTERN}')",
+                    "messageExpression": f"'engine.extraEnv: ' + self.name + ' refused: {ENV_WHY}'",
+                    "fieldPath": ".name",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "has(self.value) != has(self.valueFrom)",
+                    "messageExpression": "'engine.extraEnv: ' + self.name + ': set exactly one of value "
+                    "and valueFrom'",
+                    "reason": "FieldValueInvalid",
+                },
+            ]
+        }
+    )
+
+    name: str = Field(
+        min_length=1, max_length=128, pattern=ENV_NAME_PATTERN, description="Variable name (a C identifier)."
+    )
+    value: str | None = Field(None, max_length=4096, description="The value.")
+    value_from: EnvVarSource | None = Field(
+        None, alias="valueFrom", description="The value, from a Secret or ConfigMap key."
+    )
+
+    @model_validator(mode="after")
+    def _checked(self) -> EnvVar:
+        why = env_refusal(self.name)
+        if why is not None:
+            raise ValueError(why)
+        if (self.value is None) == (self.value_from is None):
+            raise ValueError(f"engine.extraEnv: {self.name}: set exactly one of value and valueFrom")
+        return self
+
+
+class ConfigMapVolume(KubeModel):
+    """A ConfigMap of the class's namespace as files."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME, description="The ConfigMap.")
+
+
+class SecretVolume(KubeModel):
+    """A Secret of the class's namespace as files."""
+
+    secret_name: str = Field(
+        alias="secretName", min_length=1, max_length=253, pattern=OBJECT_NAME, description="The Secret."
+    )
+
+
+class ClaimVolume(KubeModel):
+    """A PersistentVolumeClaim of the class's namespace (adapters, weights prepared elsewhere)."""
+
+    claim_name: str = Field(
+        alias="claimName", min_length=1, max_length=253, pattern=OBJECT_NAME, description="The claim."
+    )
+    read_only: bool = Field(True, alias="readOnly", description="Mount read-only (default true).")
+
+
+class EmptyDirVolume(KubeModel):
+    """Scratch space that lives as long as the pod."""
+
+    size_limit: ByteQuantity | None = Field(None, alias="sizeLimit", description="Most it may hold.")
+
+
+class ExtraVolume(KubeModel):
+    """An extra volume of the engine pod: a ConfigMap, a Secret, a claim or an emptyDir (nothing that
+    reaches the node, such as hostPath)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "[has(self.configMap), has(self.secret), has(self.persistentVolumeClaim), "
+                    "has(self.emptyDir)].filter(x, x).size() == 1",
+                    "messageExpression": "'engine.extraVolumes[' + self.name + ']: set exactly one of "
+                    "configMap, secret, persistentVolumeClaim and emptyDir'",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": f"!(self.name in {list(RESERVED_VOLUMES)})",
+                    "messageExpression": "'engine.extraVolumes: ' + self.name + ' is a volume kvfence "
+                    f"mounts itself ({', '.join(RESERVED_VOLUMES)}): choose another name'",
+                    "fieldPath": ".name",
+                    "reason": "FieldValueForbidden",
+                },
+            ]
+        }
+    )
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL, description="Volume name.")
+    config_map: ConfigMapVolume | None = Field(None, alias="configMap", description="A ConfigMap.")
+    secret: SecretVolume | None = Field(None, description="A Secret.")
+    persistent_volume_claim: ClaimVolume | None = Field(
+        None, alias="persistentVolumeClaim", description="A claim."
+    )
+    empty_dir: EmptyDirVolume | None = Field(None, alias="emptyDir", description="An emptyDir.")
+
+    @model_validator(mode="after")
+    def _checked(self) -> ExtraVolume:
+        if self.name in RESERVED_VOLUMES:
+            raise ValueError(
+                f"engine.extraVolumes: {self.name} is a volume kvfence mounts itself "
+                f"({', '.join(RESERVED_VOLUMES)}): choose another name"
+            )
+        kinds = [self.config_map, self.secret, self.persistent_volume_claim, self.empty_dir]
+        if sum(k is not None for k in kinds) != 1:
+            raise ValueError(
+                f"engine.extraVolumes[{self.name}]: set exactly one of configMap, secret, "
+                "persistentVolumeClaim and emptyDir"
+            )
+        return self
+
+    def pod_volume(self) -> dict[str, Any]:
+        """The core/v1 Volume."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.config_map is not None:
+            out["configMap"] = {"name": self.config_map.name}
+        elif self.secret is not None:
+            out["secret"] = {"secretName": self.secret.secret_name}
+        elif self.persistent_volume_claim is not None:
+            c = self.persistent_volume_claim
+            out["persistentVolumeClaim"] = {"claimName": c.claim_name, "readOnly": c.read_only}
+        else:
+            assert self.empty_dir is not None
+            out["emptyDir"] = self.empty_dir.wire()
+        return out
+
+
+class ExtraVolumeMount(KubeModel):
+    """Where an extra volume is mounted in the engine container."""
+
+    name: str = Field(
+        min_length=1, max_length=63, pattern=DNS_LABEL, description="A volume of engine.extraVolumes."
+    )
+    mount_path: str = Field(
+        alias="mountPath",
+        min_length=1,
+        max_length=512,
+        pattern=EXTRA_MOUNT_PATTERN,
+        description="An absolute path at or under " + ", ".join(EXTRA_MOUNT_ROOTS) + " (no . or .. "
+        "segments): nothing kvfence or the engine image relies on lives there.",
+    )
+    read_only: bool = Field(True, alias="readOnly", description="Mount read-only (default true).")
+
+
 class EngineSpec(KubeModel):
     """The inference engine of the trust class."""
 
@@ -311,6 +678,35 @@ class EngineSpec(KubeModel):
                     "message": KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION,
                     "fieldPath": ".kvCacheMemory",
                     "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.runtime != 'reference' || !has(self.modelCache)",
+                    "message": MODEL_CACHE_ON_REFERENCE,
+                    "fieldPath": ".modelCache",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.runtime != 'reference' || !has(self.model.tokenSecretRef)",
+                    "message": TOKEN_ON_REFERENCE,
+                    "fieldPath": ".model.tokenSecretRef",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "!has(self.extraVolumeMounts) || self.extraVolumeMounts.all(m, "
+                    "has(self.extraVolumes) && self.extraVolumes.exists(v, v.name == m.name))",
+                    "message": MOUNT_WITHOUT_VOLUME,
+                    "fieldPath": ".extraVolumeMounts",
+                    "reason": "FieldValueInvalid",
+                },
+                {
+                    "rule": "self.runtime != 'vllm' || !has(self.adapters) || self.adapters.all(a, "
+                    "!a.source.startsWith('/') "
+                    "|| (has(self.extraVolumeMounts) && self.extraVolumeMounts.exists(m, "
+                    "a.source == m.mountPath || a.source.startsWith(m.mountPath + '/'))) "
+                    f"|| (has(self.modelCache) && a.source.startsWith('{MODEL_CACHE_PATH}/')))",
+                    "message": ADAPTER_NOT_MOUNTED,
+                    "fieldPath": ".adapters",
+                    "reason": "FieldValueInvalid",
                 },
             ]
         }
@@ -401,6 +797,46 @@ class EngineSpec(KubeModel):
             }
         },
     )
+    model_cache: ModelCacheSpec | None = Field(
+        None,
+        alias="modelCache",
+        description=f"Where downloaded weights are kept (HF_HOME={HF_HOME_PATH}, the claim mounted at "
+        f"{MODEL_CACHE_PATH}): an existing claim, or one the operator creates. Unset: an emptyDir, so "
+        "every engine start downloads the model again. vllm only.",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        max_length=16,
+        description="Secrets of the class's namespace the kubelet pulls the engine image with.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    extra_env: list[EnvVar] = Field(
+        default_factory=list,
+        alias="extraEnv",
+        max_length=MAX_EXTRA_ENV,
+        description="Extra environment variables of the engine container (a value, or a Secret's or "
+        "ConfigMap's key in the class's namespace). Refused: what kvfence sets or what changes the code "
+        "the engine loads or the devices it sees: names matching " + FORBIDDEN_ENV_PATTERN + ".",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    extra_volumes: list[ExtraVolume] = Field(
+        default_factory=list,
+        alias="extraVolumes",
+        max_length=MAX_EXTRA_VOLUMES,
+        description="Extra volumes of the engine pod: configMap, secret, persistentVolumeClaim or "
+        "emptyDir, never a volume kvfence mounts itself (" + ", ".join(RESERVED_VOLUMES) + ").",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    extra_volume_mounts: list[ExtraVolumeMount] = Field(
+        default_factory=list,
+        alias="extraVolumeMounts",
+        max_length=MAX_EXTRA_VOLUMES,
+        description="Where extra volumes are mounted in the engine container: at or under "
+        + ", ".join(EXTRA_MOUNT_ROOTS)
+        + ", read-only unless readOnly is false. An adapter's absolute source must lie under one.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["mountPath"]},
+    )
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,
         description="How engine pods are replaced when a change needs new ones. Signing-key rotations, "
@@ -434,6 +870,28 @@ class EngineSpec(KubeModel):
             raise ValueError(KV_CACHE_MEMORY_REQUIRED_ON_CPU)
         if self.kv_cache_memory is not None and self.gpu_memory_utilization is not None:
             raise ValueError(KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION)
+        if self.runtime == "reference" and self.model_cache is not None:
+            raise ValueError(MODEL_CACHE_ON_REFERENCE)
+        if self.runtime == "reference" and self.model.token_secret_ref is not None:
+            raise ValueError(TOKEN_ON_REFERENCE)
+        return self
+
+    @model_validator(mode="after")
+    def _pod_extras(self) -> EngineSpec:
+        """The CRD's rules on extra mounts and adapter sources, for what the operator reads."""
+        volumes = {v.name for v in self.extra_volumes}
+        for m in self.extra_volume_mounts:
+            if m.name not in volumes:
+                raise ValueError(f"{MOUNT_WITHOUT_VOLUME}: {m.name} is not one")
+        if self.runtime == "vllm":
+            roots = [m.mount_path for m in self.extra_volume_mounts]
+            if self.model_cache is not None:
+                roots.append(MODEL_CACHE_PATH + "/")
+            for a in self.adapters:
+                if a.source.startswith("/") and not any(
+                    under(a.source, r) if not r.endswith("/") else a.source.startswith(r) for r in roots
+                ):
+                    raise ValueError(f"{ADAPTER_NOT_MOUNTED}: {a.name} reads {a.source}")
         return self
 
     @property

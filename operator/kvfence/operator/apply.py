@@ -42,6 +42,7 @@ RESOURCES: dict[tuple[str, str], Resource] = {
     ("v1", "ConfigMap"): Resource("configmaps", True),
     ("v1", "Secret"): Resource("secrets", True),
     ("v1", "Service"): Resource("services", True),
+    ("v1", "PersistentVolumeClaim"): Resource("persistentvolumeclaims", True),
     ("v1", "Event"): Resource("events", True),
     ("apps/v1", "Deployment"): Resource("deployments", True),
     ("networking.k8s.io/v1", "NetworkPolicy"): Resource("networkpolicies", True),

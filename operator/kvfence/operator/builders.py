@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.api.common import API_VERSION, TenantQuotas, quantity_bytes
-from kvfence.api.trustclass import TrustClass, extra_args_refusal
+from kvfence.api.trustclass import HF_HOME_PATH, MODEL_CACHE_PATH, TrustClass, extra_args_refusal
 from kvfence.contract import key_id
 from kvfence.contract.engine_config import (
     ENV_ENGINE_CONFIG,
@@ -42,6 +42,8 @@ ENGINE_NAME = "kvfence-engine"
 CONFIG_NAME = "kvfence-engine-config"
 SIGNING_SECRET_NAME = "kvfence-signing-key"
 NETWORK_POLICY_NAME = "kvfence-engine-ingress"
+#: The model-cache claim the operator creates (``engine.modelCache.volumeClaim``).
+MODEL_CACHE_CLAIM = "kvfence-model-cache"
 CONFIG_KEY = "engine.json"
 CONFIG_DIR = "/etc/kvfence/config"
 KEY_DIR = "/etc/kvfence/keys"
@@ -420,6 +422,43 @@ def router_signing_keys(keys: SigningKeys, propagated: bool) -> tuple[bytes, ...
     return (keys.current, keys.previous) if propagated else (keys.previous, keys.current)
 
 
+# --- model cache ------------------------------------------------------------------------------
+def model_cache_claim_name(tc: TrustClass) -> str | None:
+    """The claim the engine's model cache is, or None (an emptyDir)."""
+    mc = tc.spec.engine.model_cache
+    if mc is None:
+        return None
+    return mc.existing_claim.name if mc.existing_claim is not None else MODEL_CACHE_CLAIM
+
+
+def model_cache_volume(tc: TrustClass) -> Obj:
+    """The pod's ``cache`` volume (HF_HOME lies in it): the class's claim, or an emptyDir."""
+    claim = model_cache_claim_name(tc)
+    if claim is None:
+        return {"name": "cache", "emptyDir": {}}
+    return {"name": "cache", "persistentVolumeClaim": {"claimName": claim}}
+
+
+def model_cache_claim(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj | None:
+    """The claim the operator creates for ``engine.modelCache.volumeClaim`` (None for an existing claim
+    or no cache). Owned by the TrustClass (deleted with it by garbage collection) only when its
+    retention policy says Delete."""
+    mc = tc.spec.engine.model_cache
+    if mc is None or mc.volume_claim is None:
+        return None
+    vc = mc.volume_claim
+    spec: Obj = {"accessModes": list(vc.access_modes), "resources": {"requests": {"storage": vc.size}}}
+    if vc.storage_class_name is not None:
+        spec["storageClassName"] = vc.storage_class_name
+    keep = vc.retention_policy.when_deleted == "Retain"
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(tc, MODEL_CACHE_CLAIM, "model-cache", opts, None if keep else owner),
+        "spec": spec,
+    }
+
+
 # --- engine Deployment ------------------------------------------------------------------------
 def _resources(tc: TrustClass) -> Obj:
     res: dict[str, Any] = {}
@@ -527,18 +566,29 @@ def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj 
     if vllm:
         container["args"] = vllm_args(tc)
         container["env"] += [
-            {"name": "HF_HOME", "value": "/cache/huggingface"},
+            {"name": "HF_HOME", "value": HF_HOME_PATH},
             {"name": VLLM_STATS_FILE_ENV, "value": VLLM_STATS_FILE},
         ]
+        token = eng.model.token_secret_ref
+        if token is not None:
+            # A reference to the Secret, never its value: nothing the operator writes holds the token.
+            container["env"].append(
+                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
+            )
         if eng.on_vllm_cpu:
             container["env"] += [{"name": k, "value": v} for k, v in VLLM_CPU_ENV.items()]
         container["volumeMounts"] += [
-            {"name": "cache", "mountPath": "/cache"},
+            {"name": "cache", "mountPath": MODEL_CACHE_PATH},
             {"name": "dshm", "mountPath": SHM_DIR},
         ]
-        volumes += [{"name": "cache", "emptyDir": {}}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        volumes += [model_cache_volume(tc), {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     else:
         container["command"] = reference_command(tc)
+    container["env"] += [e.wire() for e in eng.extra_env]
+    container["volumeMounts"] += [
+        {"name": m.name, "mountPath": m.mount_path, "readOnly": m.read_only} for m in eng.extra_volume_mounts
+    ]
+    volumes += [v.pod_volume() for v in eng.extra_volumes]
     res = _resources(tc)
     if res:
         container["resources"] = res
@@ -568,6 +618,8 @@ def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj 
         pod_spec["runtimeClassName"] = pl.runtime_class_name
     if pl.priority_class_name:
         pod_spec["priorityClassName"] = pl.priority_class_name
+    if eng.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in eng.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -672,10 +724,15 @@ def children(
     owner: Obj | None,
     shared_texts: Mapping[str, str] | None = None,
 ) -> list[Obj]:
-    """Every namespaced object of a trust class, in apply order (config and key before the engine)."""
+    """Every namespaced object of a trust class, in apply order (the model-cache claim, then config and
+    key, the engine last)."""
     check_extra_args(tc)
     cfg = engine_config(tc, tenant_quotas, shared_texts)
+    claim = model_cache_claim(tc, opts, owner)
     return [
+        # First: a change of the claim the API server refuses then stops the reconcile before anything
+        # else of the class is applied.
+        *([claim] if claim is not None else []),
         config_map(tc, cfg, opts, owner),
         signing_secret(tc, signing, opts, owner),
         service(tc, opts, owner),

@@ -392,6 +392,7 @@ CHILD_WATCHERS = [
     _child_handler("apps", "v1", "deployments"),
     _child_handler("", "v1", "services"),
     _child_handler("", "v1", "configmaps"),
+    _child_handler("", "v1", "persistentvolumeclaims"),
     _child_handler("networking.k8s.io", "v1", "networkpolicies"),
     _child_handler("policy", "v1", "poddisruptionbudgets"),
 ]

@@ -8,8 +8,9 @@ What the operator may do, and why:
   with ``blockOwnerDeletion``).
 * Namespaces: watch (a namespace's labels decide which bindings a class admits), create/patch the
   class namespaces, delete one when its class is deleted.
-* Deployments, Services, ConfigMaps, NetworkPolicies, PodDisruptionBudgets: watch (drift repair) and
-  create/patch. Never delete: garbage collection does it through owner references.
+* Deployments, Services, ConfigMaps, NetworkPolicies, PodDisruptionBudgets, PersistentVolumeClaims
+  (the model cache): watch (drift repair) and create/patch. Never delete: garbage collection does it
+  through owner references (a retained model-cache claim has none).
 * Secrets: **no get, list or watch of arbitrary Secrets.** ``create`` (which reveals nothing),
   get/patch/update only on the two names it owns (``kvfence-signing-key`` in class namespaces,
   ``kvfence-routing`` in the router's namespace), and list/watch of ``kvfence-signing-key`` only
@@ -19,7 +20,9 @@ What the operator may do, and why:
   ``kvfence-operator-tenant-secrets`` to the operator with a RoleBinding in that namespace: get, and
   list/watch so that a rotated key reaches the routing table within seconds (the operator asks for
   metadata only and ignores every Secret no binding references). Elsewhere a binding is ``Denied``
-  with reason ``ApiKeySecretForbidden``.
+  with reason ``ApiKeySecretForbidden``. The same grant in a class namespace lets the operator check
+  that a class's model token Secret (``engine.model.tokenSecretRef``) exists before an engine refers to
+  it; without it that class is Stalled with reason ``ModelTokenSecretForbidden``.
 * Events: create. Leases: only its own, in its own namespace (a Role).
 """
 
@@ -62,7 +65,11 @@ def cluster_role() -> Obj:
             },
             {"apiGroups": [GROUP], "resources": ["trustclasses/finalizers"], "verbs": ["update"]},
             {"apiGroups": [""], "resources": ["namespaces"], "verbs": [*WATCH, *WRITE, "delete"]},
-            {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": [*WATCH, *WRITE]},
+            {
+                "apiGroups": [""],
+                "resources": ["services", "configmaps", "persistentvolumeclaims"],
+                "verbs": [*WATCH, *WRITE],
+            },
             {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": [*WATCH, *WRITE]},
             {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": [*WATCH, *WRITE]},
             {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": [*WATCH, *WRITE]},

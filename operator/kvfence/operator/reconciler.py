@@ -26,7 +26,7 @@ from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
-from kvfence.operator import builders
+from kvfence.operator import builders, modelcache
 from kvfence.operator.apply import Kube, KubeError, is_subset, manages, now_rfc3339
 from kvfence.operator.bindings import (
     ClassState,
@@ -38,6 +38,7 @@ from kvfence.operator.bindings import (
     routing_secret,
 )
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key, RoutingKey
+from kvfence.operator.rbac import TENANT_SECRETS_ROLE
 from kvfence.operator.status import (
     ACCEPTED_GENERATION,
     ACCEPTED_SPEC,
@@ -55,6 +56,8 @@ FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
 #: Requests the routing decision has in flight at once for its per-binding reads and writes.
 ROUTING_CONCURRENCY = 8
+#: How often a class waiting for its model token Secret (missing, or not readable) looks again.
+TOKEN_RETRY_SECONDS = 3.0
 
 
 class Requeue(Exception):
@@ -263,6 +266,8 @@ class Reconciler:
             self._class_status(body, tc, degraded=(conditions.REASON_SHARED_PREFIX_UNRESOLVED, str(e)))
             self._emit(Event(body, conditions.REASON_SHARED_PREFIX_UNRESOLVED, str(e), "Warning"))
             raise Requeue(str(e), delay=10) from None
+        if self._model_token_unavailable(body, tc, ns_name):
+            raise Requeue("the model token Secret is not available", delay=TOKEN_RETRY_SECONDS)
         try:
             objs = builders.children(
                 tc,
@@ -280,15 +285,33 @@ class Reconciler:
         except ValueError as e:
             self._class_status(body, tc, degraded=(conditions.REASON_INVALID_ENGINE_CONFIG, str(e)))
             return set()
-        deployment_live: Obj | None = None
-        for obj in objs:
+        lives: dict[int, Obj | None] = {}
+        for i, obj in enumerate(objs):
             if obj["kind"] == "Secret":
-                live = live_secret
+                lives[i] = live_secret
             else:
-                live = self.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], ns_name)
+                lives[i] = self.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], ns_name)
+            if obj["kind"] == "PersistentVolumeClaim":
+                objs[i], refusal = modelcache.plan_claim(obj, lives[i])
+                if refusal is not None:
+                    # Nothing is applied: the engine keeps the claim it mounts, as last rendered.
+                    self._refuse(body, tc, conditions.REASON_MODEL_CACHE_CLAIM_REFUSED, refusal)
+                    return set()
+        deployment_live: Obj | None = None
+        for i, obj in enumerate(objs):
+            live = lives[i]
             if obj["kind"] == "Deployment" and tc.spec.replicas_managed_externally:
                 self._hand_over_replicas(live)
-            applied = self._ensure(obj, live, changed)
+            try:
+                applied = self._ensure(obj, live, changed)
+            except KubeError as e:
+                if obj["kind"] != "PersistentVolumeClaim" or e.status not in (403, 422):
+                    raise
+                # The API server's word (say, an expansion the StorageClass does not allow): the engine
+                # is left as it was, with the claim as it is.
+                msg = f"engine.modelCache.volumeClaim: claim {ns_name}/{obj['metadata']['name']}: {e}"
+                self._refuse(body, tc, conditions.REASON_MODEL_CACHE_CLAIM_REFUSED, msg[:2048])
+                return set()
             if obj["kind"] == "Deployment":
                 deployment_live = applied
         if changed:
@@ -312,6 +335,47 @@ class Reconciler:
             self.state.signing[name] = router_keys
             follow.add(ROUTING)
         return follow
+
+    def _refuse(self, body: Obj, tc: TrustClass, reason: str, msg: str) -> None:
+        """Degraded and Stalled for ``reason``; a Warning Event when that is news (not at every retry)."""
+        was: Obj = next(
+            (
+                c
+                for c in (body.get("status") or {}).get("conditions", [])
+                if c.get("type") == conditions.DEGRADED
+            ),
+            {},
+        )
+        if (was.get("reason"), was.get("message"), was.get("observedGeneration")) != (
+            reason,
+            msg,
+            body["metadata"].get("generation"),
+        ):
+            self._emit(Event(body, reason, msg, "Warning"))
+        self._class_status(body, tc, degraded=(reason, msg))
+
+    def _model_token_unavailable(self, body: Obj, tc: TrustClass, ns: str) -> bool:
+        """Whether the class's model token Secret (``engine.model.tokenSecretRef``) cannot be used yet;
+        if so the class is Degraded/Stalled with a reason naming the Secret and key (never a value)."""
+        ref = tc.spec.engine.model.token_secret_ref
+        if ref is None:
+            return False
+        try:
+            secret = self.kube.get("v1", "Secret", ref.name, ns)
+        except KubeError as e:
+            if not e.forbidden:
+                raise
+            msg = (
+                f"engine.model.tokenSecretRef: the operator may not read Secret {ns}/{ref.name} (bind the "
+                f"{TENANT_SECRETS_ROLE} ClusterRole to it in namespace {ns})"
+            )
+            self._refuse(body, tc, conditions.REASON_MODEL_TOKEN_FORBIDDEN, msg)
+            return True
+        why = modelcache.token_refusal(ref, ns, secret)
+        if why is None:
+            return False
+        self._refuse(body, tc, conditions.REASON_MODEL_TOKEN_MISSING, why)
+        return True
 
     def _hand_over_replicas(self, live: Obj | None) -> None:
         """Before the operator applies an engine Deployment without replicas: if it owns them, another
@@ -396,19 +460,29 @@ class Reconciler:
         self._forget(name)
         # Take the class out of the routing table first: nothing may route to what is going away.
         follow = self.reconcile_routing()
+        tc: TrustClass | None
         try:
-            tc_ns: str | None = TrustClass.model_validate(body).target_namespace
+            tc = TrustClass.model_validate(body)
         except ValidationError:
-            last = accepted_trust_class(body)
-            tc_ns = None if last is None else last.target_namespace
-        if tc_ns:
-            live_ns = self.kube.get("v1", "Namespace", tc_ns)
+            tc = accepted_trust_class(body)
+        done = "its namespace is being deleted"
+        if tc is not None:
+            live_ns = self.kube.get("v1", "Namespace", tc.target_namespace)
             if (
                 live_ns is not None
                 and (live_ns["metadata"].get("labels") or {}).get(builders.LABEL_TRUST_CLASS) == name
             ):
-                self.kube.delete("v1", "Namespace", tc_ns)
-        self._emit(Event(body, "Deleted", "trust class removed from routing; its namespace is being deleted"))
+                if modelcache.keeps_namespace(tc):
+                    # The claim outlives the class, and so must its namespace: no owner reference left
+                    # for garbage collection to follow (every other child still has one).
+                    self.kube.apply(with_spec_hash(builders.namespace(tc, self.opts, None)))
+                    done = (
+                        f"its namespace {tc.target_namespace} is kept with the model cache claim "
+                        f"{builders.model_cache_claim_name(tc)} (retained); delete it to release the claim"
+                    )
+                else:
+                    self.kube.delete("v1", "Namespace", tc.target_namespace)
+        self._emit(Event(body, "Deleted", f"trust class removed from routing; {done}"))
         self._set_finalizer(body, present=False)
         return follow
 
