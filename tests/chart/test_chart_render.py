@@ -183,6 +183,16 @@ def test_operator_deployment_is_ha_and_hardened(rendered: dict[str, list[Obj]]) 
     _assert_hardened(op)
     assert op["spec"]["template"]["spec"]["serviceAccountName"] == "kvfence-operator"
     assert c["ports"][0]["containerPort"] == args.health_port
+    # The grant its conditions ask namespaces for is the ClusterRole this release installs.
+    other = render(release="acme")
+    other_args = parse_args(
+        [
+            a.replace("$(POD_NAME)", "pod-0")
+            for a in container(one(other, "Deployment", "acme-kvfence-operator"))["args"]
+        ]
+    )
+    assert args.tenant_secrets_role == "kvfence-operator-tenant-secrets"
+    assert one(other, "ClusterRole", other_args.tenant_secrets_role)["rules"]
 
 
 def _assert_hardened(deploy: Obj) -> None:

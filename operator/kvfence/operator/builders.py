@@ -41,6 +41,8 @@ ENGINE_APP = "kvfence-engine"
 ENGINE_NAME = "kvfence-engine"
 CONFIG_NAME = "kvfence-engine-config"
 SIGNING_SECRET_NAME = "kvfence-signing-key"
+#: The ClusterRole a namespace binds to let the operator read its Secrets (rbac.py builds it).
+TENANT_SECRETS_ROLE = "kvfence-operator-tenant-secrets"
 NETWORK_POLICY_NAME = "kvfence-engine-ingress"
 #: The model-cache claim the operator creates (``engine.modelCache.volumeClaim``).
 MODEL_CACHE_CLAIM = "kvfence-model-cache"
@@ -104,6 +106,9 @@ class OperatorOptions:
     #: by default) and the engines' reload (once a second), with margin. Until then the router signs
     #: with the previous key, which every engine holds.
     signing_key_propagation_seconds: float = DEFAULT_KEY_PROPAGATION_SECONDS
+    #: The ClusterRole a namespace binds to let the operator read its Secrets (named in the conditions
+    #: that ask for it; the chart's is ``<release>-operator-tenant-secrets``).
+    tenant_secrets_role: str = TENANT_SECRETS_ROLE
 
     def __post_init__(self) -> None:
         if self.metrics_scraper_pod_labels and not self.metrics_scraper_namespace_labels:

@@ -35,6 +35,7 @@ from kvfence.operator.apply import Kube, load_api_client
 from kvfence.operator.builders import (
     DEFAULT_KEY_PROPAGATION_SECONDS,
     FIELD_MANAGER,
+    TENANT_SECRETS_ROLE,
     OperatorOptions,
     parse_labels,
 )
@@ -195,6 +196,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "least the kubelet's refresh of a mounted Secret (its syncFrequency plus the Secret cache TTL; "
         "60 s + 60 s by default) plus a second for the engines' reload",
     )
+    p.add_argument(
+        "--tenant-secrets-role",
+        default=TENANT_SECRETS_ROLE,
+        help="the ClusterRole a namespace binds to let the operator read its Secrets (named in the "
+        "conditions that ask for that grant)",
+    )
     p.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz, /metrics (0: off)")
     p.add_argument("--health-host", default="0.0.0.0")  # noqa: S104 - a pod listens on its own IP
     p.add_argument(
@@ -251,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_scraper_namespace_labels=args.scraper_namespace_labels,
         metrics_scraper_pod_labels=args.scraper_pod_labels,
         signing_key_propagation_seconds=args.signing_key_propagation_seconds,
+        tenant_secrets_role=args.tenant_secrets_role,
     )
     if args.router_labels:
         opts = dataclasses.replace(opts, router_pod_labels=args.router_labels)

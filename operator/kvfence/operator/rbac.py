@@ -35,11 +35,10 @@ import yaml
 
 from kvfence.api.common import GROUP
 from kvfence.contract.routing import ROUTING_SECRET_NAME
-from kvfence.operator.builders import SIGNING_SECRET_NAME
+from kvfence.operator.builders import SIGNING_SECRET_NAME, TENANT_SECRETS_ROLE
 
 Obj = dict[str, Any]
 NAME = "kvfence-operator"
-TENANT_SECRETS_ROLE = "kvfence-operator-tenant-secrets"
 LABELS = {
     "app.kubernetes.io/name": "kvfence",
     "app.kubernetes.io/component": "operator",

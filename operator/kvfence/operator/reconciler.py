@@ -38,7 +38,6 @@ from kvfence.operator.bindings import (
     routing_secret,
 )
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key, RoutingKey
-from kvfence.operator.rbac import TENANT_SECRETS_ROLE
 from kvfence.operator.status import (
     ACCEPTED_GENERATION,
     ACCEPTED_SPEC,
@@ -367,7 +366,7 @@ class Reconciler:
                 raise
             msg = (
                 f"engine.model.tokenSecretRef: the operator may not read Secret {ns}/{ref.name} (bind the "
-                f"{TENANT_SECRETS_ROLE} ClusterRole to it in namespace {ns})"
+                f"{self.opts.tenant_secrets_role} ClusterRole to it in namespace {ns})"
             )
             self._refuse(body, tc, conditions.REASON_MODEL_TOKEN_FORBIDDEN, msg)
             return True
@@ -660,7 +659,7 @@ class Reconciler:
                 lookup = KeyLookup(
                     error=conditions.REASON_SECRET_FORBIDDEN,
                     message=f"the operator may not read Secret {b.namespace}/{ref.name} "
-                    "(bind the kvfence-operator-tenant-secrets ClusterRole in this namespace)",
+                    f"(bind the {self.opts.tenant_secrets_role} ClusterRole in this namespace)",
                 )
                 return lookup  # not cached: a RoleBinding granted later is seen at the next reconcile
             raise
