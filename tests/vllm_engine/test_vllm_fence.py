@@ -12,7 +12,8 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, base_config, salt_of, weak_hash
 
-from kvfence.contract import tenant_tag
+from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.vllm.refusals import EngineRefusal, RefusalBox, new_ref
 from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager
 
 PROMPT = list(range(100, 164))  # 4 full blocks of 16
@@ -137,11 +138,32 @@ def test_a_tenant_at_its_maximum_waits_while_others_are_served(tmp_path: Path) -
 def test_a_request_larger_than_the_maximum_is_cut_or_refused(tmp_path: Path) -> None:
     h = Harness(tmp_path, quotas={"alice": {"maxBlocks": 5}})
     cut = h.add("alice", PROMPT, max_tokens=100)  # 64 + 100 tokens > 5 blocks of 16
-    too_big = h.add("alice", list(range(100)))  # 100 prompt tokens > 80
+    # 100 prompt tokens > 80, with the reference the middleware gives every request it forwards
+    ref = new_ref()
+    xargs = {
+        XARG_TENANT: "alice",
+        XARG_TENANT_TAG: tenant_tag(KEY, TRUST_CLASS, "alice", salt_of("alice")),
+        XARG_REQUEST_REF: ref,
+    }
+    too_big = h.add("alice", list(range(100)), xargs=xargs)
+    # The answer is left for the middleware before vLLM hears of the error (it is written at once).
+    box = RefusalBox.from_env()
+    assert (box.directory / ref).exists()
     h.run()
     assert h.finished[cut.request_id] == "length" and len(h.outputs[cut.request_id]) == 80 - 64
     assert h.finished[too_big.request_id] == "error"
     assert h.fence.counters.quota_rejected == {"alice": 1}
+    assert box.take(ref) == EngineRefusal(
+        429,
+        "quota_exceeded",
+        "KV-block quota exceeded for tenant 'alice': the prompt needs 7 KV blocks of 16 tokens, more than "
+        "the tenant's maximum of 5 (maxKVBlocks)",
+    )
+    # A request without a reference (not through the middleware) is refused all the same.
+    h.add("alice", list(range(100)))
+    h.run()
+    assert h.fence.counters.quota_rejected == {"alice": 2}
+    assert list(box.directory.iterdir()) == []
     h.check()
 
 

@@ -215,6 +215,13 @@ class TenantFence:
         self._forget_if_idle(acct)
         return ok
 
+    def maximum(self, tenant: str) -> int | None:
+        """The tenant's hard maximum in blocks, None if it has none."""
+        acct = self.account(tenant)
+        out = acct.max_blocks if acct.limited else None
+        self._forget_if_idle(acct)
+        return out
+
     def can_admit(self, tenant: str, num_tokens: int, pending: int = 0) -> int | None:
         """The blocks a new request of ``tenant`` reaching ``num_tokens`` tokens would reserve, if it
         fits next to the tenant's admitted requests (and ``pending`` blocks of requests admitted ahead

@@ -45,7 +45,7 @@ from typing import Any
 
 import vllm.v1.core.kv_cache_coordinator as _coord_mod
 import vllm.v1.core.sched.scheduler as _sched_mod
-from kvfence.contract import XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
 from kvfence.contract.engine_config import (
     ENV_ENGINE_CONFIG,
     ConfigError,
@@ -68,6 +68,7 @@ from kvfence.vllm.fence import (
 )
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
+from kvfence.vllm.refusals import EngineRefusal, RefusalBox
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -562,6 +563,7 @@ class FenceMixin:
         self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
         self._next_reload = time.monotonic() + RELOAD_INTERVAL
         self.stats = StatsWriter.from_env(self.fence)
+        self._refusals = RefusalBox.from_env()
         log.info(
             "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with quotas",
             self._keys.trust_class,
@@ -610,7 +612,7 @@ class FenceMixin:
                 tenant,
                 request.num_prompt_tokens,
             )
-            self._refused[rid] = "QuotaExceeded"
+            self._refuse_quota(request, tenant, shared_tokens)
         else:
             acct = self.fence.account(tenant)
             reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
@@ -627,6 +629,24 @@ class FenceMixin:
                 reach = request.num_prompt_tokens + cut
             self._reach_of[rid] = reach - shared_tokens
         super().add_request(request)  # type: ignore[misc]
+
+    def _refuse_quota(self, request: Request, tenant: str, shared_tokens: int) -> None:
+        """Refuse a request whose prompt alone exceeds its tenant's maximum: finished with an error in
+        the next update_from_output, its answer (the reference engine's ``429 quota_exceeded``) left
+        for the middleware first."""
+        rid = request.request_id
+        self._refused[rid] = "QuotaExceeded"
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        ref = extra.get(XARG_REQUEST_REF) if isinstance(extra, dict) else None
+        if ref is None:
+            return
+        need = self.fence.blocks_for(request.num_prompt_tokens + 1 - shared_tokens)
+        message = (
+            f"KV-block quota exceeded for tenant {tenant!r}: the prompt needs {need} KV blocks of "
+            f"{self.block_size} tokens, more than the tenant's maximum of "
+            f"{self.fence.maximum(tenant)} (maxKVBlocks)"
+        )
+        self._refusals.put(ref, EngineRefusal(429, "quota_exceeded", message))
 
     # --- declared shared prefixes -----------------------------------------------------------------
     def _plan_pins(self, decls: list[SharedPrefixConfig]) -> list[tuple[str, list[int], int]]:
