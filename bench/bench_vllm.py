@@ -35,12 +35,18 @@ Variants:
   (admission reserves prompt + max_tokens per request), so the fenced schedule differs (more steps,
   fewer requests per step): per scheduled request is the comparable figure there.
 
-Rounds interleave the two (stock, fenced, stock, fenced, ...), each from a fresh scheduler, after one
-untimed warm-up of each; every figure is the median over the rounds. Step times are wall clock; the
-same steps in the thread's CPU time ("CPU") are shown too, as a check that preemption of the benchmark
-by other work on the machine did not make the ratio. When fenced/stock of the mean step time exceeds
-1.05 (or with ``--profile``), one more run of each is made under cProfile (enabled only around the
-timed calls) and the plugin's top costs are printed. The result goes to bench/results/vllm-<time>.json.
+Rounds interleave the two (stock, fenced, stock, fenced, ...), each from a fresh scheduler, in a fresh
+process forked for that run alone, after an untimed warm-up of the same kind in that process; every
+figure is the median over the rounds. A process per run, because both schedulers run vLLM's own code
+(``Scheduler.schedule``, ``KVCacheManager.allocate_slots``, ...) with objects of different classes:
+in one process, CPython's adaptive specialisation of those shared call sites sees both and is
+despecialised for whichever runs next, a cost no real engine (one scheduler per process) pays.
+``--same-process`` runs every round in this process, as before (for comparison). Step times are
+wall clock; the same steps in the thread's CPU time ("CPU") are shown too, as a check that
+preemption of the benchmark by other work on the machine did not make the ratio. When fenced/stock
+of the mean step time exceeds 1.05 (or with ``--profile``), one more run of each is made under
+cProfile (enabled only around the timed calls) and the plugin's top costs are printed. The result
+goes to bench/results/vllm-<time>.json.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import cProfile
 import gc
 import hashlib
 import json
+import multiprocessing
 import os
 import platform
 import pstats
@@ -280,6 +287,27 @@ def drive(
             sched.shutdown()
     assert run.added == sum(len(s) for s in streams.values()), "not every request was sent"
     assert sum(run.finish.values()) == run.added, f"not every request finished: {run.finish}"
+    return run
+
+
+def isolated(fn: Callable[[], Run]) -> Run:
+    """``fn()`` in a child process forked for it (see the module docstring), its result sent back."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def target() -> None:
+        try:
+            send.send(("ok", fn()))
+        except BaseException as e:  # reported to the parent, which raises it
+            send.send(("error", f"{type(e).__name__}: {e}"))
+
+    proc = ctx.Process(target=target)
+    proc.start()
+    status, value = recv.recv()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"benchmark run failed in its process: {value}")
+    run: Run = value
     return run
 
 
@@ -649,6 +677,11 @@ def main() -> None:
         help="only the prefix-cache hit rates of the shared-system-prompt workload (four modes)",
     )
     ap.add_argument("--profile", action="store_true", help="profile even when within the target")
+    ap.add_argument(
+        "--same-process",
+        action="store_true",
+        help="run every round in this process (default: a forked process per run; see above)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument(
         "--async-scheduling",
@@ -691,18 +724,31 @@ def main() -> None:
         f"{platform.machine()}, {os.cpu_count()} cores; {NUM_BLOCKS} blocks of {BLOCK_SIZE}, max_num_seqs "
         f"{sc.max_num_seqs}, max_num_batched_tokens {sc.max_num_batched_tokens}, chunked prefill "
         f"{sc.enable_chunked_prefill}, async scheduling {sc.async_scheduling}; {n_req} requests from "
-        f"{len(TENANTS)} tenants ({sum(CONCURRENCY)} concurrent users); {rounds} rounds",
+        f"{len(TENANTS)} tenants ({sum(CONCURRENCY)} concurrent users); {rounds} rounds, "
+        f"{'all in this process' if a.same_process else 'a forked process per run'}",
         file=sys.stderr,
     )
     results: dict[str, Any] = {}
     for label in chosen:
         quotas = VARIANTS[label]
-        for kind in KINDS:  # warm-up (imports, caches), not counted
-            drive(kind, workload(1, a.seed + 1), quotas, config)
+        warm = workload(1, a.seed + 1)
+        if a.same_process:
+            for kind in KINDS:  # warm-up (imports, caches), not counted
+                drive(kind, warm, quotas, config)
         got: dict[str, list[Run]] = {k: [] for k in KINDS}
         for rnd in range(rounds):
             for kind in KINDS:
-                r = drive(kind, streams, quotas, config)
+                if a.same_process:
+                    r = drive(kind, streams, quotas, config)
+                else:
+
+                    def warm_then_timed(
+                        kind: str = kind, warm: dict[str, list[Spec]] = warm, quotas: dict[str, Any] = quotas
+                    ) -> Run:
+                        drive(kind, warm, quotas, config)  # warm-up of this kind, not counted
+                        return drive(kind, streams, quotas, config)
+
+                    r = isolated(warm_then_timed)
                 got[kind].append(r)
                 s = r.summary()
                 print(
@@ -741,6 +787,7 @@ def main() -> None:
         "chunked_prefill": sc.enable_chunked_prefill,
         "async_scheduling": sc.async_scheduling,
         "target_ratio": TARGET,
+        "process_per_run": not a.same_process,
     }
     doc = {"setup": setup, "variants": results, "profiles": profiles}
     path.write_text(json.dumps(doc, indent=2) + "\n")

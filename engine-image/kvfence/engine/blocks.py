@@ -114,6 +114,22 @@ class BlockList:
         block.in_list = self
         self._len += 1
 
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """:meth:`append` each of ``blocks``, in order (one call for many: the vLLM fence releases a
+        request's blocks at once)."""
+        last = self._tail.prev
+        assert last is not None
+        for block in blocks:
+            if block.in_list is not None:
+                raise RuntimeError(f"block {block.block_id} is already in list {block.in_list.name!r}")
+            last.next = block
+            block.prev = last
+            block.in_list = self
+            last = block
+        last.next = self._tail
+        self._tail.prev = last
+        self._len += len(blocks)
+
     def popleft(self) -> KVBlock:
         first = self._head.next
         if first is None or first is self._tail:
