@@ -176,7 +176,7 @@ class TenantFence:
         self.counters = FenceCounters()
         self.records: list[Record | None] = [None] * num_blocks
         #: request id -> (tenant account, blocks reserved) for admitted requests
-        self._admitted: dict[str, tuple[TenantAccount, int]] = {}
+        self.admitted: dict[str, tuple[TenantAccount, int]] = {}
         self._reserved: dict[str, int] = {}
         #: per account, the cold blocks other tenants may take (``reclaimable_by_others``) as last
         #: counted, and their total: kept current by :meth:`_recount` wherever usage or cold changes
@@ -250,6 +250,14 @@ class TenantFence:
         self._forget_if_idle(acct)
         return out
 
+    def room(self, tenant: str) -> int | None:
+        """Blocks a new request of ``tenant`` may still reserve (:meth:`can_admit`'s bound: its maximum
+        less what its admitted requests reserve); None for a tenant without a maximum."""
+        acct = self.account(tenant)
+        out = acct.max_blocks - self._reserved.get(tenant, 0) if acct.limited else None
+        self._forget_if_idle(acct)
+        return out
+
     def can_admit(self, tenant: str, num_tokens: int, pending: int = 0) -> int | None:
         """The blocks a new request of ``tenant`` reaching ``num_tokens`` tokens would reserve, if it
         fits next to the tenant's admitted requests (and ``pending`` blocks of requests admitted ahead
@@ -263,19 +271,19 @@ class TenantFence:
         return need
 
     def is_admitted(self, request_id: str) -> bool:
-        return request_id in self._admitted
+        return request_id in self.admitted
 
     def admit(self, request_id: str, tenant: str, blocks: int) -> None:
-        if request_id in self._admitted:
+        if request_id in self.admitted:
             return
         acct = self.account(tenant)
         acct.open_sequences += 1
-        self._admitted[request_id] = (acct, blocks)
+        self.admitted[request_id] = (acct, blocks)
         if blocks:
             self._reserved[tenant] = self._reserved.get(tenant, 0) + blocks
 
     def release(self, request_id: str) -> None:
-        entry = self._admitted.pop(request_id, None)
+        entry = self.admitted.pop(request_id, None)
         if entry is None:
             return
         acct, blocks = entry
@@ -292,17 +300,24 @@ class TenantFence:
     def obtainable(self, tenant: str, vllm_free: int) -> int:
         """How many new blocks ``tenant`` can get right now (its maximum, others' guarantees), given
         ``vllm_free``, vLLM's own count of free blocks (clean and cold). O(1)."""
-        if not self.has_limits and not self.has_guarantees:
+        if self.unlimited:
             return vllm_free  # nothing is reserved, every cold block may go, no tenant is capped
-        acct = self.account(tenant)
-        cap = acct.max_blocks - acct.active
+        # Called for every scheduled request of every step: TenantAccount's properties (active,
+        # unused_reservation) and QuotaBook.reserved_for_others, inlined.
+        acct = self.book.accounts.get(tenant)
+        if acct is None:
+            acct = self.account(tenant)
+        cold = len(acct.cold)
+        usage = acct.usage
+        cap = acct.max_blocks - (usage - cold)
         if not self.has_guarantees:
             have = vllm_free
         else:
-            usable_free = len(self.pool.free) - self.book.reserved_for_others(acct)
+            reserved = self.book.total_unused_reservation - max(0, acct.guaranteed - usage)
             others = self.total_reclaimable - self._reclaimable.get(tenant, 0)
-            have = max(0, usable_free) + len(acct.cold) + others
-        self._forget_if_idle(acct)
+            have = max(0, len(self.pool.free) - reserved) + cold + others
+        if usage == 0 and acct.open_sequences == 0:
+            self._forget_if_idle(acct)
         return max(0, min(cap, have, vllm_free))
 
     def _uncharge(self, b: KVBlock) -> TenantAccount:

@@ -611,7 +611,7 @@ class FenceMixin:
         shared_of: dict[str, int] = {}
         pool.fence, pool.rid, pool.tenant_of, pool.shared_of = self.fence, "", tenant_of, shared_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
-        mgr.admitted = self.fence._admitted
+        mgr.admitted = self.fence.admitted
         mgr.tenant_of, mgr.reach_of, mgr.lookups = tenant_of, {}, {}
         mgr.shared_pin_of, mgr.pinning = {}, {}
         self._shared_of = shared_of
@@ -858,24 +858,43 @@ class FenceMixin:
         fence = self.fence
         if not self.waiting or (not fence.has_limits and not self._refused):
             return []
+        # fence.can_admit for each waiting request, with each tenant's room (its maximum less what its
+        # admitted requests reserve; None: no maximum) looked up once per step: the queue can be long.
+        admitted = fence.admitted
+        refused = self._refused
+        tenant_of = self._tenant_of
+        reach_of = self._reach_of
+        bs = fence.block_size
+        room: dict[str, int | None] = {}
         pending: dict[str, int] = {}
         held: list[Request] = []
+        held_by: dict[str, int] = {}
         for request in self.waiting:
             rid = request.request_id
-            if rid in self._refused:
+            if rid in refused:
                 held.append(request)
                 continue
-            if fence.is_admitted(rid):
+            if rid in admitted:
                 continue
-            tenant = self._tenant_of.get(rid, UNATTRIBUTED)
-            need = fence.can_admit(
-                tenant, self._reach_of.get(rid, request.num_tokens), pending.get(tenant, 0)
-            )
-            if need is None:
-                held.append(request)
-                fence.count("quota_held_back", tenant)
+            tenant = tenant_of.get(rid, UNATTRIBUTED)
+            if tenant in room:
+                left = room[tenant]
             else:
-                pending[tenant] = pending.get(tenant, 0) + need
+                left = room[tenant] = fence.room(tenant)
+            if left is None:
+                continue
+            need = -(-reach_of.get(rid, request.num_tokens) // bs)
+            before = pending.get(tenant, 0)
+            if before + need > left:
+                held.append(request)
+                held_by[tenant] = held_by.get(tenant, 0) + 1
+            else:
+                pending[tenant] = before + need
+        if held_by:
+            counts = fence.counters.quota_held_back
+            for tenant, k in held_by.items():
+                counts[tenant] = counts.get(tenant, 0) + k
+            fence.version += 1
         if held:
             self.waiting.remove_requests(held)
         return held
