@@ -378,10 +378,15 @@ class TenantFence:
         if self.unlimited and len(free) + len(acct.cold) >= n:
             # A full pool without quotas (what plan_allocation decides too): the clean blocks, then the
             # tenant's own least recently used cold ones; no planner needed.
+            # _uncharge for each, inlined: they are the tenant's own, so its usage drops by ``own`` (and
+            # _hand_out charges it ``n``); without guarantees there is no reservation to keep current.
             own = n - len(free)
-            out = [take_cold(acct) for _ in range(own)]
+            out = acct.cold.popleft_n(own)
+            records = self.records
             for b in out:
-                self._uncharge(b)
+                b.owner = None
+                records[b.block_id] = None
+            acct.usage -= own
             self.counters.evictions_own += own
             out.extend(self._pop_free(len(free)))
             return self._hand_out(acct, out)
