@@ -104,6 +104,8 @@ class FenceFreeCount:
         self.num_free_blocks = num_free_blocks
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocol lookups (copy, pickle, ...): plainly absent
+            raise AttributeError(name)
         raise FenceError(f"vLLM's free block queue is kept by the kvfence fence; {name!r} is not fenced")
 
 
