@@ -73,6 +73,30 @@ def test_block_list_is_intrusive_and_o1() -> None:
         lst.popleft()
 
 
+def test_block_list_extend_and_popleft_n_are_appends_and_poplefts_in_one() -> None:
+    lst = BlockList("x")
+    blocks = [KVBlock(i) for i in range(6)]
+    lst.append(blocks[0])
+    lst.extend(blocks[1:4])
+    lst.extend([])
+    assert [b.block_id for b in lst] == [0, 1, 2, 3] and len(lst) == 4
+    assert all(b.in_list is lst for b in blocks[:4])
+    with pytest.raises(RuntimeError):
+        lst.extend([blocks[4], blocks[2]])  # the second is already in the list: nothing is linked
+    assert blocks[4].in_list is None and [b.block_id for b in lst] == [0, 1, 2, 3] and len(lst) == 4
+    assert lst.popleft_n(2) == blocks[:2]
+    assert all(b.in_list is None and b.prev is None and b.next is None for b in blocks[:2])
+    assert [b.block_id for b in lst] == [2, 3] and len(lst) == 2
+    assert lst.popleft_n(0) == []
+    with pytest.raises(IndexError):
+        lst.popleft_n(3)
+    lst.append(blocks[5])
+    assert lst.popleft_n(3) == [blocks[2], blocks[3], blocks[5]]
+    assert len(lst) == 0 and list(lst) == []
+    lst.append(blocks[0])  # the sentinels are linked again
+    assert list(lst) == [blocks[0]]
+
+
 def test_allocation_is_all_or_nothing() -> None:
     a = make(num_blocks=8)
     a.allocate_sequence("s1", "t", 6 * BS)

@@ -2,7 +2,9 @@
 
 The app stands in for vLLM's OpenAI server: it records every request that reaches it (headers and the
 parsed JSON body) and answers with what it saw, so a test can prove what crossed the middleware and,
-just as important, what never did.
+just as important, what never did. A prompt of :data:`REFUSED_PROMPT` plays the kvfence scheduler's
+quota refusal: the app leaves a refusal under the request's reference and answers vLLM's generic error
+(the whole path, with the real scheduler, is tests/vllm/test_vllm_server.py's).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvfence.contract import (
     HEADER_TIMESTAMP,
     METRIC_CROSS_ACCESS_REJECTED,
     METRIC_SIGNATURE_REJECTED,
+    XARG_REQUEST_REF,
     XARG_TENANT,
     XARG_TENANT_TAG,
     Identity,
@@ -46,6 +49,7 @@ from kvfence.contract import (
     tenant_tag,
 )
 from kvfence.vllm.middleware import KeySource, KeySourceError, KvfenceMiddleware
+from kvfence.vllm.refusals import EngineRefusal, RefusalBox, valid_ref
 
 TC = "gold"
 KEY = bytes(range(32))
@@ -55,6 +59,13 @@ ALICE = Identity("alice", TC, cache_namespace(TC, "alice", "Tenant"))
 BOB = Identity("bob", TC, cache_namespace(TC, "bob", "Tenant"))
 COMPLETIONS = "/v1/completions"
 MIDDLEWARE_FLAG = "kvfence.vllm.middleware.KvfenceMiddleware"  # what the operator passes to --middleware
+#: A prompt the stand-in app refuses as the kvfence scheduler refuses one over the tenant's maxKVBlocks.
+REFUSED_PROMPT = "refused by the scheduler"
+#: A prompt the stand-in app fails with vLLM's generic error, with no refusal left (a real engine error).
+FAILED_PROMPT = "failed in the engine"
+QUOTA = EngineRefusal(429, "quota_exceeded", "KV-block quota exceeded for tenant 'alice': ...")
+#: vLLM's answers for a request finished with an error (vllm/entrypoints: GenerationError)
+VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
 
 
 @dataclass
@@ -73,10 +84,22 @@ class Seen:
             self.requests.clear()
 
 
-def make_app(seen: Seen, middleware: list[Middleware]) -> Starlette:
+def make_app(seen: Seen, middleware: list[Middleware], box: RefusalBox | None = None) -> Starlette:
     async def infer(request: Request) -> Response:
         raw = await request.body()
         body = json.loads(raw)
+        if body.get("prompt") in (REFUSED_PROMPT, FAILED_PROMPT):
+            if body["prompt"] == REFUSED_PROMPT:
+                assert box is not None
+                assert box.put(body["vllm_xargs"][XARG_REQUEST_REF], QUOTA)
+            if body.get("stream"):
+
+                async def error_events() -> Any:
+                    yield f"data: {json.dumps(VLLM_500)}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+
+                return StreamingResponse(error_events(), media_type="text/event-stream")
+            return JSONResponse(VLLM_500, status_code=500)
         identity = request.scope.get("state", {}).get("kvfence_identity")
         item = {
             "path": request.url.path,
@@ -166,6 +189,7 @@ class Env:
     seen: Seen
     registry: CollectorRegistry
     key_dir: Path
+    box: RefusalBox
 
     def post(
         self,
@@ -207,11 +231,16 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     write_keys(key_dir, KEY, OLD_KEY)
     seen = Seen()
     registry = CollectorRegistry()
+    box = RefusalBox(tmp_path_factory.mktemp("refusals"))
     mw = Middleware(
-        KvfenceMiddleware, keys=KeySource(TC, key_dir), registry=registry, max_body_bytes=64 * 1024
+        KvfenceMiddleware,
+        keys=KeySource(TC, key_dir),
+        registry=registry,
+        max_body_bytes=64 * 1024,
+        refusals=box,
     )
-    with Server(make_app(seen, [mw])) as server:
-        yield Env(server, seen, registry, key_dir)
+    with Server(make_app(seen, [mw], box)) as server:
+        yield Env(server, seen, registry, key_dir, box)
 
 
 @pytest.fixture(autouse=True)
@@ -240,8 +269,10 @@ def test_signed_request_reaches_app_with_derived_salt(env: Env, path: str) -> No
     assert not [h for h in got["headers"] if h.startswith("x-kvfence-")]
     assert got["tenant"] == "alice"
     # The verified tenant travels on to vLLM's engine core, bound to the salt by a tag its scheduler
-    # checks with the same key (kvfence.vllm.scheduler).
-    assert got["body"]["vllm_xargs"] == {
+    # checks with the same key (kvfence.vllm.scheduler), with the middleware's reference for refusals.
+    xargs = dict(got["body"]["vllm_xargs"])
+    assert valid_ref(xargs.pop(XARG_REQUEST_REF))
+    assert xargs == {
         XARG_TENANT: "alice",
         XARG_TENANT_TAG: tenant_tag(KEY, TC, "alice", salt(ALICE)),
     }
@@ -249,7 +280,8 @@ def test_signed_request_reaches_app_with_derived_salt(env: Env, path: str) -> No
 
 def test_previous_key_tags_the_tenant_with_that_key(env: Env) -> None:
     assert env.post({"prompt": "x"}, key=OLD_KEY, identity=BOB)[0] == 200
-    xargs = env.seen.requests[0]["body"]["vllm_xargs"]
+    xargs = dict(env.seen.requests[0]["body"]["vllm_xargs"])
+    assert valid_ref(xargs.pop(XARG_REQUEST_REF))
     assert xargs == {XARG_TENANT: "bob", XARG_TENANT_TAG: tenant_tag(OLD_KEY, TC, "bob", salt(BOB, OLD_KEY))}
 
 
@@ -304,6 +336,67 @@ def test_streaming_answer_passes_through(env: Env) -> None:
     assert status == 200
     assert headers["content-type"].startswith("text/event-stream")
     assert body.count(b"data: ") == 4 and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_every_request_gets_its_own_reference(env: Env) -> None:
+    for _ in range(3):
+        assert env.post({"prompt": "x"})[0] == 200
+    refs = [r["body"]["vllm_xargs"][XARG_REQUEST_REF] for r in env.seen.requests]
+    assert len(set(refs)) == 3 and all(valid_ref(r) for r in refs)
+
+
+# --- the scheduler's refusals answered in OpenAI's shape ------------------------------------------
+QUOTA_ANSWER = {
+    "error": {"message": QUOTA.message, "type": "rate_limit_error", "param": None, "code": QUOTA.code}
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_scheduler_refusal_replaces_vllms_generic_error(env: Env, stream: bool) -> None:
+    status, headers, body = env.post({"prompt": REFUSED_PROMPT, "stream": stream})
+    assert status == 429, body
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body) == QUOTA_ANSWER
+    assert list(env.box.directory.iterdir()) == []  # taken
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_without_a_refusal_passes_through(env: Env, stream: bool) -> None:
+    status, _, body = env.post({"prompt": FAILED_PROMPT, "stream": stream})
+    if stream:
+        assert status == 200
+        assert body == f"data: {json.dumps(VLLM_500)}\n\n".encode() + b"data: [DONE]\n\n"
+    else:
+        assert (status, json.loads(body)) == (500, VLLM_500)
+
+
+def test_a_refusal_left_for_another_request_is_not_taken(env: Env) -> None:
+    other = "0" * 32
+    assert env.box.put(other, QUOTA)
+    try:
+        status, _, body = env.post({"prompt": FAILED_PROMPT})
+        assert (status, json.loads(body)) == (500, VLLM_500)
+        assert env.box.take(other) == QUOTA
+    finally:
+        env.box.take(other)
+
+
+def test_refusal_box_refuses_references_that_are_not_its_own(tmp_path: Path) -> None:
+    box = RefusalBox(tmp_path / "box")
+    for ref in ("../escape", "A" * 32, "0" * 31, "", None):
+        assert not box.put(ref, QUOTA)  # type: ignore[arg-type]
+        assert box.take(ref) is None  # type: ignore[arg-type]
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "box").exists()
+
+
+def test_refusal_box_removes_refusals_nobody_took(tmp_path: Path) -> None:
+    box = RefusalBox(tmp_path)
+    old, new = "1" * 32, "2" * 32
+    assert box.put(old, QUOTA)
+    os.utime(tmp_path / old, (time.time() - 3600, time.time() - 3600))
+    assert box.put(new, QUOTA)
+    assert box.take(old) is None
+    assert box.take(new) == QUOTA
 
 
 def test_app_sees_a_live_connection_after_the_replayed_body(env: Env) -> None:
@@ -505,7 +598,7 @@ def test_rotated_key_files_are_picked_up(tmp_path: Path, monkeypatch: pytest.Mon
     seen = Seen()
     mw = Middleware(KvfenceMiddleware, keys=KeySource(TC, key_dir), registry=CollectorRegistry())
     with Server(make_app(seen, [mw])) as server:
-        e = Env(server, seen, CollectorRegistry(), key_dir)
+        e = Env(server, seen, CollectorRegistry(), key_dir, RefusalBox(tmp_path / "refusals"))
         assert e.post({"prompt": "x"}, key=KEY)[0] == 401
         # Rotate as the kubelet does: a new file replaces the old (new inode).
         tmp = tmp_path / "new"
@@ -564,16 +657,22 @@ def test_loads_the_way_vllm_loads_middleware(tmp_path: Path, monkeypatch: pytest
     write_keys(tmp_path, KEY)
     monkeypatch.setenv("KVFENCE_TRUST_CLASS", TC)
     monkeypatch.setenv("KVFENCE_SIGNING_KEY_DIR", str(tmp_path))
+    # The scheduler's refusals are found next to the stats file both vLLM processes are told about.
+    monkeypatch.setenv("KVFENCE_VLLM_STATS_FILE", str(tmp_path / "stats.json"))
+    box = RefusalBox.from_env()
+    assert box.directory == tmp_path / "stats.json.refusals"
     module_path, name = MIDDLEWARE_FLAG.rsplit(".", 1)
     cls = getattr(importlib.import_module(module_path), name)
     seen = Seen()
-    app = make_app(seen, [])
+    app = make_app(seen, [], box)
     app.add_middleware(cls)
     with Server(app) as server:
-        e = Env(server, seen, CollectorRegistry(), tmp_path)
+        e = Env(server, seen, CollectorRegistry(), tmp_path, box)
         assert e.post({"prompt": "x"}, identity=None)[0] == 401
         assert e.post({"prompt": "x", "cache_salt": "mine"}, identity=None)[0] == 401
         assert e.post({"prompt": "x"})[0] == 200
+        status, _, body = e.post({"prompt": REFUSED_PROMPT})
+        assert (status, json.loads(body)) == (429, QUOTA_ANSWER)
         assert seen.requests[0]["body"]["cache_salt"] == salt(ALICE)
         # The default registry is the one vLLM's /metrics serves.
         from prometheus_client import REGISTRY

@@ -12,7 +12,8 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, base_config, salt_of, weak_hash
 
-from kvfence.contract import tenant_tag
+from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.vllm.refusals import EngineRefusal, RefusalBox, new_ref
 from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager
 
 PROMPT = list(range(100, 164))  # 4 full blocks of 16
@@ -137,11 +138,32 @@ def test_a_tenant_at_its_maximum_waits_while_others_are_served(tmp_path: Path) -
 def test_a_request_larger_than_the_maximum_is_cut_or_refused(tmp_path: Path) -> None:
     h = Harness(tmp_path, quotas={"alice": {"maxBlocks": 5}})
     cut = h.add("alice", PROMPT, max_tokens=100)  # 64 + 100 tokens > 5 blocks of 16
-    too_big = h.add("alice", list(range(100)))  # 100 prompt tokens > 80
+    # 100 prompt tokens > 80, with the reference the middleware gives every request it forwards
+    ref = new_ref()
+    xargs = {
+        XARG_TENANT: "alice",
+        XARG_TENANT_TAG: tenant_tag(KEY, TRUST_CLASS, "alice", salt_of("alice")),
+        XARG_REQUEST_REF: ref,
+    }
+    too_big = h.add("alice", list(range(100)), xargs=xargs)
+    # The answer is left for the middleware before vLLM hears of the error (it is written at once).
+    box = RefusalBox.from_env()
+    assert (box.directory / ref).exists()
     h.run()
     assert h.finished[cut.request_id] == "length" and len(h.outputs[cut.request_id]) == 80 - 64
     assert h.finished[too_big.request_id] == "error"
     assert h.fence.counters.quota_rejected == {"alice": 1}
+    assert box.take(ref) == EngineRefusal(
+        429,
+        "quota_exceeded",
+        "KV-block quota exceeded for tenant 'alice': the prompt needs 7 KV blocks of 16 tokens, more than "
+        "the tenant's maximum of 5 (maxKVBlocks)",
+    )
+    # A request without a reference (not through the middleware) is refused all the same.
+    h.add("alice", list(range(100)))
+    h.run()
+    assert h.fence.counters.quota_rejected == {"alice": 2}
+    assert list(box.directory.iterdir()) == []
     h.check()
 
 
@@ -196,6 +218,75 @@ def test_a_stale_lookup_is_refused_and_counted(tmp_path: Path) -> None:
     assert got is None
     assert h.fence.counters.stale_reference == 1
     h.check()
+
+
+def test_a_lookup_whose_blocks_were_freed_before_use_is_refused(tmp_path: Path) -> None:
+    # Nothing handed out in between, but the looked-up blocks lost their cache entries and were freed.
+    h = Harness(tmp_path)
+    h.add("alice", [*PROMPT, 1], max_tokens=1)
+    h.run()
+    mgr = h.sched.kv_cache_manager
+    req = h.make("alice", [*PROMPT, 2])
+    blocks, n, _ = mgr.get_computed_blocks(req)
+    assert n == 64
+    ids = {b.block_id for b in blocks.blocks[0]}
+    h.pool.evict_blocks(ids)
+    assert all(h.fence.state(i).name == "FREE" for i in ids)
+    assert mgr.allocate_slots(req, req.num_tokens - n, n, blocks) is None
+    assert h.fence.counters.stale_reference == 1
+    h.check()
+
+
+def test_an_unmoved_lookup_is_taken_without_a_stale_count(tmp_path: Path) -> None:
+    # The common case: vLLM takes the blocks right after the lookup; a copy of the hit list (not the
+    # object the lookup returned) is checked block by block and passes too.
+    h = Harness(tmp_path)
+    h.add("alice", [*PROMPT, 1], max_tokens=1)
+    h.run()
+    mgr = h.sched.kv_cache_manager
+    for copy_blocks in (False, True):
+        req = h.make("alice", [*PROMPT, 2])
+        blocks, n, _ = mgr.get_computed_blocks(req)
+        if copy_blocks:
+            blocks = mgr.create_kv_cache_blocks((list(blocks.blocks[0]),))
+        assert mgr.allocate_slots(req, req.num_tokens - n, n, blocks) is not None
+        mgr.free(req)
+    assert h.fence.counters.stale_reference == 0
+    h.check()
+
+
+def test_allocate_slots_takes_vllms_own_parameters() -> None:
+    # The fenced manager spells vLLM's parameters out (no **kwargs on its hot path): they must stay
+    # vLLM's, names, order and defaults.
+    import inspect
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    ours = inspect.signature(FencedKVCacheManager.allocate_slots).parameters
+    theirs = inspect.signature(KVCacheManager.allocate_slots).parameters
+    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+
+
+def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
+    # vLLM's doubly linked free queue is replaced by a count; a vLLM path the fence does not cover
+    # (one that would move blocks in that queue) fails, naming itself, instead of running unfenced.
+    from kvfence.vllm.fence import FenceError
+    from kvfence.vllm.scheduler import FenceFreeCount
+
+    h = Harness(tmp_path)
+    assert isinstance(h.pool.free_block_queue, FenceFreeCount)
+    assert h.pool.get_num_free_blocks() == 63
+    r = h.add("alice", [*PROMPT, 1], max_tokens=8)
+    h.step()
+    held = h.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+    assert len(held) == 5
+    assert h.pool.get_num_free_blocks() == 63 - len(held)
+    with pytest.raises(FenceError, match="append_n"):
+        h.pool.unpin_blocks([held[-1]], lambda block: None)
+    held[-1].ref_cnt += 1  # undo what vLLM's unpin_blocks did before it failed
+    h.pool._reuse_watchers.clear()
+    h.run()
+    assert h.pool.get_num_free_blocks() == 63
 
 
 def test_quota_changes_apply_without_a_restart(tmp_path: Path) -> None:

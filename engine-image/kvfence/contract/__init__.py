@@ -75,6 +75,10 @@ BODY_VLLM_XARGS = "vllm_xargs"
 #: Keys of :data:`BODY_VLLM_XARGS`: the tenant, and its :func:`tenant_tag`.
 XARG_TENANT = "kvfence_tenant"
 XARG_TENANT_TAG = "kvfence_tenant_tag"
+#: A key of :data:`BODY_VLLM_XARGS`: the middleware's reference for the request (32 hex digits), under
+#: which the kvfence scheduler leaves a refusal the middleware answers in OpenAI's shape
+#: (:mod:`kvfence.vllm.refusals`).
+XARG_REQUEST_REF = "kvfence_ref"
 
 #: The body field the router sets to the derived salt (what stock vLLM reads).
 BODY_CACHE_SALT = "cache_salt"

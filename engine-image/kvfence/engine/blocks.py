@@ -114,12 +114,48 @@ class BlockList:
         block.in_list = self
         self._len += 1
 
+    def extend(self, blocks: list[KVBlock]) -> None:
+        """:meth:`append` each of ``blocks``, in order (one call for many: the vLLM fence releases a
+        request's blocks at once); all or nothing."""
+        for block in blocks:
+            if block.in_list is not None:
+                raise RuntimeError(f"block {block.block_id} is already in list {block.in_list.name!r}")
+        last = self._tail.prev
+        assert last is not None
+        for block in blocks:
+            last.next = block
+            block.prev = last
+            block.in_list = self
+            last = block
+        last.next = self._tail
+        self._tail.prev = last
+        self._len += len(blocks)
+
     def popleft(self) -> KVBlock:
         first = self._head.next
         if first is None or first is self._tail:
             raise IndexError(f"pop from empty block list {self.name!r}")
         self.remove(first)
         return first
+
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """The ``n`` oldest blocks, unlinked (as ``n`` :meth:`popleft` calls, in one)."""
+        if n > self._len:
+            raise IndexError(f"pop of {n} from block list {self.name!r} of {self._len}")
+        out: list[KVBlock] = []
+        node = self._head.next
+        for _ in range(n):
+            assert node is not None
+            nxt = node.next
+            node.prev = node.next = None
+            node.in_list = None
+            out.append(node)
+            node = nxt
+        assert node is not None
+        self._head.next = node
+        node.prev = self._head
+        self._len -= n
+        return out
 
     def remove(self, block: KVBlock) -> None:
         if block.in_list is not self:

@@ -18,10 +18,20 @@ for or nothing (:class:`~kvfence.engine.quotas.AllocationError`).
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvfence.engine.blocks import BlockPool, KVBlock
+from kvfence.engine.blocks import KVBlock
 from kvfence.engine.quotas import PoolExhausted, QuotaBook, QuotaExceeded, TenantAccount
+
+
+class HasFree(Protocol):
+    """A pool whose clean free blocks are counted by ``len(pool.free)``: the reference engine's
+    :class:`~kvfence.engine.blocks.BlockPool`, or the vLLM fence's shadow pool."""
+
+    @property
+    def free(self) -> Sized: ...
 
 
 @dataclass(slots=True)
@@ -33,7 +43,7 @@ class EvictionPlan:
 
 
 def plan_allocation(
-    pool: BlockPool,
+    pool: HasFree,
     book: QuotaBook,
     acct: TenantAccount,
     needed: int,

@@ -18,15 +18,21 @@ id, and applies the reference engine's own quota book and eviction planner to it
   prompt and ``max_tokens`` can reach fit next to what the tenant's admitted requests may reach, so an
   admitted request never runs into its tenant's maximum while decoding (which would make vLLM preempt
   an unrelated request). Requests that do not fit wait.
-* **generations**: every time a block is handed out for new content its generation moves; a prefix
-  hit is remembered as (block id, generation) at lookup and refused as *stale* if the generation moved
-  before the request took the block.
+* **generations**: every time a block is handed out for new content its generation moves: it is set
+  to :attr:`TenantFence.moves`, a counter of the fence's hand-outs and frees, so a generation above the
+  counter's value at a prefix lookup means the block moved since; a prefix hit is refused as *stale* if
+  a block it looked up moved (or was freed) before the request took it. While the counter has not
+  moved since the lookup, no block did (one comparison instead of one per block).
 * **verified hits**: each cached block has a :class:`Record`: its token ids, the record of the block
   before it, and at the root the cache namespace (salt and adapter). A hit chain verifies when each
   block's tokens are the request's and its parent record is the previous block's (the same object, or
   failing that the same content: vLLM keeps duplicate copies of a block); a candidate that fails is a
   miss, counted as a collision, or as a cross-namespace access when its chain starts in another
   namespace.
+* **the free blocks**: the fence owns them. vLLM's own free queue (a doubly linked list in Python) is
+  replaced by a count (:class:`~kvfence.vllm.scheduler.FenceFreeCount`); clean blocks are a stack
+  here (the block freed last is handed out first, as vLLM reuses uncached blocks), cold ones are in
+  their owners' cold lists, so each block moves once per event, not once in each structure.
 
 Cost: vLLM asks the pool for its free-block count for every scheduled request of every step, so that
 answer is O(1) (:meth:`TenantFence.obtainable`): without any quota it is vLLM's own count; with
@@ -37,10 +43,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.blocks import BlockPool, BlockState, KVBlock
+from kvfence.engine.blocks import BlockState, KVBlock
 from kvfence.engine.eviction import plan_allocation, take_cold
 from kvfence.engine.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
 
@@ -50,6 +57,25 @@ UNATTRIBUTED = ""
 Namespace = tuple[Any, ...]
 
 FREE, ACTIVE, COLD = BlockState.FREE, BlockState.ACTIVE, BlockState.COLD
+
+
+_block_id_of = attrgetter("block_id")
+
+
+class ShadowPool:
+    """One shadow block per vLLM block id, and the clean free blocks: a stack (the block freed last is
+    handed out first; at the start block 1 first, as vLLM). Block 0, vLLM's null block, is never
+    free."""
+
+    __slots__ = ("blocks", "free")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free: list[KVBlock] = self.blocks[:0:-1]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
 
 
 class FenceError(Exception):
@@ -139,18 +165,18 @@ class TenantFence:
         if num_blocks < 2:
             raise FenceError("a vLLM block pool has the null block and at least one more")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = ShadowPool(num_blocks)
         # vLLM's null block (id 0) is never handed out.
-        null = self.pool.blocks[0]
-        self.pool.free.remove(null)
-        null.state = ACTIVE
+        self.pool.blocks[0].state = ACTIVE
+        #: hand-outs and frees so far; a block handed out gets the new value as its generation
+        self.moves = 0
         self.usable_blocks = num_blocks - 1
         self._check_guarantees(quotas)
         self.book = QuotaBook(quotas, self.usable_blocks)
         self.counters = FenceCounters()
         self.records: list[Record | None] = [None] * num_blocks
         #: request id -> (tenant account, blocks reserved) for admitted requests
-        self._admitted: dict[str, tuple[TenantAccount, int]] = {}
+        self.admitted: dict[str, tuple[TenantAccount, int]] = {}
         self._reserved: dict[str, int] = {}
         #: per account, the cold blocks other tenants may take (``reclaimable_by_others``) as last
         #: counted, and their total: kept current by :meth:`_recount` wherever usage or cold changes
@@ -177,6 +203,8 @@ class TenantFence:
         self.has_limits = any(q.max_blocks is not None for q in qs)
         #: some tenant has a guaranteedBlocks (reservations and protected cold blocks matter)
         self.has_guarantees = any(q.guaranteed_blocks > 0 for q in qs)
+        #: neither: every tenant may have every free block (vLLM's own count answers)
+        self.unlimited = not self.has_limits and not self.has_guarantees
 
     def set_quotas(self, quotas: QuotasConfig) -> None:
         """Apply new limits in place (blocks and usage are kept; see QuotaBook.set_quotas)."""
@@ -215,6 +243,21 @@ class TenantFence:
         self._forget_if_idle(acct)
         return ok
 
+    def maximum(self, tenant: str) -> int | None:
+        """The tenant's hard maximum in blocks, None if it has none."""
+        acct = self.account(tenant)
+        out = acct.max_blocks if acct.limited else None
+        self._forget_if_idle(acct)
+        return out
+
+    def room(self, tenant: str) -> int | None:
+        """Blocks a new request of ``tenant`` may still reserve (:meth:`can_admit`'s bound: its maximum
+        less what its admitted requests reserve); None for a tenant without a maximum."""
+        acct = self.account(tenant)
+        out = acct.max_blocks - self._reserved.get(tenant, 0) if acct.limited else None
+        self._forget_if_idle(acct)
+        return out
+
     def can_admit(self, tenant: str, num_tokens: int, pending: int = 0) -> int | None:
         """The blocks a new request of ``tenant`` reaching ``num_tokens`` tokens would reserve, if it
         fits next to the tenant's admitted requests (and ``pending`` blocks of requests admitted ahead
@@ -228,19 +271,19 @@ class TenantFence:
         return need
 
     def is_admitted(self, request_id: str) -> bool:
-        return request_id in self._admitted
+        return request_id in self.admitted
 
     def admit(self, request_id: str, tenant: str, blocks: int) -> None:
-        if request_id in self._admitted:
+        if request_id in self.admitted:
             return
         acct = self.account(tenant)
         acct.open_sequences += 1
-        self._admitted[request_id] = (acct, blocks)
+        self.admitted[request_id] = (acct, blocks)
         if blocks:
             self._reserved[tenant] = self._reserved.get(tenant, 0) + blocks
 
     def release(self, request_id: str) -> None:
-        entry = self._admitted.pop(request_id, None)
+        entry = self.admitted.pop(request_id, None)
         if entry is None:
             return
         acct, blocks = entry
@@ -257,17 +300,24 @@ class TenantFence:
     def obtainable(self, tenant: str, vllm_free: int) -> int:
         """How many new blocks ``tenant`` can get right now (its maximum, others' guarantees), given
         ``vllm_free``, vLLM's own count of free blocks (clean and cold). O(1)."""
-        if not self.has_limits and not self.has_guarantees:
+        if self.unlimited:
             return vllm_free  # nothing is reserved, every cold block may go, no tenant is capped
-        acct = self.account(tenant)
-        cap = acct.max_blocks - acct.active
+        # Called for every scheduled request of every step: TenantAccount's properties (active,
+        # unused_reservation) and QuotaBook.reserved_for_others, inlined.
+        acct = self.book.accounts.get(tenant)
+        if acct is None:
+            acct = self.account(tenant)
+        cold = len(acct.cold)
+        usage = acct.usage
+        cap = acct.max_blocks - (usage - cold)
         if not self.has_guarantees:
             have = vllm_free
         else:
-            usable_free = len(self.pool.free) - self.book.reserved_for_others(acct)
+            reserved = self.book.total_unused_reservation - max(0, acct.guaranteed - usage)
             others = self.total_reclaimable - self._reclaimable.get(tenant, 0)
-            have = max(0, usable_free) + len(acct.cold) + others
-        self._forget_if_idle(acct)
+            have = max(0, len(self.pool.free) - reserved) + cold + others
+        if usage == 0 and acct.open_sequences == 0:
+            self._forget_if_idle(acct)
         return max(0, min(cap, have, vllm_free))
 
     def _uncharge(self, b: KVBlock) -> TenantAccount:
@@ -280,22 +330,35 @@ class TenantFence:
         self.records[b.block_id] = None
         return owner
 
+    def _pop_free(self, k: int) -> list[KVBlock]:
+        """The ``k`` clean blocks freed last, out of the free stack."""
+        if k <= 0:
+            return []
+        free = self.pool.free
+        out = free[-k:]
+        del free[-k:]
+        return out
+
     def _hand_out(self, acct: TenantAccount, blocks: list[KVBlock]) -> list[int]:
-        """Charge ``blocks`` (taken from the free and cold lists) to ``acct`` under new generations."""
+        """Charge ``blocks`` (taken from the free and cold lists) to ``acct`` under a new generation."""
+        self.moves += 1
+        gen = self.moves
+        tenant = acct.tenant
         for b in blocks:
-            b.generation += 1
+            b.generation = gen
             b.state = ACTIVE
-            b.owner = acct.tenant
-        self.book.add_usage(acct, len(blocks))
+            b.owner = tenant
         if self.has_guarantees:
+            self.book.add_usage(acct, len(blocks))
             self._recount(acct)
+        else:  # no reservations to keep current (QuotaBook.add_usage's only other work)
+            acct.usage += len(blocks)
         self.version += 1
-        return [b.block_id for b in blocks]
+        return list(map(_block_id_of, blocks))
 
     def clean_enough(self, tenant: str, n: int) -> bool:
-        """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what :meth:`take`
-        would decide): then vLLM may pop them itself (its free queue holds clean blocks before cold
-        ones) and :meth:`took` records them."""
+        """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what
+        :func:`plan_allocation` would decide too)."""
         acct = self.account(tenant)
         if acct.usage + n > acct.max_blocks:
             return False
@@ -309,18 +372,23 @@ class TenantFence:
         generation moves."""
         acct = self.account(tenant)
         free = self.pool.free
-        if self.clean_enough(tenant, n):
+        if (self.unlimited and len(free) >= n) or self.clean_enough(tenant, n):
             # The common case, what plan_allocation decides too: clean blocks only.
-            return self._hand_out(acct, [free.popleft() for _ in range(n)])
-        if not self.has_limits and not self.has_guarantees and len(free) + len(acct.cold) >= n:
+            return self._hand_out(acct, self._pop_free(n))
+        if self.unlimited and len(free) + len(acct.cold) >= n:
             # A full pool without quotas (what plan_allocation decides too): the clean blocks, then the
             # tenant's own least recently used cold ones; no planner needed.
+            # _uncharge for each, inlined: they are the tenant's own, so its usage drops by ``own`` (and
+            # _hand_out charges it ``n``); without guarantees there is no reservation to keep current.
             own = n - len(free)
-            out = [take_cold(acct) for _ in range(own)]
+            out = acct.cold.popleft_n(own)
+            records = self.records
             for b in out:
-                self._uncharge(b)
+                b.owner = None
+                records[b.block_id] = None
+            acct.usage -= own
             self.counters.evictions_own += own
-            out.extend(free.popleft() for _ in range(len(free)))
+            out.extend(self._pop_free(len(free)))
             return self._hand_out(acct, out)
         plan = plan_allocation(self.pool, self.book, acct, n)
         out = [take_cold(acct) for _ in range(plan.own_evictions)]
@@ -334,54 +402,58 @@ class TenantFence:
         for other, _ in plan.cross_evictions:
             self._recount(other)
             self._forget_if_idle(other)
-        out.extend(free.popleft() for _ in range(plan.from_free))
+        out.extend(self._pop_free(plan.from_free))
         return self._hand_out(acct, out)
 
-    def took(self, tenant: str, block_ids: Sequence[int]) -> int:
-        """Charge blocks vLLM popped from its free queue itself to ``tenant``. Clean ones are what
-        :meth:`clean_enough` promised; a cold one (never expected: vLLM's queue holds clean blocks
-        first) is accounted as an eviction. Returns how many were cold."""
-        blocks = [self.pool.blocks[i] for i in block_ids]
-        free = self.pool.free
-        cold = 0
-        for b in blocks:
-            if b.state is FREE:
-                free.remove(b)
-            elif b.state is COLD and b.owner is not None and b.in_list is not None:
-                b.in_list.remove(b)
-                owner = self._uncharge(b)
-                if owner.tenant == tenant:
-                    self.counters.evictions_own += 1
-                else:
-                    self.counters.evictions_cross += 1
-                self._recount(owner)
-                self._forget_if_idle(owner)
-                cold += 1
-            else:
-                raise FenceError(f"vLLM handed out block {b.block_id} in state {b.state.name}")
-        self._hand_out(self.account(tenant), blocks)
-        return cold
-
-    def release_many(self, released: Sequence[tuple[int, bool]]) -> None:
-        """vLLM dropped the last reference to these blocks, (block id, holds a cache entry) each: a
-        cached block turns cold, in its owner's cold list; any other one clean."""
+    def release_blocks(self, cold: Sequence[int], clean: Sequence[int]) -> None:
+        """vLLM dropped the last reference to these blocks: ``cold`` ones hold a cache entry and join
+        their owner's cold list (in this order: the first is evicted first), ``clean`` ones join the
+        free stack. Usage is given back once per owner, not once per block."""
         blocks = self.pool.blocks
         accounts = self.book.accounts
-        touched: set[str] = set()
-        for block_id, cached in released:
-            b = blocks[block_id]
-            owner = b.owner
-            if b.state is not ACTIVE or owner is None:
-                raise FenceError(f"block {block_id} released from state {b.state.name}")
-            acct = accounts[owner]
-            if cached:
+        if cold:
+            by_owner: dict[str, list[KVBlock]] = {}
+            for block_id in cold:
+                b = blocks[block_id]
+                owner = b.owner
+                if b.state is not ACTIVE or owner is None:
+                    raise FenceError(f"block {block_id} released from state {b.state.name}")
                 b.state = COLD
-                acct.cold.append(b)
-                touched.add(owner)
-            else:
-                self._to_free(b, acct)
-        if self.has_guarantees:
-            for owner in touched:
+                got = by_owner.get(owner)
+                if got is None:
+                    by_owner[owner] = [b]
+                else:
+                    got.append(b)
+            for owner, bs in by_owner.items():
+                accounts[owner].cold.extend(bs)
+        if clean:
+            self.moves += 1
+            records = self.records
+            free = self.pool.free
+            freed: dict[str, int] = {}
+            for block_id in clean:
+                b = blocks[block_id]
+                owner = b.owner
+                if b.state is not ACTIVE or owner is None:
+                    raise FenceError(f"block {block_id} released from state {b.state.name}")
+                b.state = FREE
+                b.owner = None
+                records[block_id] = None
+                free.append(b)
+                freed[owner] = freed.get(owner, 0) + 1
+            for owner, k in freed.items():
+                acct = accounts[owner]
+                if self.has_guarantees:
+                    self.book.add_usage(acct, -k)
+                    self._recount(acct)
+                elif acct.usage >= k:
+                    acct.usage -= k
+                else:
+                    raise FenceError(f"usage of tenant {owner!r} would go negative")
+                if acct.usage == 0:
+                    self._forget_if_idle(acct)
+        if cold and self.has_guarantees:
+            for owner in by_owner:
                 acct_ = accounts.get(owner)
                 if acct_ is not None:
                     self._recount(acct_)
@@ -391,9 +463,7 @@ class TenantFence:
         """Hand out ``n`` blocks ignoring quotas and guarantees: clean ones first, then any tenant's
         cold ones. Only for the case :meth:`take` refuses although vLLM already counted the blocks as
         obtainable (a bug): keeping vLLM's engine alive beats enforcing a quota by crashing it."""
-        picked: list[KVBlock] = []
-        while len(picked) < n and len(self.pool.free):
-            picked.append(self.pool.free.popleft())
+        picked = self._pop_free(min(n, len(self.pool.free)))
         for other in list(self.book.accounts.values()):
             while len(picked) < n and len(other.cold):
                 b = take_cold(other)
@@ -404,15 +474,18 @@ class TenantFence:
             raise FenceError(f"{n} blocks asked, {len(picked)} free or cached")
         return self._hand_out(self.account(tenant), picked)
 
-    def revive(self, block_id: int) -> None:
-        """A cold block was taken by a prefix hit: it leaves its owner's cold list, still charged."""
-        b = self.pool.blocks[block_id]
-        if b.state is not COLD or b.in_list is None or b.owner is None:
-            raise FenceError(f"block {block_id} revived from state {b.state.name}")
-        b.in_list.remove(b)
-        b.state = ACTIVE
-        if self.has_guarantees:
-            self._recount(self.book.accounts[b.owner])
+    def revive(self, block_ids: Sequence[int]) -> None:
+        """Cold blocks were taken by a prefix hit: they leave their owners' cold lists, still charged."""
+        blocks = self.pool.blocks
+        for block_id in block_ids:
+            b = blocks[block_id]
+            cold = b.in_list
+            if b.state is not COLD or cold is None or b.owner is None:
+                raise FenceError(f"block {block_id} revived from state {b.state.name}")
+            cold.remove(b)
+            b.state = ACTIVE
+            if self.has_guarantees:
+                self._recount(self.book.accounts[b.owner])
         self.version += 1
 
     def uncached(self, block_id: int) -> None:
@@ -428,6 +501,7 @@ class TenantFence:
             self.records[block_id] = None
 
     def _to_free(self, b: KVBlock, acct: TenantAccount) -> None:
+        self.moves += 1
         b.state = FREE
         b.owner = None
         self.records[b.block_id] = None
@@ -476,6 +550,26 @@ class TenantFence:
         bs = self.block_size
         records = self.records
         parent: Record | None = None
+        if not shared and extras is None:
+            # Plain text, no shared prefix (the common case): the walk below, specialised. It returns
+            # when every block verifies; at the first block that does not, the walk below decides.
+            lo = 0
+            for bid in block_ids:
+                rec = records[bid]
+                if rec is None or rec.tokens != tokens[lo : lo + bs]:
+                    break
+                if lo == 0:
+                    if not (rec.root and rec.parent is None and rec.namespace == (tenant_ns, None)):
+                        break
+                elif rec.namespace is not None or (
+                    rec.parent is not parent and not same_chain(rec.parent, parent)
+                ):
+                    break
+                parent = rec
+                lo += bs
+            else:
+                return len(block_ids), Verdict.OK
+            parent = None
         start = len(shared)
         for i, bid in enumerate(block_ids):
             rec = records[bid]

@@ -32,7 +32,11 @@ What it does, per HTTP request:
 
 * ``vllm_xargs`` is set to the verified tenant and its tag (:func:`kvfence.contract.tenant_tag`): the
   kvfence scheduler (:mod:`kvfence.vllm.scheduler`) accounts KV blocks to that tenant and refuses
-  requests without a valid tag.
+  requests without a valid tag. It also carries a reference for the request
+  (:mod:`kvfence.vllm.refusals`): when the scheduler refuses the request (a prompt that alone exceeds
+  the tenant's ``maxKVBlocks``) it leaves its answer under that reference, and vLLM's generic error
+  (``500``, or a streamed error event) is replaced by it: ``429 quota_exceeded``, as the reference
+  engine answers.
 
 Rejections are counted in ``kvfence_engine_signature_rejected_total{reason}`` (the contract's name,
 the same series the reference engine exports) and salt mismatches also in
@@ -57,14 +61,17 @@ from kvfence.contract import (
     BODY_VLLM_XARGS,
     HEADER_PREFIX,
     MAX_SKEW_SECONDS,
+    XARG_REQUEST_REF,
     XARG_TENANT,
     XARG_TENANT_TAG,
     Verified,
 )
 from kvfence.contract.engine_config import ENV_ENGINE_CONFIG, ConfigError, load_config
+from kvfence.contract.errors import error_body, error_type
 from kvfence.engine import guard
 from kvfence.engine.guard import KeySourceError, Refusal
 from kvfence.vllm.logs import ensure_handler
+from kvfence.vllm.refusals import EngineRefusal, RefusalBox, new_ref
 from kvfence.vllm.stats import EdgeCounters, FenceCollector
 
 Scope = MutableMapping[str, Any]
@@ -145,9 +152,11 @@ class KvfenceMiddleware:
         registry: Any = None,
         clock: Callable[[], float] = time.time,
         max_skew: float = MAX_SKEW_SECONDS,
+        refusals: RefusalBox | None = None,
     ) -> None:
         ensure_handler()
         self.app = app
+        self.refusals = refusals if refusals is not None else RefusalBox.from_env()
         self.keys = keys if keys is not None else KeySource.from_env()
         if max_body_bytes is None:
             max_body_bytes = int(os.environ.get(ENV_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES))
@@ -176,7 +185,8 @@ class KvfenceMiddleware:
                 raise Refusal(reason, f"{method} {path} is not served through kvfence")
             body = await self._read_body(receive)
             verified = self._verify(scope, body)
-            new_body = self._salted(body, verified)
+            ref = new_ref()
+            new_body = self._salted(body, verified, ref)
         except Refusal as r:
             if r.counted:
                 self.metrics.rejected(r.reason)
@@ -185,7 +195,11 @@ class KvfenceMiddleware:
             log.info("kvfence: refused %s %s: %s (%s)", method, path, r.message, r.reason)
             await _respond(send, r)
             return
-        await self.app(_downstream_scope(scope, verified, len(new_body)), _replay(new_body, receive), send)
+        await self.app(
+            _downstream_scope(scope, verified, len(new_body)),
+            _replay(new_body, receive),
+            _answering_refusals(send, self.refusals, ref),
+        )
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
@@ -207,14 +221,18 @@ class KvfenceMiddleware:
         query = scope.get("query_string", b"").decode("latin-1")
         return self.guard.verify(scope["method"], scope["path"], query, headers, body)
 
-    def _salted(self, body: bytes, verified: Verified) -> bytes:
+    def _salted(self, body: bytes, verified: Verified, ref: str) -> bytes:
         doc = guard.parse_body(body)
         self.guard.check_body(doc, verified)
         doc[BODY_CACHE_SALT] = verified.cache_salt
         # The tenant, for the kvfence scheduler in vLLM's engine core (its KV quotas), bound to the
         # salt by a tag it verifies with the same keys. The router never sends vllm_xargs (refused
         # above with the other forbidden fields), so nothing of the client's reaches the engine core.
-        doc[BODY_VLLM_XARGS] = {XARG_TENANT: verified.identity.tenant, XARG_TENANT_TAG: verified.tenant_tag}
+        doc[BODY_VLLM_XARGS] = {
+            XARG_TENANT: verified.identity.tenant,
+            XARG_TENANT_TAG: verified.tenant_tag,
+            XARG_REQUEST_REF: ref,
+        }
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -232,6 +250,53 @@ def _downstream_scope(scope: Scope, verified: Verified, length: int) -> Scope:
     state["kvfence_identity"] = verified.identity
     out["state"] = state
     return out
+
+
+#: How a streamed answer's error event begins (vLLM's, when the request finished with an error).
+_SSE_ERROR = b'data: {"error"'
+
+
+def _answering_refusals(send: Send, box: RefusalBox, ref: str) -> Send:
+    """``send``, except that vLLM's error answer for a request the kvfence scheduler refused is replaced
+    by the scheduler's own answer. The response start is held until the first body chunk shows whether
+    the answer is an error: a 5xx, or a stream whose first event is an error (a refusal comes before
+    any token)."""
+    start: Message | None = None
+    decided = False
+    replaced = False
+
+    async def send_(msg: Message) -> None:
+        nonlocal start, decided, replaced
+        if decided:
+            if not replaced:
+                await send(msg)
+            return  # the rest of vLLM's error answer, replaced
+        kind = msg["type"]
+        if kind == "http.response.start":
+            start = msg
+            return
+        if kind != "http.response.body" or start is None:
+            await send(msg)
+            return
+        decided = True
+        status = int(start["status"])
+        if status >= 500 or (status == 200 and bytes(msg.get("body", b"")).startswith(_SSE_ERROR)):
+            refusal = box.take(ref)
+            if refusal is not None:
+                replaced = True
+                await _answer(send, refusal)
+                return
+        await send(start)
+        await send(msg)
+
+    return send_
+
+
+async def _answer(send: Send, r: EngineRefusal) -> None:
+    body = error_body(r.message, r.code, error_type(r.status))
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -40,12 +40,13 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import vllm.v1.core.kv_cache_coordinator as _coord_mod
 import vllm.v1.core.sched.scheduler as _sched_mod
-from kvfence.contract import XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
 from kvfence.contract.engine_config import (
     ENV_ENGINE_CONFIG,
     ConfigError,
@@ -57,7 +58,6 @@ from kvfence.contract.engine_config import (
 from kvfence.engine.blocks import BlockState
 from kvfence.engine.quotas import SHARED_OWNER
 from kvfence.vllm.fence import (
-    ACTIVE,
     UNATTRIBUTED,
     AllocationError,
     FenceError,
@@ -68,6 +68,7 @@ from kvfence.vllm.fence import (
 )
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
+from kvfence.vllm.refusals import EngineRefusal, RefusalBox
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -91,12 +92,34 @@ REASON_NO_IDENTITY = "MissingTenant"
 REASON_BAD_TAG = "BadTenantTag"
 
 
+class FenceFreeCount:
+    """Stands in for vLLM's free block queue: the fence owns the free blocks (clean ones in its free
+    stack, cached ones in their owners' cold lists), so vLLM's doubly linked list is not kept as well;
+    this only counts them, for vLLM's own readers of ``num_free_blocks``. Any other use of the queue
+    is a vLLM path the fence does not cover: it fails, naming it, rather than run unfenced."""
+
+    __slots__ = ("num_free_blocks",)
+
+    def __init__(self, num_free_blocks: int) -> None:
+        self.num_free_blocks = num_free_blocks
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # protocol lookups (copy, pickle, ...): plainly absent
+            raise AttributeError(name)
+        raise FenceError(f"vLLM's free block queue is kept by the kvfence fence; {name!r} is not fenced")
+
+
+#: vLLM's own method, called directly (cheaper than super() on a path taken for every block filled)
+_vllm_cache_full_blocks = BlockPool.cache_full_blocks
+
+
 class FencedBlockPool(BlockPool):  # type: ignore[misc]
     """vLLM's ``BlockPool`` whose allocation, release and caching go through the fence.
 
     ``rid`` is the request :class:`FencedKVCacheManager` allocates for (set on every ``allocate_slots``,
     the only path to ``get_num_free_blocks`` and ``get_new_blocks`` besides the pool's own, which use
-    the plain count); ``tenant_of`` maps it to its verified tenant."""
+    the plain count); ``tenant_of`` maps it to its verified tenant. vLLM's ``free_block_queue`` is a
+    :class:`FenceFreeCount`: the free blocks are the fence's."""
 
     fence: TenantFence
     rid: str
@@ -107,7 +130,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     def get_num_free_blocks(self) -> int:
         free: int = self.free_block_queue.num_free_blocks
         fence = self.fence
-        if not fence.has_limits and not fence.has_guarantees:
+        if fence.unlimited:
             return free  # what obtainable() would answer, without looking up the tenant
         return fence.obtainable(self.tenant_of.get(self.rid, UNATTRIBUTED), free)
 
@@ -116,16 +139,13 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         return 1.0 - (self.free_block_queue.num_free_blocks / total) if total else 0.0
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         tenant = self.tenant_of.get(self.rid, UNATTRIBUTED)
         if tenant == UNATTRIBUTED:
             log.error("kvfence: %d KV blocks allocated outside any request; charged to no tenant", num_blocks)
         fence = self.fence
-        if fence.clean_enough(tenant, num_blocks):
-            # The common case: clean blocks only, which lead vLLM's free queue; vLLM pops them.
-            ret: list[Any] = super().get_new_blocks(num_blocks)
-            if fence.took(tenant, [b.block_id for b in ret]):
-                log.warning("kvfence: vLLM's free queue did not lead with clean blocks; evicted its choice")
-            return ret
         try:
             ids = fence.take(tenant, num_blocks)
         except AllocationError as e:
@@ -135,43 +155,58 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 ids = fence.take_any(tenant, num_blocks)
             except FenceError as e2:
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e2}") from None
-        ret = [self.blocks[i] for i in ids]
-        queue = self.free_block_queue
-        for block in ret:
-            queue.remove(block)
+        queue.num_free_blocks -= num_blocks
+        ret: list[Any] = list(map(self.blocks.__getitem__, ids))
         if self._reuse_watchers:
             self._notify_reuse(ret)
-        caching = self.enable_caching
         collector = self.metrics_collector
         for block in ret:
-            if caching:
+            if block.block_hash is not None:  # a cached block the fence evicted: out of vLLM's cache
                 self._maybe_evict_cached_block(block)
+            elif collector:
+                collector.on_block_evicted(block)
             assert block.ref_cnt == 0
-            block.ref_cnt += 1
+            block.ref_cnt = 1
             if collector:
                 collector.on_block_allocated(block)
         return ret
 
     def touch(self, blocks: Sequence[Any]) -> None:
+        revived = []
+        collector = self.metrics_collector
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                self.fence.revive(block.block_id)
-        super().touch(blocks)
+                revived.append(block.block_id)
+            block.ref_cnt += 1
+            if collector:
+                collector.on_block_accessed(block)
+        if revived:
+            self.fence.revive(revived)
+            self.free_block_queue.num_free_blocks -= len(revived)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
-        blocks = list(ordered_blocks)
-        super().free_blocks(blocks)
-        fence = self.fence
-        shadow = fence.pool.blocks
+        # vLLM's own loop, with the fence's lists in place of vLLM's queue: cached blocks turn cold
+        # (evicted in this order), the others clean.
+        cold: list[int] = []
+        clean: list[int] = []
         caching = self.enable_caching
-        released = {
-            block.block_id: caching and block.block_hash is not None
-            for block in blocks
-            # ACTIVE in the shadow: released once, even if vLLM listed a block twice.
-            if block.ref_cnt == 0 and block.pool is self and shadow[block.block_id].state is ACTIVE
-        }
-        if released:
-            fence.release_many(list(released.items()))
+        other_pools: dict[Any, list[Any]] = {}
+        for block in ordered_blocks:
+            pool = block.pool
+            if pool is not None and pool is not self:
+                other_pools.setdefault(pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                if caching and block.block_hash is not None:
+                    cold.append(block.block_id)
+                else:
+                    clean.append(block.block_id)
+        if cold or clean:
+            self.free_block_queue.num_free_blocks += len(cold) + len(clean)
+            self.fence.release_blocks(cold, clean)
+        for pool, blocks in other_pools.items():
+            pool.free_blocks(blocks)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
@@ -198,16 +233,26 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         kv_cache_group_id: int,
         block_mask: list[bool] | None = None,
     ) -> None:
-        super().cache_full_blocks(
-            request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask
+        _vllm_cache_full_blocks(
+            self,
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            block_mask,
         )
+        if num_cached_blocks >= num_full_blocks:
+            return
         records = self.fence.records
         tokens = request._all_token_ids  # the list behind all_token_ids (its slices cost no Python call)
-        extras = extra_keys_of(request, num_full_blocks, block_size)
-        ns = namespace_of(request)
+        plain = not request.mm_features and getattr(request, "prompt_embeds", None) is None
+        extras = None if plain else extra_keys_of(request, num_full_blocks, block_size)
         # Where the request's namespace enters its chain: block 0, or the first block after the
         # declared shared prefix it begins with (its blocks before that are the pinned ones).
-        root = self.shared_of.get(request.request_id, 0)
+        shared_of = self.shared_of
+        root = shared_of.get(request.request_id, 0) if shared_of else 0
         parent = records[blocks[num_cached_blocks - 1].block_id] if num_cached_blocks > 0 else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -223,10 +268,12 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
             # Only the root, and blocks with extra keys, store a namespace (block_namespace's rule,
             # without a call for every plain block on this hot path).
             if i == root:
+                ns = namespace_of(request)
                 namespace = TenantFence.block_namespace(0, ns, None if extras is None else extras[i:])
                 records[block.block_id] = parent = Record(parent, chunk, namespace, root=True)
                 continue
-            namespace = TenantFence.block_namespace(i, ns, extras) if extras is not None else None
+            # (i > root >= 0 here: block_namespace ignores the request's namespace for such a block)
+            namespace = TenantFence.block_namespace(i, (), extras) if extras is not None else None
             records[block.block_id] = parent = Record(parent, chunk, namespace)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
@@ -288,6 +335,8 @@ def extra_keys_of(request: Request, num_blocks: int, block_size: int) -> list[An
     return out
 
 
+_block_id_of = attrgetter("block_id")
+
 #: vLLM's own method, called directly (cheaper than super() on a path taken for every request of
 #: every step)
 _vllm_allocate_slots = KVCacheManager.allocate_slots
@@ -302,7 +351,8 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
     admitted: dict[str, Any]
     tenant_of: dict[str, str]
     reach_of: dict[str, int]
-    lookups: dict[str, list[tuple[int, int]]]
+    #: request id -> its verified prefix hit at lookup: (the hit's blocks, their ids, fence.moves then)
+    lookups: dict[str, tuple[list[Any], list[int], int]]
     fence_block_size: int
     #: request id -> the pinned prefix it begins with (the scheduler's dict)
     shared_pin_of: dict[str, SharedPin]
@@ -317,7 +367,7 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
             return blocks, num_tokens, boundary
         hit = blocks.blocks[0]
         fence = self.fence
-        ids = [b.block_id for b in hit]
+        ids = list(map(_block_id_of, hit))
         extras = extra_keys_of(request, len(ids), self.fence_block_size)
         pin = self.shared_pin_of.get(rid)
         shared = pin.records[: min(pin.num_blocks, len(ids))] if pin is not None else ()
@@ -333,10 +383,10 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
                 "another cache namespace" if verdict == Verdict.CROSS_ACCESS else "hash collision",
             )
             hit = hit[:ok]
+            ids = ids[:ok]
             blocks = self.create_kv_cache_blocks((hit,))
             num_tokens, boundary = ok * self.fence_block_size, 0
-        blocks_ = fence.pool.blocks
-        self.lookups[rid] = [(bid, blocks_[bid].generation) for bid in ids[:ok]]
+        self.lookups[rid] = (hit, ids, fence.moves)
         return blocks, num_tokens, boundary
 
     def allocate_slots(
@@ -346,76 +396,97 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
-        **kwargs: Any,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> Any:
-        # The first parameters spelled out as vLLM's own: a running request's call (every request of
-        # every step) passes through without packing them.
+        # vLLM's own parameters and defaults, spelled out (no **kwargs: no dict per call, on a path
+        # taken for every request of every step) and passed on by position;
+        # tests/vllm_engine/test_vllm_fence.py checks they are still vLLM's.
         rid = request.request_id
         self.fenced_pool.rid = rid
-        if rid in self.admitted:
-            # A running request growing: the pool charges its tenant.
-            return _vllm_allocate_slots(
-                self,
+        if rid not in self.admitted:
+            return self._admit(
                 request,
                 num_new_tokens,
                 num_new_computed_tokens,
                 new_computed_blocks,
                 num_lookahead_tokens,
-                **kwargs,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+                skip_zeroing_group_ids,
             )
-        return self._admit(
+        # A running request growing: the pool charges its tenant.
+        return _vllm_allocate_slots(
+            self,
             request,
             num_new_tokens,
             num_new_computed_tokens,
             new_computed_blocks,
             num_lookahead_tokens,
-            kwargs,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
         )
 
-    def _admit(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed: KVCacheBlocks | None,
-        num_lookahead_tokens: int,
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _admit(self, request: Request, *args: Any) -> Any:
         """A request's first allocation (or after a preemption): its prefix hit still unmoved since
-        lookup, and room under its tenant's maximum for all it can reach."""
+        lookup, and room under its tenant's maximum for all it can reach. ``args``: vLLM's
+        allocate_slots parameters after the request, in its order."""
         rid = request.request_id
+        new_computed: KVCacheBlocks | None = args[2]
         fence = self.fence
         tenant = self.tenant_of.get(rid, UNATTRIBUTED)
         looked_up = self.lookups.pop(rid, None)
-        if new_computed is not None and new_computed.blocks and new_computed.blocks[0]:
-            blocks = fence.pool.blocks
-            taken = [(b.block_id, blocks[b.block_id].generation) for b in new_computed.blocks[0]]
-            if (
-                looked_up is None
-                or taken != looked_up[: len(taken)]
-                or any(blocks[bid].state is BlockState.FREE for bid, _ in taken)
-            ):
-                fence.counters.stale_reference += 1
-                fence.version += 1
-                log.warning(
-                    "kvfence: request %s would take prefix blocks that moved since lookup; refused", rid
-                )
-                return None
+        if (
+            new_computed is not None
+            and new_computed.blocks
+            and new_computed.blocks[0]
+            and not self._unmoved(new_computed.blocks[0], looked_up)
+        ):
+            fence.counters.stale_reference += 1
+            fence.version += 1
+            log.warning("kvfence: request %s would take prefix blocks that moved since lookup; refused", rid)
+            return None
         need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
         if need is None:
             return None
-        out = _vllm_allocate_slots(
-            self,
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed,
-            num_lookahead_tokens,
-            **kwargs,
-        )
+        out = _vllm_allocate_slots(self, request, *args)
         if out is not None:
             fence.admit(rid, tenant, need)
         return out
+
+    def _unmoved(self, taken: list[Any], looked_up: tuple[list[Any], list[int], int] | None) -> bool:
+        """Whether the prefix blocks a request takes are what its lookup verified, each still at the
+        generation it had then and not freed since. A block's generation is the fence's move count
+        when it was last handed out, so one that moved since the lookup has a generation above the
+        count then; while the count itself has not moved, no block has (the common case: vLLM takes
+        the blocks right after the lookup, in the same step)."""
+        if looked_up is None:
+            return False
+        hit, ids, moves = looked_up
+        fence = self.fence
+        if moves == fence.moves and taken is hit:
+            return True
+        if list(map(_block_id_of, taken)) != ids[: len(taken)]:
+            return False
+        blocks = fence.pool.blocks
+        return not any(
+            blocks[bid].generation > moves or blocks[bid].state is BlockState.FREE
+            for bid in ids[: len(taken)]
+        )
 
     def free(self, request: Request) -> None:
         rid = request.request_id
@@ -536,11 +607,13 @@ class FenceMixin:
         if not isinstance(mgr, FencedKVCacheManager) or not isinstance(pool, FencedBlockPool):
             raise FenceError("vLLM did not build the fenced KV-cache manager and block pool")
         self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas)
+        # The fence owns the free blocks from here on; vLLM's queue (all but the null block) becomes a count.
+        pool.free_block_queue = FenceFreeCount(pool.free_block_queue.num_free_blocks)
         tenant_of: dict[str, str] = {}
         shared_of: dict[str, int] = {}
         pool.fence, pool.rid, pool.tenant_of, pool.shared_of = self.fence, "", tenant_of, shared_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
-        mgr.admitted = self.fence._admitted
+        mgr.admitted = self.fence.admitted
         mgr.tenant_of, mgr.reach_of, mgr.lookups = tenant_of, {}, {}
         mgr.shared_pin_of, mgr.pinning = {}, {}
         self._shared_of = shared_of
@@ -562,6 +635,7 @@ class FenceMixin:
         self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
         self._next_reload = time.monotonic() + RELOAD_INTERVAL
         self.stats = StatsWriter.from_env(self.fence)
+        self._refusals = RefusalBox.from_env()
         log.info(
             "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with quotas",
             self._keys.trust_class,
@@ -610,7 +684,7 @@ class FenceMixin:
                 tenant,
                 request.num_prompt_tokens,
             )
-            self._refused[rid] = "QuotaExceeded"
+            self._refuse_quota(request, tenant, shared_tokens)
         else:
             acct = self.fence.account(tenant)
             reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
@@ -627,6 +701,24 @@ class FenceMixin:
                 reach = request.num_prompt_tokens + cut
             self._reach_of[rid] = reach - shared_tokens
         super().add_request(request)  # type: ignore[misc]
+
+    def _refuse_quota(self, request: Request, tenant: str, shared_tokens: int) -> None:
+        """Refuse a request whose prompt alone exceeds its tenant's maximum: finished with an error in
+        the next update_from_output, its answer (the reference engine's ``429 quota_exceeded``) left
+        for the middleware first."""
+        rid = request.request_id
+        self._refused[rid] = "QuotaExceeded"
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        ref = extra.get(XARG_REQUEST_REF) if isinstance(extra, dict) else None
+        if ref is None:
+            return
+        need = self.fence.blocks_for(request.num_prompt_tokens + 1 - shared_tokens)
+        message = (
+            f"KV-block quota exceeded for tenant {tenant!r}: the prompt needs {need} KV blocks of "
+            f"{self.block_size} tokens, more than the tenant's maximum of "
+            f"{self.fence.maximum(tenant)} (maxKVBlocks)"
+        )
+        self._refusals.put(ref, EngineRefusal(429, "quota_exceeded", message))
 
     # --- declared shared prefixes -----------------------------------------------------------------
     def _plan_pins(self, decls: list[SharedPrefixConfig]) -> list[tuple[str, list[int], int]]:
@@ -768,24 +860,43 @@ class FenceMixin:
         fence = self.fence
         if not self.waiting or (not fence.has_limits and not self._refused):
             return []
+        # fence.can_admit for each waiting request, with each tenant's room (its maximum less what its
+        # admitted requests reserve; None: no maximum) looked up once per step: the queue can be long.
+        admitted = fence.admitted
+        refused = self._refused
+        tenant_of = self._tenant_of
+        reach_of = self._reach_of
+        bs = fence.block_size
+        room: dict[str, int | None] = {}
         pending: dict[str, int] = {}
         held: list[Request] = []
+        held_by: dict[str, int] = {}
         for request in self.waiting:
             rid = request.request_id
-            if rid in self._refused:
+            if rid in refused:
                 held.append(request)
                 continue
-            if fence.is_admitted(rid):
+            if rid in admitted:
                 continue
-            tenant = self._tenant_of.get(rid, UNATTRIBUTED)
-            need = fence.can_admit(
-                tenant, self._reach_of.get(rid, request.num_tokens), pending.get(tenant, 0)
-            )
-            if need is None:
-                held.append(request)
-                fence.count("quota_held_back", tenant)
+            tenant = tenant_of.get(rid, UNATTRIBUTED)
+            if tenant in room:
+                left = room[tenant]
             else:
-                pending[tenant] = pending.get(tenant, 0) + need
+                left = room[tenant] = fence.room(tenant)
+            if left is None:
+                continue
+            need = -(-reach_of.get(rid, request.num_tokens) // bs)
+            before = pending.get(tenant, 0)
+            if before + need > left:
+                held.append(request)
+                held_by[tenant] = held_by.get(tenant, 0) + 1
+            else:
+                pending[tenant] = before + need
+        if held_by:
+            counts = fence.counters.quota_held_back
+            for tenant, k in held_by.items():
+                counts[tenant] = counts.get(tenant, 0) + k
+            fence.version += 1
         if held:
             self.waiting.remove_requests(held)
         return held
