@@ -214,6 +214,7 @@ class Controller:
             # namespace that lets the operator read but not watch its Secrets: API keys are re-read,
             # and each class's signing-key Secret is checked (one GET per class).
             self.reconciler.forget_api_keys()
+            self.reconciler.forget_children()
             self.enqueue(ROUTING)
             for name in sorted(self.known_classes):
                 self.enqueue(ClassSecretKey(name))
@@ -325,7 +326,9 @@ async def tenantbinding_event(
 
 
 @kopf.on.event("", "v1", "namespaces")
-async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
+async def namespace_event(
+    name: str, type: str | None, labels: kopf.Labels, meta: kopf.Meta, memo: Any, **_: Any
+) -> None:
     c = _controller(memo)
     new = dict(labels) if type != "DELETED" else None
     if c.namespace_labels.get(name) != new:
@@ -335,26 +338,52 @@ async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo
             c.namespace_labels[name] = new
         c.enqueue(ROUTING, COALESCE_SECONDS)  # a namespace's labels decide which bindings its class admits
     owner = (labels or {}).get(LABEL_TRUST_CLASS)
-    if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER:
+    if (
+        owner
+        and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER
+        and _news(c, "Namespace", "", name, type, meta)
+    ):
         c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
 
-def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
+def _news(c: Controller, kind: str, namespace: str, name: str, type: str | None, meta: kopf.Meta) -> bool:
+    """Whether an event of an object the operator applies is news (not its own write coming back)."""
+    version = DELETED if type == "DELETED" else str(meta.get("resourceVersion") or "")
+    return c.reconciler.child_event(kind, namespace, name, version)
+
+
+def _child_handler(group: str, version: str, plural: str, kind: str) -> Callable[..., Any]:
     @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
-    async def child_event(labels: kopf.Labels, memo: Any, **_: Any) -> None:
+    async def child_event(
+        name: str,
+        namespace: str | None,
+        type: str | None,
+        meta: kopf.Meta,
+        labels: kopf.Labels,
+        memo: Any,
+        **_: Any,
+    ) -> None:
         owner = labels.get(LABEL_TRUST_CLASS)
-        if owner:
-            _controller(memo).enqueue(ClassKey(owner), COALESCE_SECONDS)
+        c = _controller(memo)
+        if owner and _news(c, kind, namespace or "", name, type, meta):
+            c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
     return child_event
 
 
 @kopf.on.event("", "v1", "secrets", id="signing-key-secrets")
 async def signing_key_secret_event(
-    namespace: str | None, name: str, labels: kopf.Labels, memo: Any, **_: Any
+    namespace: str | None,
+    name: str,
+    type: str | None,
+    body: kopf.Body,
+    labels: kopf.Labels,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """The signing-key Secret of a class was created, edited or deleted (the watch's field selector
-    lets only that name through): check the class's key at once (one GET; a full reconcile only if the
+    lets only that name through): nothing to do when it holds the keys the router has (the operator's
+    own write coming back); else check the class's key at once (one GET; a full reconcile only if the
     Secret is gone or not what was applied)."""
     c = _controller(memo)
     owner = (
@@ -364,6 +393,10 @@ async def signing_key_secret_event(
     )
     if owner is None:
         metrics.SECRET_EVENTS.labels("signing-key", "ignored").inc()
+        return
+    secret = {"data": dict(body.get("data") or {}), "metadata": dict(body.get("metadata") or {})}
+    if type != "DELETED" and c.reconciler.signing_secret_is_current(owner, secret):
+        metrics.SECRET_EVENTS.labels("signing-key", "current").inc()
         return
     metrics.SECRET_EVENTS.labels("signing-key", "enqueued").inc()
     c.enqueue(ClassSecretKey(owner), COALESCE_SECONDS)
@@ -389,9 +422,9 @@ async def shared_prefix_configmap_event(namespace: str | None, memo: Any, **_: A
 # signing-key Secret has its own watch (above); the routing-table Secret is checked by each routing
 # reconcile and the resync.
 CHILD_WATCHERS = [
-    _child_handler("apps", "v1", "deployments"),
-    _child_handler("", "v1", "services"),
-    _child_handler("", "v1", "configmaps"),
-    _child_handler("networking.k8s.io", "v1", "networkpolicies"),
-    _child_handler("policy", "v1", "poddisruptionbudgets"),
+    _child_handler("apps", "v1", "deployments", "Deployment"),
+    _child_handler("", "v1", "services", "Service"),
+    _child_handler("", "v1", "configmaps", "ConfigMap"),
+    _child_handler("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
+    _child_handler("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
 ]
