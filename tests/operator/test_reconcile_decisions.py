@@ -230,7 +230,10 @@ def test_a_new_class_gets_its_key_before_its_engine_and_its_tenant_binds_in_one_
     assert kube.writes.count(binding) == 1
     # A new binding that binds gets no Event (its status says so); the class's key did.
     assert [e.reason for e in events if e.obj["kind"] == "TenantBinding"] == []
+    kube.reads.clear()
     rec.reconcile(ClassKey("gold"))
+    # the rest of a namespace the class created with its key alone is known absent: not read
+    assert sorted(kube.reads) == ["Secret", "TrustClass"]
     assert kube.get("apps/v1", "Deployment", "kvfence-engine", "kvf-gold") is not None
     # A change of fate is news: one Warning Event (its class is gone: the binding is denied).
     kube.delete(API_VERSION, "TrustClass", "gold")
@@ -269,9 +272,9 @@ def test_a_child_seen_as_desired_is_not_read_again_until_its_watch_reports_anoth
     rec.reconcile(ClassKey("gold"))
     kube.reads.clear()
     rec.reconcile(ClassKey("gold"))
-    # the Deployment is read for its status; the others were applied as desired and nothing says
-    # they changed since
-    assert sorted(kube.reads) == ["Deployment", "Namespace", "Secret", "TrustClass"]
+    # the Deployment is read for its status, the signing key for its keys; the others (the namespace
+    # too) were applied as desired and nothing says they changed since
+    assert sorted(kube.reads) == ["Deployment", "Secret", "TrustClass"]
     cm_ref = ("v1", "ConfigMap", builders.CONFIG_NAME, "kvf-gold")
     applied = kube.get(*cm_ref)
     assert (

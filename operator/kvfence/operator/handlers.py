@@ -21,7 +21,7 @@ from kubernetes import client as k8s
 
 from kvfence.api.common import GROUP, VERSION
 from kvfence.operator import metrics
-from kvfence.operator.apply import load_api_client
+from kvfence.operator.apply import LIST_PAGE, load_api_client
 from kvfence.operator.bindings import accepted_key
 from kvfence.operator.builders import (
     ANNOTATION_ROTATE,
@@ -256,6 +256,11 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     # the server-side field selector is what makes the watch allowed at all.
     settings.watching.field_selectors["", "v1", "secrets"] = SIGNING_SECRET_FIELD_SELECTOR
     settings.networking.request_timeout = 60
+    # Memory: kopf's first list of each kind is read a page at a time (as Kube.list reads), not as one
+    # answer holding every object, and the per-object worker that holds an object's last event exits
+    # after one idle second instead of five (a start-up burst of thousands of objects is not all held).
+    settings.watching.chunk_size = LIST_PAGE
+    settings.queueing.idle_timeout = 1.0
     await _controller(memo).start()
 
 
@@ -338,11 +343,10 @@ async def namespace_event(
             c.namespace_labels[name] = new
         c.enqueue(ROUTING, COALESCE_SECONDS)  # a namespace's labels decide which bindings its class admits
     owner = (labels or {}).get(LABEL_TRUST_CLASS)
-    if (
-        owner
-        and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER
-        and _news(c, "Namespace", "", name, type, meta)
-    ):
+    # Every namespace's version is recorded: one that lost the operator's labels is read again at its
+    # class's next reconcile (NamespaceConflict).
+    news = _news(c, "Namespace", "", name, type, meta)
+    if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER and news:
         c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
 

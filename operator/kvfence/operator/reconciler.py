@@ -135,6 +135,9 @@ class State:
     #: what a class's reconcile applied while it waited for that decision (namespace, key): told in
     #: the one "Applied" Event of the reconcile that renders the rest
     applied_early: dict[str, list[str]] = field(default_factory=dict)
+    #: class namespaces this process created that hold only the signing key (their class waits for
+    #: routing): the other children are known absent
+    keyed_namespaces: set[str] = field(default_factory=set)
     #: objects the operator applied, or read and found as desired: their resourceVersion then and the
     #: spec hash of what was desired
     seen: dict[ChildRef, tuple[str, str]] = field(default_factory=dict)
@@ -245,7 +248,12 @@ class Reconciler:
         ns_name = tc.target_namespace
         self.state.class_namespace[name] = ns_name
         owner = builders.owner_reference(body)
-        live_ns = self.kube.get("v1", "Namespace", ns_name)
+        desired_ns = builders.namespace(tc, self.opts, owner)
+        changed: list[str] = []
+        # Ours and as desired when last seen, and its watch reported no other version since: it is
+        # still ours, not terminating, nothing to read.
+        known_ns = self._unchanged(desired_ns)
+        live_ns = None if known_ns else self.kube.get("v1", "Namespace", ns_name)
         if (
             live_ns is not None
             and (live_ns["metadata"].get("labels") or {}).get(builders.LABEL_TRUST_CLASS) != name
@@ -256,10 +264,12 @@ class Reconciler:
             return set()
         if live_ns is not None and live_ns["metadata"].get("deletionTimestamp"):
             raise Requeue(f"namespace {ns_name} is still terminating", delay=5)
-        changed: list[str] = []
-        self._ensure(builders.namespace(tc, self.opts, owner), live_ns, changed)
+        if not known_ns:
+            self._ensure(desired_ns, live_ns, changed)
         # A namespace that did not exist a moment ago holds none of the children: nothing to read.
-        fresh = live_ns is None
+        fresh = live_ns is None and not known_ns
+        # ... nor one that held only the signing key when this class last waited for routing.
+        no_children = fresh or ns_name in self.state.keyed_namespaces
 
         # The signing key: kept, created once, rotated on request; a second rotation waits until the
         # first has reached every engine (the key it would retire may still be the one signing).
@@ -283,6 +293,8 @@ class Reconciler:
             # has routed the class (that decision queues this class again).
             if changed:
                 self.state.applied_early.setdefault(name, []).extend(changed)
+            if fresh:
+                self.state.keyed_namespaces.add(ns_name)
             return {ROUTING}
         if live_keys is not None and rotation and rotation != live_keys.rotated_for:
             wait = builders.key_propagation_left(
@@ -333,7 +345,7 @@ class Reconciler:
         for obj in objs:
             if obj["kind"] == "Secret":
                 live = live_secret
-            elif fresh:
+            elif no_children:
                 live = None
             elif obj["kind"] != "Deployment" and self._unchanged(obj):
                 continue  # as desired when last seen, and its watch reported no other version since
@@ -344,6 +356,7 @@ class Reconciler:
             applied = self._ensure(obj, live, changed)
             if obj["kind"] == "Deployment":
                 deployment_live = applied
+        self.state.keyed_namespaces.discard(ns_name)
         changed[:0] = self.state.applied_early.pop(name, [])
         if changed:
             self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
@@ -519,6 +532,9 @@ class Reconciler:
             self.state.awaiting_routing.discard(name)
             self.state.routed.discard(name)
         self.state.applied_early.pop(name, None)
+        ns = self.state.class_namespace.get(name)
+        if ns is not None:
+            self.state.keyed_namespaces.discard(ns)
         self.state.signing.pop(name, None)
         self.state.tenant_quotas.pop(name, None)
         self.state.bound_count.pop(name, None)
