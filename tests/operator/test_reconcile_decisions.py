@@ -303,3 +303,26 @@ def test_a_child_seen_as_desired_is_not_read_again_until_its_watch_reports_anoth
     kube.reads.clear()
     rec.reconcile(ClassKey("gold"))
     assert {"ConfigMap", "Service", "NetworkPolicy", "PodDisruptionBudget"} <= set(kube.reads)
+
+
+def test_the_classes_a_decision_wakes_are_queued_before_it_writes_the_bindings_statuses(world: Any) -> None:
+    kube, rec, route = world
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    route()
+    assert rec.reconcile(ClassKey("gold")) == {ROUTING}
+    handed: list[Any] = []
+    rec.notify = lambda: handed.extend(rec.take_later())  # the work queue takes them at once
+    at_write: list[list[Any]] = []
+    patch_status = kube.patch_status
+
+    def recording(api: str, kind: str, name: str, namespace: str | None, status: Obj) -> Obj:
+        if kind == "TenantBinding":
+            at_write.append(list(handed))
+        return patch_status(api, kind, name, namespace, status)
+
+    kube.patch_status = recording  # type: ignore[method-assign]
+    follow = rec.reconcile(ROUTING)
+    # the class renders its engine while the decision's status writes are sent, and is queued once
+    assert at_write == [[ClassKey("gold")]]
+    assert ClassKey("gold") not in follow

@@ -11,6 +11,7 @@ operator with nothing to do sends no write request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -123,7 +124,18 @@ class Controller:
                 referenced=self.api_keys.secrets,
             )
             self.secret_watches.want(self.api_keys.namespaces())
+        loop = self._loop
+
+        def notify() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the operator is stopping
+                loop.call_soon_threadsafe(self._take_later)
+
+        self.reconciler.notify = notify
         self.enqueue(ROUTING)
+
+    def _take_later(self) -> None:
+        for f, delay in self.reconciler.take_later().items():
+            self.enqueue(f, delay)
 
     async def stop(self) -> None:
         if self._on_stop is not None:
@@ -204,8 +216,7 @@ class Controller:
                     self.enqueue(key)
             for f in follow:
                 self.enqueue(f)
-            for f, delay in self.reconciler.take_later().items():
-                self.enqueue(f, delay)
+            self._take_later()
 
     async def _resync(self) -> None:
         while True:

@@ -165,15 +165,19 @@ class Reconciler:
         self._later_lock = threading.Lock()
         self._routed_lock = threading.Lock()
         self._later: dict[Key, float] = {}
+        #: set by the work queue: called (from any thread) when :meth:`later` has keys to take
+        self.notify: Callable[[], None] | None = None
         # The routing decision's per-binding requests (API-key Secret reads, status writes and their
         # Events) are independent of each other: sent ROUTING_CONCURRENCY at a time, not one by one.
         self._fanout = ThreadPoolExecutor(ROUTING_CONCURRENCY, thread_name_prefix="kvfence-routing")
 
     def later(self, key: Key, delay: float) -> None:
         """Ask for ``key`` to be reconciled again in ``delay`` seconds (the work queue takes these
-        after each reconcile, see :meth:`take_later`)."""
+        after each reconcile, see :meth:`take_later`, and at once when it set :attr:`notify`)."""
         with self._later_lock:
             self._later[key] = min(delay, self._later.get(key, delay))
+        if self.notify is not None:
+            self.notify()
 
     def take_later(self) -> dict[Key, float]:
         with self._later_lock:
@@ -649,7 +653,14 @@ class Reconciler:
             self.state.awaiting_routing -= woken
         follow |= {ClassKey(n) for n in woken}
         self.state.routing_ready.set()
-        self.state.pending_follow |= {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
+        classes_next = {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
+        if self.notify is not None:
+            # Queued now, not after the bindings' status writes below: the woken classes render their
+            # engines while those are sent.
+            for ck in classes_next:
+                self.later(ck, 0)
+        else:
+            self.state.pending_follow |= classes_next
         # A class not reconciled yet in this process and without a key is about to get one: its
         # bindings keep their status until the decision it queues (no "not ready" flip first).
         untried = {n for n, c in classes.items() if not c.signing_keys and not c.deleting and n not in tried}
