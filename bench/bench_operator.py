@@ -14,7 +14,9 @@ tests' concern, not the benchmark's). The result goes to bench/results/operator-
 What is compared: the operator's wall time from its process start to "every TrustClass Ready and every
 TenantBinding Bound" (so it includes start-up, listing, API-key reads, routing decisions, status writes
 and Events), against the baseline's wall time to apply the same namespaces and children (the routing
-Secret included) and see every engine Deployment available. Creating the inputs is counted on neither
+Secret included), write the statuses any controller must write (every binding Bound, every class Ready
+once its Deployment is available: one server-side apply of the status subresource each), and see every
+engine Deployment available. Creating the inputs is counted on neither
 side: the TrustClasses, TenantBindings and API-key Secrets are created before the operator starts
 (``create_seconds`` reports how long that took). ``ratio`` is operator / baseline.
 """
