@@ -14,7 +14,9 @@ tests' concern, not the benchmark's). The result goes to bench/results/operator-
 What is compared: the operator's wall time from its process start to "every TrustClass Ready and every
 TenantBinding Bound" (so it includes start-up, listing, API-key reads, routing decisions, status writes
 and Events), against the baseline's wall time to apply the same namespaces and children (the routing
-Secret included) and see every engine Deployment available. Creating the inputs is counted on neither
+Secret included), write the statuses any controller must write (every binding Bound, every class Ready
+once its Deployment is available: one server-side apply of the status subresource each), and see every
+engine Deployment available. Creating the inputs is counted on neither
 side: the TrustClasses, TenantBindings and API-key Secrets are created before the operator starts
 (``create_seconds`` reports how long that took). ``ratio`` is operator / baseline.
 """
@@ -41,11 +43,13 @@ from cluster.localcluster import DEFAULT_NODES, FakeNode, LocalCluster  # noqa: 
 from cluster.localcluster import default_bin_dir as bin_dir  # noqa: E402
 from support import prom  # noqa: E402
 
+from kvfence.api import conditions as C  # noqa: E402
 from kvfence.api.trustclass import TrustClass  # noqa: E402
 from kvfence.contract import new_signing_key  # noqa: E402
 from kvfence.operator import bindings as R  # noqa: E402
 from kvfence.operator import builders as B  # noqa: E402
 from kvfence.operator.apply import Kube, load_api_client  # noqa: E402
+from kvfence.operator.status import kstatus_conditions, set_condition, trust_class_status  # noqa: E402
 
 SCALES = {"small": (20, 200), "issue": (200, 2000), "large": (1000, 10000)}
 TENANT_NAMESPACES = 10
@@ -110,30 +114,116 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def run_baseline(cluster: LocalCluster, n: int, opts: B.OperatorOptions) -> float:
-    """One client, server-side apply of the rendered objects, until every Deployment is available."""
+def binding_status(body: dict[str, Any], trust_class: str) -> dict[str, Any]:
+    """A ``Bound`` status as the operator writes it (same conditions, same fields)."""
+    gen = body["metadata"].get("generation", 1)
+    msg = f"tenant {body['spec']['tenantId']!r} routes to TrustClass {trust_class!r}"
+    conds = [
+        set_condition([], C.BOUND, True, C.REASON_BOUND, msg, gen),
+        set_condition([], C.DENIED, False, C.REASON_NOT_DENIED, "", gen),
+        set_condition([], C.READY, True, C.REASON_BOUND, msg, gen),
+        set_condition([], C.SPEC_ACCEPTED, True, C.REASON_ACCEPTED, "", gen),
+        *kstatus_conditions([], reconciling=None, stalled=None, generation=gen),
+    ]
+    return {
+        "observedGeneration": gen,
+        "conditions": conds,
+        "acceptedSpec": body["spec"],
+        "acceptedGeneration": gen,
+        "trustClass": trust_class,
+        "apiKeys": 1,
+    }
+
+
+def status_apply(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    meta = {k: v for k, v in body["metadata"].items() if k in ("name", "namespace")}
+    return {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta, "status": status}
+
+
+def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions) -> float:
+    """One client: server-side apply of the rendered objects, then the statuses any controller must
+    write (every binding ``Bound``, every class ``Ready`` once its Deployment is available), each
+    one server-side apply of the status subresource, until every Deployment is available and every
+    status written. Its TrustClasses and TenantBindings are created before its clock starts and
+    deleted after it stops (so the operator never sees them)."""
     kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    tcs = [tc_body(f"base-{i}") for i in range(n)]
+    tbs = [binding_body(f"b{j}", f"bench-base-t{j % TENANT_NAMESPACES}", f"base-{j % n}") for j in range(m)]
+    kubectl_apply(
+        cluster,
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": f"bench-base-t{k}"}}
+            for k in range(TENANT_NAMESPACES)
+        ]
+        + tcs
+        + tbs,
+    )
+    live_tcs = {t["metadata"]["name"]: t for t in list_json(cluster, "trustclasses")}
+    live_tbs = list_json(cluster, "tenantbindings", "-A")
+    assert len(live_tcs) == n and len(live_tbs) == m, (len(live_tcs), len(live_tbs))
+
     start = time.monotonic()
     classes: dict[str, R.ClassState] = {}
-    for i in range(n):
-        body = tc_body(f"base-{i}")
-        body["metadata"]["uid"] = "00000000-0000-0000-0000-000000000000"
+    for _, body in sorted(live_tcs.items()):
         tc = TrustClass.model_validate(body)
         key = new_signing_key()
+        # No owner references: deleting the baseline's TrustClasses after it stops must not have the
+        # garbage collector delete its objects while the operator runs.
         kube.apply(B.namespace(tc, opts))
-        for obj in B.children(tc, signing=(key, None, None), tenant_quotas=None, opts=opts, owner=None):
+        for obj in B.children(tc, signing=B.SigningKeys(key), tenant_quotas=None, opts=opts, owner=None):
             kube.apply(obj)
         classes[tc.name] = R.ClassState(tc, (key,))
     out = R.decide(classes, [], {}, {}, opts)
     kube.apply(R.routing_secret(out.table, opts))
+    bound: dict[str, int] = {}
+    for b in live_tbs:
+        cname = b["spec"]["trustClassName"]
+        kube.apply(status_apply(b, binding_status(b, cname)), subresource="status")
+        bound[cname] = bound.get(cname, 0) + 1
+    ready: set[str] = set()
 
     def available() -> bool:
         deps = list_json(cluster, "deployments", "-A", "-l", "app.kubernetes.io/managed-by=kvfence-operator")
-        base = [d for d in deps if d["metadata"]["namespace"].startswith("kvf-base-")]
-        return len(base) == n and all((d.get("status") or {}).get("availableReplicas") == 1 for d in base)
+        for d in deps:
+            cname = d["metadata"]["labels"].get(B.LABEL_TRUST_CLASS, "")
+            available = (d.get("status") or {}).get("availableReplicas") == 1
+            if cname in live_tcs and cname not in ready and available:
+                body, tc = live_tcs[cname], classes[cname].tc
+                st = trust_class_status(
+                    body,
+                    tc,
+                    endpoint=B.endpoint(tc, opts),
+                    bound_tenants=bound.get(cname, 0),
+                    deployment=d,
+                    key=classes[cname].signing_keys[0],
+                )
+                kube.apply(status_apply(body, st.status), subresource="status")
+                ready.add(cname)
+        return len(ready) == n
 
     wait_until(available, "baseline deployments available", 3600)
-    return time.monotonic() - start
+    elapsed = time.monotonic() - start
+    cluster.kubectl("delete", "tenantbindings", "--all", "-A", "--wait=false", timeout=600)
+    cluster.kubectl("delete", "trustclasses", "--all", "--wait=false", timeout=600)
+    wait_until(
+        lambda: not list_json(cluster, "tenantbindings", "-A") and not list_json(cluster, "trustclasses"),
+        "the baseline's TrustClasses and TenantBindings deleted",
+        600,
+    )
+    return elapsed
+
+
+def binding_body(name: str, namespace: str, trust_class: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfence.dev/v1alpha1",
+        "kind": "TenantBinding",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "tenantId": name,
+            "trustClassName": trust_class,
+            "apiKeySecretRef": {"name": f"{name}-keys"},
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.kubectl("create", "namespace", "kvfence-system")
         opts = B.OperatorOptions()
 
-        baseline_s = run_baseline(cluster, n, opts)
+        baseline_s = run_baseline(cluster, n, m, opts)
         print(f"baseline: {n} classes applied and available in {baseline_s:.1f}s", flush=True)
 
         tenant_ns = [f"bench-t{i}" for i in range(TENANT_NAMESPACES)]
@@ -178,19 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         kubectl_apply(cluster, setup)
         created = time.monotonic()
         classes = [tc_body(f"op-{i}") for i in range(n)]
-        bindings = [
-            {
-                "apiVersion": "kvfence.dev/v1alpha1",
-                "kind": "TenantBinding",
-                "metadata": {"name": f"t{j}", "namespace": tenant_ns[j % TENANT_NAMESPACES]},
-                "spec": {
-                    "tenantId": f"t{j}",
-                    "trustClassName": f"op-{j % n}",
-                    "apiKeySecretRef": {"name": f"t{j}-keys"},
-                },
-            }
-            for j in range(m)
-        ]
+        bindings = [binding_body(f"t{j}", tenant_ns[j % TENANT_NAMESPACES], f"op-{j % n}") for j in range(m)]
         kubectl_apply(cluster, classes + bindings)
         created_s = time.monotonic() - created
 

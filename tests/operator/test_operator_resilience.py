@@ -8,7 +8,15 @@ import functools
 from typing import Any
 
 import pytest
-from cluster.manifests import CPU_ANY_NAMESPACE, ready, trust_class
+from cluster.manifests import (
+    CPU_ANY_NAMESPACE,
+    condition,
+    keys_secret,
+    ready,
+    tenant_binding,
+    tenant_namespace,
+    trust_class,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -112,6 +120,50 @@ def test_killed_mid_reconcile_converges_without_duplicates_and_restart_writes_no
         }
         assert snapshot(kv) == before
     finally:
+        cleanup_classes(kv, wait, names)
+
+
+def test_an_operator_started_to_new_classes_binds_their_tenants_in_one_status_write_each(
+    operator: Any, kv: Any, wait: Any
+) -> None:
+    """What the benchmark measures, in small: the inputs exist before the operator starts. A new
+    class gets its signing key before a routing decision can route it and no decision says "not
+    ready yet" first, so each binding is written once, straight to Bound, with no Event (a first
+    bind is no news); no class polls for the routing decision."""
+    names = ["early-0", "early-1"]
+    bindings = [f"early-b{i}" for i in range(4)]
+    try:
+        operator.stop()
+        objs = [
+            *(tc(n) for n in names),
+            *tenant_namespace("early-t", grant=True),
+            *(keys_secret(b, "early-t", f"sk-{b}") for b in bindings),
+            *(tenant_binding(b, "early-t", f"t-{b}", names[i % 2]) for i, b in enumerate(bindings)),
+        ]
+        assert kv.apply(*objs).returncode == 0
+        operator.start()
+        operator.wait_ready()
+        for b in bindings:
+            wait(
+                lambda b=b: (
+                    condition(kv.json("get", "tb", b, "-n", "early-t"), "Bound").get("status") == "True"
+                ),
+                f"{b} Bound",
+                120,
+                dump=operator.tail,
+            )
+        for n in names:
+            wait(lambda n=n: ready(kv, n), f"{n} Ready", 180, dump=operator.tail)
+        assert operator.counter(
+            "kvfence_operator_api_requests_total", verb="PATCH", resource="tenantbindings"
+        ) == len(bindings)
+        assert operator.counter("kvfence_operator_reconciles_total", kind="class", result="requeue") == 0
+        events = kv.json(
+            "get", "events", "-n", "early-t", "--field-selector", "involvedObject.kind=TenantBinding"
+        )
+        assert events["items"] == [], [e["reason"] for e in events["items"]]
+    finally:
+        kv("delete", "namespace", "early-t", "--ignore-not-found", "--wait=false")
         cleanup_classes(kv, wait, names)
 
 

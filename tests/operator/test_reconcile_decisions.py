@@ -4,6 +4,7 @@ against a real kube-apiserver in test_operator_reconcile.py; this is the fast la
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ from kvfence.api import conditions
 from kvfence.api.common import API_VERSION
 from kvfence.operator import builders
 from kvfence.operator.keys import ROUTING, ClassKey
-from kvfence.operator.reconciler import Reconciler, Requeue
+from kvfence.operator.reconciler import Event, Reconciler, Requeue
 
 Obj = dict[str, Any]
 
@@ -37,7 +38,9 @@ class FakeKube:
     def __init__(self) -> None:
         self.objs: dict[tuple[str, str, str, str], Obj] = {}
         self.writes: list[tuple[str, str, str]] = []
+        self.reads: list[str] = []  # kinds read one by one (GET)
         self._uid = 0
+        self._version = 0
 
     @staticmethod
     def _key(api: str, kind: str, ns: str | None, name: str) -> tuple[str, str, str, str]:
@@ -48,9 +51,12 @@ class FakeKube:
         m.setdefault("generation", 1)
         self._uid += 1
         m.setdefault("uid", f"uid-{self._uid}")
+        self._version += 1
+        m["resourceVersion"] = str(self._version)
         self.objs[self._key(obj["apiVersion"], obj["kind"], m.get("namespace"), m["name"])] = obj
 
     def get(self, api: str, kind: str, name: str, namespace: str | None = None) -> Obj | None:
+        self.reads.append(kind)
         return copy.deepcopy(self.objs.get(self._key(api, kind, namespace, name)))
 
     def list(
@@ -109,14 +115,21 @@ def world() -> tuple[FakeKube, Reconciler, Callable[[], None]]:
     return kube, rec, route
 
 
+def first_pass(rec: Reconciler, name: str = "gold") -> None:
+    """A new class's first reconcile creates its signing key and waits for a routing decision that
+    routes it; that decision wakes it (the work queue's order, by hand)."""
+    assert rec.reconcile(ClassKey(name)) == {ROUTING}
+    assert ClassKey(name) in rec.reconcile(ROUTING)
+
+
 def condition(obj: Obj | None, ctype: str) -> Obj:
     return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == ctype), {})
 
 
 def test_a_class_is_rendered_into_its_namespace_and_a_second_pass_writes_nothing(world: Any) -> None:
-    kube, rec, route = world
+    kube, rec, _ = world
     kube.put(trust_class())
-    route()
+    first_pass(rec)
     rec.reconcile(ClassKey("gold"))
     kinds = {k for (_, k, ns, _) in kube.objs if ns == "kvf-gold"}
     assert kinds == {"ConfigMap", "Secret", "Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment"}
@@ -144,10 +157,10 @@ def test_a_namespace_of_someone_else_is_never_adopted(world: Any) -> None:
 
 
 def test_a_missing_shared_prefix_configmap_applies_nothing_and_says_so(world: Any) -> None:
-    kube, rec, route = world
+    kube, rec, _ = world
     ref = {"name": "tools", "form": "completion", "configMapKeyRef": {"name": "prompts", "key": "tools"}}
     kube.put(trust_class(prefixCache={"sharedPrefixes": [ref]}))
-    route()
+    first_pass(rec)
     with pytest.raises(Requeue, match=r"sharedPrefixes\[tools\]"):
         rec.reconcile(ClassKey("gold"))
     assert kube.get("v1", "ConfigMap", builders.CONFIG_NAME, "kvf-gold") is None
@@ -164,9 +177,170 @@ def test_a_missing_shared_prefix_configmap_applies_nothing_and_says_so(world: An
     )
 
 
-def test_a_class_is_not_rendered_before_the_first_routing_decision(world: Any) -> None:
+def tenant(kube: FakeKube, name: str = "acme", trust_class: str = "gold") -> None:
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
+    data = {"key": base64.b64encode(f"sk-{name}".encode()).decode()}
+    kube.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{name}-keys", "namespace": "team-a"},
+            "data": data,
+        }
+    )
+    kube.put(
+        {
+            "apiVersion": API_VERSION,
+            "kind": "TenantBinding",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {
+                "tenantId": name,
+                "trustClassName": trust_class,
+                "apiKeySecretRef": {"name": f"{name}-keys"},
+            },
+        }
+    )
+
+
+def test_a_new_class_gets_its_key_before_its_engine_and_its_tenant_binds_in_one_status_write() -> None:
+    kube = FakeKube()
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvfence-system"}})
+    events: list[Event] = []
+    rec = Reconciler(kube, builders.OperatorOptions(), emit=events.append, new_key=lambda: bytes(range(32)))  # type: ignore[arg-type]
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    binding = ("status", "TenantBinding", "acme")
+    # A decision made before the class's first reconcile leaves its binding alone: the class is
+    # about to get a key, and "not ready yet" would be true for a moment only.
+    rec.reconcile(ROUTING)
+    assert binding not in kube.writes and "status" not in kube.get(
+        API_VERSION, "TenantBinding", "acme", "team-a"
+    )
+    # The class's first reconcile: namespace and signing key, no engine yet (its config waits for
+    # the tenants' quotas, that is for a routing decision that routes the class) and no polling.
+    assert rec.reconcile(ClassKey("gold")) == {ROUTING}
+    assert builders.read_signing_secret(kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, "kvf-gold"))
+    assert kube.get("apps/v1", "Deployment", "kvfence-engine", "kvf-gold") is None
+    assert rec.take_later() == {}
+    # That decision binds the tenant at once and wakes the class.
+    assert ClassKey("gold") in rec.reconcile(ROUTING)
+    tb = kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
+    assert condition(tb, conditions.BOUND)["status"] == "True"
+    assert condition(tb, conditions.READY)["reason"] == conditions.REASON_BOUND
+    assert kube.writes.count(binding) == 1
+    # A new binding that binds gets no Event (its status says so); the class's key did.
+    assert [e.reason for e in events if e.obj["kind"] == "TenantBinding"] == []
+    kube.reads.clear()
+    rec.reconcile(ClassKey("gold"))
+    # the rest of a namespace the class created with its key alone is known absent: not read
+    assert sorted(kube.reads) == ["Secret", "TrustClass"]
+    assert kube.get("apps/v1", "Deployment", "kvfence-engine", "kvf-gold") is not None
+    # A change of fate is news: one Warning Event (its class is gone: the binding is denied).
+    kube.delete(API_VERSION, "TrustClass", "gold")
+    rec.reconcile(ROUTING)
+    assert (
+        condition(kube.get(API_VERSION, "TenantBinding", "acme", "team-a"), conditions.DENIED)["status"]
+        == "True"
+    )
+    assert [(e.reason, e.type) for e in events if e.obj["kind"] == "TenantBinding"] == [
+        (conditions.REASON_TRUST_CLASS_NOT_FOUND, "Warning")
+    ]
+
+
+def test_a_class_that_gets_no_key_on_its_first_reconcile_has_its_bindings_told(world: Any) -> None:
+    kube, rec, route = world
+    kube.put(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvf-gold", "labels": {"team": "x"}}}
+    )
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    route()
+    assert "status" not in kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
+    assert rec.reconcile(ClassKey("gold")) == set()  # NamespaceConflict: no key
+    assert rec.take_later() == {ROUTING: 0}  # its bindings are decided again at once
+    route()
+    c = condition(kube.get(API_VERSION, "TenantBinding", "acme", "team-a"), conditions.BOUND)
+    assert (c["status"], c["reason"]) == ("False", conditions.REASON_TRUST_CLASS_NOT_READY)
+
+
+def test_a_child_seen_as_desired_is_not_read_again_until_its_watch_reports_another_version(
+    world: Any,
+) -> None:
     kube, rec, _ = world
     kube.put(trust_class())
-    with pytest.raises(Requeue, match="first routing decision"):
-        rec.reconcile(ClassKey("gold"))
-    assert kube.get("apps/v1", "Deployment", "kvfence-engine", "kvf-gold") is None
+    first_pass(rec)
+    rec.reconcile(ClassKey("gold"))
+    kube.reads.clear()
+    rec.reconcile(ClassKey("gold"))
+    # the Deployment is read for its status, the signing key for its keys; the others (the namespace
+    # too) were applied as desired and nothing says they changed since
+    assert sorted(kube.reads) == ["Deployment", "Secret", "TrustClass"]
+    cm_ref = ("v1", "ConfigMap", builders.CONFIG_NAME, "kvf-gold")
+    applied = kube.get(*cm_ref)
+    assert (
+        rec.child_event("ConfigMap", "kvf-gold", builders.CONFIG_NAME, applied["metadata"]["resourceVersion"])
+        is False
+    )
+    # an edit by someone else is news: the class's next reconcile reads the object and puts it back
+    edited = copy.deepcopy(applied)
+    edited["data"] = {builders.CONFIG_KEY: "{}"}
+    kube.put(edited)
+    assert (
+        rec.child_event("ConfigMap", "kvf-gold", builders.CONFIG_NAME, edited["metadata"]["resourceVersion"])
+        is True
+    )
+    kube.writes.clear()
+    rec.reconcile(ClassKey("gold"))
+    assert kube.writes == [("apply", "ConfigMap", builders.CONFIG_NAME)]
+    assert kube.get(*cm_ref)["data"] == applied["data"]
+    # and so is a deletion
+    kube.delete(*cm_ref)
+    assert rec.child_event("ConfigMap", "kvf-gold", builders.CONFIG_NAME, "") is True
+    rec.reconcile(ClassKey("gold"))
+    assert kube.get(*cm_ref)["data"] == applied["data"]
+    # the resync forgets what was seen: every child is read again
+    rec.forget_children()
+    kube.reads.clear()
+    rec.reconcile(ClassKey("gold"))
+    assert {"ConfigMap", "Service", "NetworkPolicy", "PodDisruptionBudget"} <= set(kube.reads)
+
+
+def test_what_was_remembered_of_a_deleted_class_children_goes_with_it(world: Any) -> None:
+    """The versions seen and watched are per child: a deleted class (and the deletion events of its
+    children that garbage collection sends afterwards) leaves none of them behind."""
+    kube, rec, _ = world
+    kube.put(trust_class())
+    first_pass(rec)
+    rec.reconcile(ClassKey("gold"))
+    for kind, name in (("ConfigMap", builders.CONFIG_NAME), ("Service", builders.ENGINE_NAME)):
+        rec.child_event(kind, "kvf-gold", name, "12345")  # versions the watches reported
+    assert any(ref[1] == "kvf-gold" for ref in rec.state.seen)
+    kube.delete(API_VERSION, "TrustClass", "gold")
+    rec.reconcile(ClassKey("gold"))
+    for kind, name in (("ConfigMap", builders.CONFIG_NAME), ("Deployment", builders.ENGINE_NAME)):
+        assert rec.child_event(kind, "kvf-gold", name, "") is True  # garbage collection, afterwards
+    leftover = [ref for memo in (rec.state.seen, rec.state.watched) for ref in memo if "kvf-gold" in ref]
+    assert leftover == []
+
+
+def test_the_classes_a_decision_wakes_are_queued_before_it_writes_the_bindings_statuses(world: Any) -> None:
+    kube, rec, route = world
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    route()
+    assert rec.reconcile(ClassKey("gold")) == {ROUTING}
+    handed: list[Any] = []
+    rec.notify = lambda: handed.extend(rec.take_later())  # the work queue takes them at once
+    at_write: list[list[Any]] = []
+    patch_status = kube.patch_status
+
+    def recording(api: str, kind: str, name: str, namespace: str | None, status: Obj) -> Obj:
+        if kind == "TenantBinding":
+            at_write.append(list(handed))
+        return patch_status(api, kind, name, namespace, status)
+
+    kube.patch_status = recording  # type: ignore[method-assign]
+    follow = rec.reconcile(ROUTING)
+    # the class renders its engine while the decision's status writes are sent, and is queued once
+    assert at_write == [[ClassKey("gold")]]
+    assert ClassKey("gold") not in follow

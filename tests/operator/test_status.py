@@ -78,6 +78,19 @@ def test_a_rollout_in_progress_is_reconciling_and_a_stuck_one_stalled() -> None:
     assert cond(stuck, C.RECONCILING)["status"] == "False"  # never both
 
 
+def test_a_new_class_rolling_out_is_no_event_but_a_stuck_one_is() -> None:
+    tc = TrustClass.model_validate(body())
+    assert trust_class_status(body(), tc, deployment=deployment(updated=1, available=1)).ready_flipped is None
+    deadline = {"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "timed out"}
+    stuck = trust_class_status(body(), tc, deployment=deployment(updated=1, conditions=[deadline]))
+    assert stuck.ready_flipped is not None and stuck.ready_flipped["status"] == "False"
+    # once Ready, losing it is news
+    was_ready = body()
+    was_ready["status"] = {"conditions": [{"type": C.READY, "status": "True", "reason": C.REASON_AVAILABLE}]}
+    lost = trust_class_status(was_ready, tc, deployment=deployment(updated=1, available=1))
+    assert lost.ready_flipped is not None and lost.ready_flipped["reason"] == C.REASON_UNAVAILABLE
+
+
 def test_a_degraded_class_keeps_its_last_accepted_spec_and_says_why() -> None:
     before = {ACCEPTED_SPEC: {"replicas": 1}, "acceptedGeneration": 2}
     out = trust_class_status(body(status=before), None, degraded=(C.REASON_INVALID_SPEC, "bad field"))

@@ -11,6 +11,7 @@ operator with nothing to do sends no write request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from kubernetes import client as k8s
 
 from kvfence.api.common import GROUP, VERSION
 from kvfence.operator import metrics
-from kvfence.operator.apply import load_api_client
+from kvfence.operator.apply import LIST_PAGE, load_api_client
 from kvfence.operator.bindings import accepted_key
 from kvfence.operator.builders import (
     ANNOTATION_ROTATE,
@@ -123,7 +124,18 @@ class Controller:
                 referenced=self.api_keys.secrets,
             )
             self.secret_watches.want(self.api_keys.namespaces())
+        loop = self._loop
+
+        def notify() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the operator is stopping
+                loop.call_soon_threadsafe(self._take_later)
+
+        self.reconciler.notify = notify
         self.enqueue(ROUTING)
+
+    def _take_later(self) -> None:
+        for f, delay in self.reconciler.take_later().items():
+            self.enqueue(f, delay)
 
     async def stop(self) -> None:
         if self._on_stop is not None:
@@ -204,8 +216,7 @@ class Controller:
                     self.enqueue(key)
             for f in follow:
                 self.enqueue(f)
-            for f, delay in self.reconciler.take_later().items():
-                self.enqueue(f, delay)
+            self._take_later()
 
     async def _resync(self) -> None:
         while True:
@@ -214,6 +225,7 @@ class Controller:
             # namespace that lets the operator read but not watch its Secrets: API keys are re-read,
             # and each class's signing-key Secret is checked (one GET per class).
             self.reconciler.forget_api_keys()
+            self.reconciler.forget_children()
             self.enqueue(ROUTING)
             for name in sorted(self.known_classes):
                 self.enqueue(ClassSecretKey(name))
@@ -255,6 +267,11 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     # the server-side field selector is what makes the watch allowed at all.
     settings.watching.field_selectors["", "v1", "secrets"] = SIGNING_SECRET_FIELD_SELECTOR
     settings.networking.request_timeout = 60
+    # Memory: kopf's first list of each kind is read a page at a time (as Kube.list reads), not as one
+    # answer holding every object, and the per-object worker that holds an object's last event exits
+    # after one idle second instead of five (a start-up burst of thousands of objects is not all held).
+    settings.watching.chunk_size = LIST_PAGE
+    settings.queueing.idle_timeout = 1.0
     await _controller(memo).start()
 
 
@@ -325,7 +342,9 @@ async def tenantbinding_event(
 
 
 @kopf.on.event("", "v1", "namespaces")
-async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
+async def namespace_event(
+    name: str, type: str | None, labels: kopf.Labels, meta: kopf.Meta, memo: Any, **_: Any
+) -> None:
     c = _controller(memo)
     new = dict(labels) if type != "DELETED" else None
     if c.namespace_labels.get(name) != new:
@@ -335,26 +354,51 @@ async def namespace_event(name: str, type: str | None, labels: kopf.Labels, memo
             c.namespace_labels[name] = new
         c.enqueue(ROUTING, COALESCE_SECONDS)  # a namespace's labels decide which bindings its class admits
     owner = (labels or {}).get(LABEL_TRUST_CLASS)
-    if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER:
+    # Every namespace's version is recorded: one that lost the operator's labels is read again at its
+    # class's next reconcile (NamespaceConflict).
+    news = _news(c, "Namespace", "", name, type, meta)
+    if owner and (labels or {}).get(LABEL_MANAGED_BY) == MANAGER and news:
         c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
 
-def _child_handler(group: str, version: str, plural: str) -> Callable[..., Any]:
+def _news(c: Controller, kind: str, namespace: str, name: str, type: str | None, meta: kopf.Meta) -> bool:
+    """Whether an event of an object the operator applies is news (not its own write coming back)."""
+    version = DELETED if type == "DELETED" else str(meta.get("resourceVersion") or "")
+    return c.reconciler.child_event(kind, namespace, name, version)
+
+
+def _child_handler(group: str, version: str, plural: str, kind: str) -> Callable[..., Any]:
     @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
-    async def child_event(labels: kopf.Labels, memo: Any, **_: Any) -> None:
+    async def child_event(
+        name: str,
+        namespace: str | None,
+        type: str | None,
+        meta: kopf.Meta,
+        labels: kopf.Labels,
+        memo: Any,
+        **_: Any,
+    ) -> None:
         owner = labels.get(LABEL_TRUST_CLASS)
-        if owner:
-            _controller(memo).enqueue(ClassKey(owner), COALESCE_SECONDS)
+        c = _controller(memo)
+        if owner and _news(c, kind, namespace or "", name, type, meta):
+            c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
     return child_event
 
 
 @kopf.on.event("", "v1", "secrets", id="signing-key-secrets")
 async def signing_key_secret_event(
-    namespace: str | None, name: str, labels: kopf.Labels, memo: Any, **_: Any
+    namespace: str | None,
+    name: str,
+    type: str | None,
+    body: kopf.Body,
+    labels: kopf.Labels,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """The signing-key Secret of a class was created, edited or deleted (the watch's field selector
-    lets only that name through): check the class's key at once (one GET; a full reconcile only if the
+    lets only that name through): nothing to do when it holds the keys the router has (the operator's
+    own write coming back); else check the class's key at once (one GET; a full reconcile only if the
     Secret is gone or not what was applied)."""
     c = _controller(memo)
     owner = (
@@ -364,6 +408,10 @@ async def signing_key_secret_event(
     )
     if owner is None:
         metrics.SECRET_EVENTS.labels("signing-key", "ignored").inc()
+        return
+    secret = {"data": dict(body.get("data") or {}), "metadata": dict(body.get("metadata") or {})}
+    if type != "DELETED" and c.reconciler.signing_secret_is_current(owner, secret):
+        metrics.SECRET_EVENTS.labels("signing-key", "current").inc()
         return
     metrics.SECRET_EVENTS.labels("signing-key", "enqueued").inc()
     c.enqueue(ClassSecretKey(owner), COALESCE_SECONDS)
@@ -389,10 +437,10 @@ async def shared_prefix_configmap_event(namespace: str | None, memo: Any, **_: A
 # signing-key Secret has its own watch (above); the routing-table Secret is checked by each routing
 # reconcile and the resync.
 CHILD_WATCHERS = [
-    _child_handler("apps", "v1", "deployments"),
-    _child_handler("", "v1", "services"),
-    _child_handler("", "v1", "configmaps"),
-    _child_handler("", "v1", "persistentvolumeclaims"),
-    _child_handler("networking.k8s.io", "v1", "networkpolicies"),
-    _child_handler("policy", "v1", "poddisruptionbudgets"),
+    _child_handler("apps", "v1", "deployments", "Deployment"),
+    _child_handler("", "v1", "services", "Service"),
+    _child_handler("", "v1", "configmaps", "ConfigMap"),
+    _child_handler("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim"),
+    _child_handler("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
+    _child_handler("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
 ]

@@ -26,7 +26,7 @@ from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
-from kvfence.operator import builders, modelcache
+from kvfence.operator import builders, modelcache, secretwatch
 from kvfence.operator.apply import Kube, KubeError, is_subset, manages, now_rfc3339
 from kvfence.operator.bindings import (
     ClassState,
@@ -51,6 +51,8 @@ from kvfence.operator.status import (
 log = logging.getLogger("kvfence.operator")
 
 Obj = dict[str, Any]
+#: (kind, namespace or "", name) of an object the operator applies
+ChildRef = tuple[str, str, str]
 FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
 #: Requests the routing decision has in flight at once for its per-binding reads and writes.
@@ -123,6 +125,26 @@ class State:
     class_namespace: dict[str, str] = field(default_factory=dict)
     pending_follow: set[Key] = field(default_factory=set)
     routing_ready: threading.Event = field(default_factory=threading.Event)
+    #: classes whose reconcile ran at least once in this process: until then a class without a
+    #: signing key is about to get one, and the routing decision does not write "not ready yet" on
+    #: its bindings (the class's reconcile queues the decision again, which can say Bound at once)
+    class_tried: set[str] = field(default_factory=set)
+    #: classes the last routing decision routed (they had a signing key)
+    routed: set[str] = field(default_factory=set)
+    #: classes waiting for a routing decision that routes them (their tenants' quotas go into the
+    #: engine config): the decision wakes them, nobody polls
+    awaiting_routing: set[str] = field(default_factory=set)
+    #: what a class's reconcile applied while it waited for that decision (namespace, key): told in
+    #: the one "Applied" Event of the reconcile that renders the rest
+    applied_early: dict[str, list[str]] = field(default_factory=dict)
+    #: class namespaces this process created that hold only the signing key (their class waits for
+    #: routing): the other children are known absent
+    keyed_namespaces: set[str] = field(default_factory=set)
+    #: objects the operator applied, or read and found as desired: their resourceVersion then and the
+    #: spec hash of what was desired
+    seen: dict[ChildRef, tuple[str, str]] = field(default_factory=dict)
+    #: the latest resourceVersion the watches reported for those objects (``secretwatch.DELETED`` once gone)
+    watched: dict[ChildRef, str] = field(default_factory=dict)
 
 
 class Reconciler:
@@ -143,16 +165,21 @@ class Reconciler:
         self._clock = clock
         self._routing_lock = threading.Lock()
         self._later_lock = threading.Lock()
+        self._routed_lock = threading.Lock()
         self._later: dict[Key, float] = {}
+        #: set by the work queue: called (from any thread) when :meth:`later` has keys to take
+        self.notify: Callable[[], None] | None = None
         # The routing decision's per-binding requests (API-key Secret reads, status writes and their
         # Events) are independent of each other: sent ROUTING_CONCURRENCY at a time, not one by one.
         self._fanout = ThreadPoolExecutor(ROUTING_CONCURRENCY, thread_name_prefix="kvfence-routing")
 
     def later(self, key: Key, delay: float) -> None:
         """Ask for ``key`` to be reconciled again in ``delay`` seconds (the work queue takes these
-        after each reconcile, see :meth:`take_later`)."""
+        after each reconcile, see :meth:`take_later`, and at once when it set :attr:`notify`)."""
         with self._later_lock:
             self._later[key] = min(delay, self._later.get(key, delay))
+        if self.notify is not None:
+            self.notify()
 
     def take_later(self) -> dict[Key, float]:
         with self._later_lock:
@@ -169,14 +196,25 @@ class Reconciler:
                 return self.reconcile_class(name)
             case ClassSecretKey(name):
                 return self.check_class_secret(name)
-            case BindingSecretKey(namespace, name):
-                # The binding's API-key Secret changed (its watch said so): read it again, decide again.
-                self.state.keys.pop(f"{namespace}/{name}", None)
+            case BindingSecretKey():
+                # The binding's API-key Secret changed: its watch recorded the new resourceVersion
+                # (:meth:`secret_changed`), so the decision reads the Secret again unless its keys
+                # were read at that very version (the watch's first list of Secrets already read).
                 return {ROUTING}
         raise ValueError(f"unknown key {key!r}")
 
     # --- TrustClass ------------------------------------------------------------------------------
     def reconcile_class(self, name: str) -> set[Key]:
+        try:
+            return self._reconcile_class(name)
+        finally:
+            if name not in self.state.class_tried:
+                self.state.class_tried.add(name)
+                if name not in self.state.signing:
+                    # No key came of its first reconcile (refused, failed): its bindings are told so.
+                    self.later(ROUTING, 0)
+
+    def _reconcile_class(self, name: str) -> set[Key]:
         body = self.kube.get(API_VERSION, "TrustClass", name)
         if body is None:
             self._forget(name)
@@ -216,7 +254,12 @@ class Reconciler:
         ns_name = tc.target_namespace
         self.state.class_namespace[name] = ns_name
         owner = builders.owner_reference(body)
-        live_ns = self.kube.get("v1", "Namespace", ns_name)
+        desired_ns = builders.namespace(tc, self.opts, owner)
+        changed: list[str] = []
+        # Ours and as desired when last seen, and its watch reported no other version since: it is
+        # still ours, not terminating, nothing to read.
+        known_ns = self._unchanged(desired_ns)
+        live_ns = None if known_ns else self.kube.get("v1", "Namespace", ns_name)
         if (
             live_ns is not None
             and (live_ns["metadata"].get("labels") or {}).get(builders.LABEL_TRUST_CLASS) != name
@@ -227,16 +270,38 @@ class Reconciler:
             return set()
         if live_ns is not None and live_ns["metadata"].get("deletionTimestamp"):
             raise Requeue(f"namespace {ns_name} is still terminating", delay=5)
-        changed: list[str] = []
-        self._ensure(builders.namespace(tc, self.opts, owner), live_ns, changed)
+        if not known_ns:
+            self._ensure(desired_ns, live_ns, changed)
+        # A namespace that did not exist a moment ago holds none of the children: nothing to read.
+        fresh = live_ns is None and not known_ns
+        # ... nor one that held only the signing key when this class last waited for routing.
+        no_children = fresh or ns_name in self.state.keyed_namespaces
 
-        if not self.state.routing_ready.is_set():
-            raise Requeue("waiting for the first routing decision", delay=0.5)
         # The signing key: kept, created once, rotated on request; a second rotation waits until the
         # first has reached every engine (the key it would retire may still be the one signing).
-        live_secret = self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns_name)
+        live_secret = None if fresh else self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns_name)
         live_keys = builders.read_signing_secret(live_secret)
         rotation = (meta.get("annotations") or {}).get(builders.ANNOTATION_ROTATE)
+        if live_keys is None:
+            # A new class's key first, before the engine is rendered: the routing decision that the
+            # engine config waits for (below) can then already route the class and bind its tenants.
+            live_keys = builders.plan_signing_keys(None, rotation, self._new_key(), now_rfc3339())
+            live_secret = self._ensure(
+                builders.signing_secret(tc, live_keys, self.opts, owner), live_secret, changed
+            )
+            self.state.signing[name] = builders.router_signing_keys(live_keys, propagated=True)
+        with self._routed_lock:
+            waiting = name not in self.state.routed
+            if waiting:
+                self.state.awaiting_routing.add(name)
+        if waiting:
+            # The engine config holds the class's tenants' quotas: rendered once a routing decision
+            # has routed the class (that decision queues this class again).
+            if changed:
+                self.state.applied_early.setdefault(name, []).extend(changed)
+            if fresh:
+                self.state.keyed_namespaces.add(ns_name)
+            return {ROUTING}
         if live_keys is not None and rotation and rotation != live_keys.rotated_for:
             wait = builders.key_propagation_left(
                 live_keys, self._clock(), self.opts.signing_key_propagation_seconds
@@ -288,6 +353,10 @@ class Reconciler:
         for i, obj in enumerate(objs):
             if obj["kind"] == "Secret":
                 lives[i] = live_secret
+            elif no_children:
+                lives[i] = None
+            elif obj["kind"] not in ("Deployment", "PersistentVolumeClaim") and self._unchanged(obj):
+                continue  # as desired when last seen, and its watch reported no other version since
             else:
                 lives[i] = self.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], ns_name)
             if obj["kind"] == "PersistentVolumeClaim":
@@ -298,6 +367,8 @@ class Reconciler:
                     return set()
         deployment_live: Obj | None = None
         for i, obj in enumerate(objs):
+            if i not in lives:
+                continue  # unchanged (above): nothing to apply
             live = lives[i]
             if obj["kind"] == "Deployment" and tc.spec.replicas_managed_externally:
                 self._hand_over_replicas(live)
@@ -313,6 +384,8 @@ class Reconciler:
                 return set()
             if obj["kind"] == "Deployment":
                 deployment_live = applied
+        self.state.keyed_namespaces.discard(ns_name)
+        changed[:0] = self.state.applied_early.pop(name, [])
         if changed:
             self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
         # After a rotation the router keeps signing with the previous key until every engine holds the
@@ -425,7 +498,16 @@ class Reconciler:
         ns, keys = self.state.class_namespace.get(name), self.state.signing.get(name)
         if ns is None or keys is None:
             return {ClassKey(name)}
-        held = builders.read_signing_secret(self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns))
+        secret = self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns)
+        return set() if self.signing_secret_is_current(name, secret) else {ClassKey(name)}
+
+    def signing_secret_is_current(self, name: str, secret: Obj | None) -> bool:
+        """Whether ``secret`` (read, or as its watch event carried it) holds exactly the keys the
+        router holds for class ``name``: its own write coming back, say, which needs no reconcile."""
+        keys = self.state.signing.get(name)
+        if keys is None or name not in self.state.class_namespace:
+            return False
+        held = builders.read_signing_secret(secret)
         live = (
             set()
             if held is None
@@ -433,16 +515,58 @@ class Reconciler:
             if held.previous is None
             else {held.current, held.previous}
         )
-        return set() if live == set(keys) else {ClassKey(name)}
+        return live == set(keys)
 
     def _ensure(self, desired: Obj, live: Obj | None, changed: list[str]) -> Obj | None:
         desired = with_spec_hash(desired)
         if not needs_apply(desired, live):
+            self._saw(desired, live)
             return live
         applied = self.kube.apply(desired)
+        self._saw(desired, applied)
         changed.append(f"{desired['kind']}/{desired['metadata']['name']}")
         log.info("applied %s %s", desired["kind"], desired["metadata"]["name"])
         return applied
+
+    @staticmethod
+    def _ref(obj: Obj) -> ChildRef:
+        meta = obj["metadata"]
+        return (obj["kind"], meta.get("namespace") or "", meta["name"])
+
+    def _saw(self, desired: Obj, live: Obj | None) -> None:
+        """``live`` (applied, or read) is as ``desired`` (annotated with its spec hash)."""
+        version = ((live or {}).get("metadata") or {}).get("resourceVersion")
+        if version:
+            h = desired["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
+            self.state.seen[self._ref(desired)] = (str(version), h)
+
+    def _unchanged(self, obj: Obj) -> bool:
+        """Whether ``obj`` (not yet annotated) is what was desired when the live object was last seen
+        as desired, and no watch event has reported another version since. An event that does is
+        followed by a reconcile of the class (the handlers queue it), which then reads the object:
+        every change is still seen, and the operator's own writes coming back cost no read."""
+        ref = self._ref(obj)
+        seen = self.state.seen.get(ref)
+        return (
+            seen is not None and seen[1] == spec_hash(obj) and self.state.watched.get(ref, seen[0]) == seen[0]
+        )
+
+    def child_event(self, kind: str, namespace: str, name: str, resource_version: str) -> bool:
+        """A watch saw this version of an object the operator applies (``secretwatch.DELETED``: deleted).
+        Returns whether it is news: not the version the operator last applied or read as desired
+        (its own write coming back needs no reconcile)."""
+        ref = (kind, namespace, name)
+        seen = self.state.seen.get(ref)
+        if resource_version == secretwatch.DELETED and seen is None:
+            self.state.watched.pop(ref, None)  # nothing remembered of it: nothing to keep
+            return True
+        self.state.watched[ref] = resource_version
+        return seen is None or seen[0] != resource_version
+
+    def forget_children(self) -> None:
+        """Read every child again at its class's next reconcile (the resync: a change a watch missed
+        while it was down is seen then)."""
+        self.state.seen.clear()
 
     def _set_finalizer(self, body: Obj, *, present: bool) -> None:
         patch = {
@@ -486,6 +610,17 @@ class Reconciler:
         return follow
 
     def _forget(self, name: str) -> None:
+        with self._routed_lock:
+            self.state.awaiting_routing.discard(name)
+            self.state.routed.discard(name)
+        self.state.applied_early.pop(name, None)
+        ns = self.state.class_namespace.get(name)
+        if ns is not None:
+            self.state.keyed_namespaces.discard(ns)
+            # What was remembered of the class's children (and of its namespace) goes with it.
+            for memo in (self.state.seen, self.state.watched):
+                for ref in [r for r in memo if r[1] == ns or r == ("Namespace", "", ns)]:
+                    del memo[ref]
         self.state.signing.pop(name, None)
         self.state.tenant_quotas.pop(name, None)
         self.state.bound_count.pop(name, None)
@@ -532,6 +667,9 @@ class Reconciler:
             return self._reconcile_routing()
 
     def _reconcile_routing(self) -> set[Key]:
+        # Taken before any key is read: a class reconcile stores its new key before it counts as
+        # tried, so a class tried by now whose key this decision does not find truly has none.
+        tried = set(self.state.class_tried)
         tc_bodies = self.kube.list(API_VERSION, "TrustClass")
         tb_bodies = self.kube.list(API_VERSION, "TenantBinding")
         namespaces = {
@@ -591,8 +729,31 @@ class Reconciler:
         self.state.bound_count = bound
         # The decisions are made: engines can be configured even if the write below fails (say, the
         # router's namespace does not exist yet); the follow-ups survive a failed attempt.
+        with self._routed_lock:
+            self.state.routed = {n for n, c in classes.items() if c.signing_keys}
+            woken = self.state.awaiting_routing & self.state.routed
+            self.state.awaiting_routing -= woken
+        follow |= {ClassKey(n) for n in woken}
         self.state.routing_ready.set()
-        self.state.pending_follow |= {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
+        classes_next = {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
+        if self.notify is not None:
+            # Queued now, not after the bindings' status writes below: the woken classes render their
+            # engines while those are sent.
+            for ck in classes_next:
+                self.later(ck, 0)
+        else:
+            self.state.pending_follow |= classes_next
+        # A class not reconciled yet in this process and without a key is about to get one: its
+        # bindings keep their status until the decision it queues (no "not ready" flip first).
+        untried = {n for n, c in classes.items() if not c.signing_keys and not c.deleting and n not in tried}
+        to_write = [
+            b
+            for b in bindings
+            if not (
+                out.decisions[b.key].reason == conditions.REASON_TRUST_CLASS_NOT_READY
+                and out.decisions[b.key].trust_class in untried
+            )
+        ]
 
         secret = with_spec_hash(routing_secret(out.table, self.opts))
         live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
@@ -604,7 +765,7 @@ class Reconciler:
                 len(out.table.tenants),
             )
         # list(): wait for every write, and raise the first failure (the routing key is retried).
-        list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), bindings))
+        list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), to_write))
         done, self.state.pending_follow = self.state.pending_follow, set()
         return done
 
@@ -743,7 +904,10 @@ class Reconciler:
             API_VERSION, "TenantBinding", meta["name"], meta["namespace"], status_patch(status, live_status)
         )
         old = {c.get("type"): c for c in existing}
-        if (
+        # One Event per transition; none for a new binding's first decision when it binds (its
+        # status says so; an Event is for news: a denial, a binding waiting, a change of fate).
+        first_bind = d.bound and conditions.BOUND not in old
+        if not first_bind and (
             old.get(conditions.BOUND, {}).get("status") != conds[0]["status"]
             or old.get(conditions.DENIED, {}).get("reason") != conds[1]["reason"]
         ):

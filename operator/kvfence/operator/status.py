@@ -251,7 +251,10 @@ def trust_class_status(
             ),
         ]
         old_ready: Obj = next((c for c in existing if c.get("type") == conditions.READY), {})
-        if old_ready.get("status") != ready_c["status"]:
+        # A new class whose engine is rolling out is no news (nor a problem): its first Ready is
+        # told when it becomes True, or when the rollout is stuck (Degraded).
+        first_rollout = not old_ready and prog["status"] == "True" and deg["status"] == "False"
+        if old_ready.get("status") != ready_c["status"] and not first_rollout:
             flipped = ready_c
     status["conditions"] = conds
     return ClassStatus(status, rolled, flipped)
