@@ -14,7 +14,7 @@ import pytest
 from kvfence.api import conditions
 from kvfence.api.common import API_VERSION
 from kvfence.operator import builders
-from kvfence.operator.keys import ROUTING, ClassKey
+from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey
 from kvfence.operator.reconciler import Event, Reconciler, Requeue
 
 Obj = dict[str, Any]
@@ -321,6 +321,60 @@ def test_what_was_remembered_of_a_deleted_class_children_goes_with_it(world: Any
         assert rec.child_event(kind, "kvf-gold", name, "") is True  # garbage collection, afterwards
     leftover = [ref for memo in (rec.state.seen, rec.state.watched) for ref in memo if "kvf-gold" in ref]
     assert leftover == []
+
+
+def test_a_signing_key_event_is_news_unless_it_carries_the_keys_the_router_holds(world: Any) -> None:
+    """The watch of a class's signing-key Secret needs no GET for the operator's own write coming
+    back, and only for that: other keys, no key, or another class's Secret are news."""
+    kube, rec, _ = world
+    kube.put(trust_class())
+    first_pass(rec)
+    secret = kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, "kvf-gold")
+    assert rec.signing_secret_is_current("gold", secret)
+    forged = copy.deepcopy(secret)
+    forged["data"][builders.SIGNING_KEY_CURRENT] = base64.b64encode(bytes(32)).decode()
+    assert not rec.signing_secret_is_current("gold", forged)
+    added = copy.deepcopy(secret)
+    added["data"][builders.SIGNING_KEY_PREVIOUS] = base64.b64encode(bytes(32)).decode()
+    assert not rec.signing_secret_is_current("gold", added)
+    assert not rec.signing_secret_is_current("gold", {"data": {}, "metadata": {}})
+    assert not rec.signing_secret_is_current("gold", None)
+    assert not rec.signing_secret_is_current("silver", secret)  # no keys held for that class
+
+
+def test_an_api_key_secret_event_rereads_only_a_version_not_read_yet(world: Any) -> None:
+    """The binding's keys are read again when the watch reports a version other than the one read
+    (a rotation), and not for the version already read (a restarted watch lists every Secret again)."""
+    kube, rec, route = world
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    first_pass(rec)
+    route()
+    read_at = rec.cached_secret_version("team-a/acme")
+    assert read_at is not None
+    got: list[tuple[str, str | None, str]] = []
+    get = kube.get
+
+    def recording_get(api: str, kind: str, name: str, namespace: str | None = None) -> Obj | None:
+        got.append((kind, namespace, name))
+        return get(api, kind, name, namespace)
+
+    kube.get = recording_get  # type: ignore[method-assign]
+    api_key_secret = ("Secret", "team-a", "acme-keys")
+    rec.secret_changed("team-a", "acme-keys", read_at)
+    rec.reconcile(BindingSecretKey("team-a", "acme-keys"))
+    rec.reconcile(ROUTING)
+    assert api_key_secret not in got
+    # A rotation: new content, a new version; the watch says so, the decision reads it.
+    rotated = get("v1", "Secret", "acme-keys", "team-a")
+    assert rotated is not None
+    rotated["data"] = {"key": base64.b64encode(b"sk-acme-rotated").decode()}
+    kube.put(rotated)
+    rec.secret_changed("team-a", "acme-keys", rotated["metadata"]["resourceVersion"])
+    rec.reconcile(BindingSecretKey("team-a", "acme-keys"))
+    rec.reconcile(ROUTING)
+    assert got.count(api_key_secret) == 1
+    assert rec.cached_secret_version("team-a/acme") == rotated["metadata"]["resourceVersion"]
 
 
 def test_the_classes_a_decision_wakes_are_queued_before_it_writes_the_bindings_statuses(world: Any) -> None:
