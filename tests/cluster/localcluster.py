@@ -316,7 +316,7 @@ class LocalCluster:
         from support.ports import free_port  # lazily: as a script, tests/ is on sys.path from main
 
         for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok"):
-            self.ports[name] = free_port()
+            self.ports[name] = free_port(self.ports.values())
         node = None
         if self.real_node:
             from cluster.realnode import RealNode

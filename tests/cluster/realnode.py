@@ -89,7 +89,7 @@ class RealNode:
             "kube-proxy-metrics",
             "kube-router-health",
         ):
-            p.setdefault(name, free_port())
+            p.setdefault(name, free_port(p.values()))
         self._write_configs()
         self._pause_archive()
 
@@ -185,8 +185,8 @@ state = "{d / "containerd/state"}"
             f""".:53 {{
     bind {HOST_IP}
     errors
-    health 127.0.0.1:{p.setdefault("coredns-health", free_port())}
-    ready 127.0.0.1:{p.setdefault("coredns-ready", free_port())}
+    health 127.0.0.1:{p.setdefault("coredns-health", free_port(p.values()))}
+    ready 127.0.0.1:{p.setdefault("coredns-ready", free_port(p.values()))}
     kubernetes cluster.local in-addr.arpa ip6.arpa {{
         kubeconfig {self.c.dir / "coredns.kubeconfig"} kvfence
         pods insecure

@@ -26,6 +26,14 @@ def test_free_port_can_be_bound() -> None:
         assert s.getsockname()[1] == port
 
 
+def test_free_port_never_hands_out_a_port_twice_nor_one_to_avoid() -> None:
+    """Ports picked before they are bound are free to the kernel, which may hand them out again: a
+    cluster that picks a dozen before starting anything must still get a dozen different ones."""
+    first = free_port()
+    ports = [free_port(avoid=[first + 1]) for _ in range(300)]
+    assert len(set(ports)) == len(ports) and first not in ports and first + 1 not in ports
+
+
 def test_wait_until_returns_the_first_truthy_value_and_fails_with_the_last_one() -> None:
     seen = iter([0, None, "", 7, 8])
     assert wait_until(lambda: next(seen), "a value", timeout=5, interval=0) == 7
