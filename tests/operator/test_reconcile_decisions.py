@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from cluster.manifests import condition
 
 from kvfence.api import conditions
 from kvfence.api.common import API_VERSION
@@ -120,10 +121,6 @@ def first_pass(rec: Reconciler, name: str = "gold") -> None:
     routes it; that decision wakes it (the work queue's order, by hand)."""
     assert rec.reconcile(ClassKey(name)) == {ROUTING}
     assert ClassKey(name) in rec.reconcile(ROUTING)
-
-
-def condition(obj: Obj | None, ctype: str) -> Obj:
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == ctype), {})
 
 
 def test_a_class_is_rendered_into_its_namespace_and_a_second_pass_writes_nothing(world: Any) -> None:

@@ -42,6 +42,7 @@ from kvfence.operator.status import (
     ACCEPTED_GENERATION,
     ACCEPTED_SPEC,
     kstatus_conditions,
+    object_condition,
     set_condition,
     status_differs,
     status_patch,
@@ -236,14 +237,7 @@ class Reconciler:
                     f"generation {meta.get('generation')} is not accepted; serving the last accepted spec "
                     f"(generation {(body.get('status') or {}).get(ACCEPTED_GENERATION)}): {msg}"
                 )
-            was: Obj = next(
-                (
-                    c
-                    for c in (body.get("status") or {}).get("conditions", [])
-                    if c.get("type") == conditions.DEGRADED
-                ),
-                {},
-            )
+            was = object_condition(body, conditions.DEGRADED)
             if (was.get("reason"), was.get("observedGeneration")) != (
                 conditions.REASON_INVALID_SPEC,
                 meta.get("generation"),
@@ -410,14 +404,7 @@ class Reconciler:
 
     def _refuse(self, body: Obj, tc: TrustClass, reason: str, msg: str) -> None:
         """Degraded and Stalled for ``reason``; a Warning Event when that is news (not at every retry)."""
-        was: Obj = next(
-            (
-                c
-                for c in (body.get("status") or {}).get("conditions", [])
-                if c.get("type") == conditions.DEGRADED
-            ),
-            {},
-        )
+        was = object_condition(body, conditions.DEGRADED)
         if (was.get("reason"), was.get("message"), was.get("observedGeneration")) != (
             reason,
             msg,

@@ -24,17 +24,23 @@ ACCEPTED_SPEC = "acceptedSpec"
 ACCEPTED_GENERATION = "acceptedGeneration"
 
 
+def find_condition(existing: list[Obj], ctype: str) -> Obj:
+    """The condition of type ``ctype`` among ``existing`` (an empty dict when there is none)."""
+    return next((c for c in existing if c.get("type") == ctype), {})
+
+
+def object_condition(obj: Obj, ctype: str) -> Obj:
+    """The condition of type ``ctype`` in ``obj``'s status (an empty dict when there is none)."""
+    return find_condition((obj.get("status") or {}).get("conditions") or [], ctype)
+
+
 def set_condition(
     existing: list[Obj], ctype: str, status: bool, reason: str, message: str, generation: int | None
 ) -> Obj:
     """A metav1.Condition; lastTransitionTime kept unless the status flips."""
     st = "True" if status else "False"
-    old = next((c for c in existing if c.get("type") == ctype), None)
-    ltt = (
-        old["lastTransitionTime"]
-        if old and old.get("status") == st and old.get("lastTransitionTime")
-        else None
-    )
+    old = find_condition(existing, ctype)
+    ltt = old["lastTransitionTime"] if old.get("status") == st and old.get("lastTransitionTime") else None
     cond: Obj = {
         "type": ctype,
         "status": st,
@@ -250,7 +256,7 @@ def trust_class_status(
                 generation=gen,
             ),
         ]
-        old_ready: Obj = next((c for c in existing if c.get("type") == conditions.READY), {})
+        old_ready = find_condition(existing, conditions.READY)
         # A new class whose engine is rolling out is no news (nor a problem): its first Ready is
         # told when it becomes True, or when the rollout is stuck (Degraded).
         first_rollout = not old_ready and prog["status"] == "True" and deg["status"] == "False"
