@@ -294,9 +294,7 @@ def _answering_refusals(send: Send, box: RefusalBox, ref: str) -> Send:
 
 async def _answer(send: Send, r: EngineRefusal) -> None:
     body = error_body(r.message, r.code, error_type(r.status))
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": r.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await _send_whole(send, r.status, [(b"content-type", b"application/json")], body)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -314,8 +312,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _respond(send: Send, r: Refusal) -> None:
-    body = r.body()
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in r.headers()]
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    await _send_whole(send, r.status, headers, r.body())
+
+
+async def _send_whole(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """One whole answer the middleware makes itself (never vLLM's), with its Content-Length."""
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
