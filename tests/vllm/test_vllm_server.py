@@ -328,41 +328,69 @@ def test_timing_another_tenants_first_request_is_a_cold_prefill(stack: Stack, re
 
 def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack) -> None:
     # Each carol request reaches 2 blocks (prompt + max_tokens <= 256): carol runs one at a time.
-    carol_body = {"model": "tiny", "prompt": text(3000, 90), "max_tokens": 60, "temperature": 0}
-    alice_body = {"model": "tiny", "prompt": text(4000, 90), "max_tokens": 20, "temperature": 0}
-    held = stack.server.metric("kvfence_engine_quota_held_back_total")
-    peak = 0.0
+    # alice has no maximum: her five run at once, each long enough (200 tokens) to span a few of the
+    # engine's stats writes (4 a second), and still a seventh of carol's line (23 x 60 tokens).
+    carol_body = {
+        "model": "tiny",
+        "prompt": text(3000, 90),
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    alice_body = {
+        "model": "tiny",
+        "prompt": text(4000, 90),
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    carol_held = 'kvfence_engine_quota_held_back_total{tenant="carol"}'
+    held = stack.server.metrics().get(carol_held, 0.0)
+    # The engine's own view, sampled while the requests run: (alice's active blocks, carol's active
+    # blocks, carol's held-back count). Client-side finish times are not evidence: on a busy 2-core
+    # machine the router or this process can be starved and see a burst of answers at once.
+    samples: list[tuple[float, float, float]] = []
     done = threading.Event()
 
     def watch() -> None:
-        nonlocal peak
         while not done.is_set():
             m = stack.server.metrics()
-            peak = max(peak, m.get('kvfence_engine_tenant_kv_blocks{state="active",tenant="carol"}', 0.0))
-            time.sleep(0.05)
-
-    finished: list[tuple[str, float]] = []
-
-    def send(tenant: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        status, doc = stack.post(tenant, "/v1/completions", body)
-        finished.append((tenant, time.monotonic()))
-        return status, doc
+            samples.append(
+                (
+                    m.get('kvfence_engine_tenant_kv_blocks{state="active",tenant="alice"}', 0.0),
+                    m.get('kvfence_engine_tenant_kv_blocks{state="active",tenant="carol"}', 0.0),
+                    m.get(carol_held, 0.0),
+                )
+            )
+            time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with ThreadPoolExecutor(max_workers=17) as pool:
+        with ThreadPoolExecutor(max_workers=29) as pool:
             futs = [
-                pool.submit(send, "carol", {**carol_body, "prompt": f"{i} " + carol_body["prompt"]})
-                for i in range(12)
+                pool.submit(
+                    stack.post,
+                    "carol",
+                    "/v1/completions",
+                    {**carol_body, "prompt": f"{i} " + carol_body["prompt"]},
+                )
+                for i in range(24)
             ]
-            # alice starts once carol's first request is done and eleven of hers still wait in line.
-            deadline = time.monotonic() + 120
-            while not finished:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            # alice starts once the engine holds carol's requests back (23 of them wait in line).
+            wait_until(
+                lambda: stack.server.metrics().get(carol_held, 0.0) > held,
+                "carol held back",
+                timeout=120,
+                interval=0.05,
+            )
             futs += [
-                pool.submit(send, "alice", {**alice_body, "prompt": f"{i} " + alice_body["prompt"]})
+                pool.submit(
+                    stack.post,
+                    "alice",
+                    "/v1/completions",
+                    {**alice_body, "prompt": f"{i} " + alice_body["prompt"]},
+                )
                 for i in range(5)
             ]
             results = [f.result() for f in futs]
@@ -372,15 +400,11 @@ def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack
     for status, doc in results:
         assert status == 200, doc
         assert doc["choices"][0]["finish_reason"] == "length"
-    eventually(
-        lambda: stack.server.metric("kvfence_engine_quota_held_back_total") > held, "a held-back count"
-    )
-    assert peak <= CAROL_MAX_BLOCKS
-    # alice was not stuck behind carol's waiting requests: all hers finished before carol's last one.
-    last_carol = max(t for who, t in finished if who == "carol")
-    t0 = min(t for _, t in finished)
-    timeline = [(who, round(t - t0, 3)) for who, t in finished]
-    assert all(t < last_carol for who, t in finished if who == "alice"), timeline
+    assert max(carol for _, carol, _ in samples) <= CAROL_MAX_BLOCKS
+    # alice was not stuck behind carol's waiting requests: the engine ran alice's requests while it
+    # still held carol's back (carol's held-back count rose after a sample with alice running).
+    last_held = samples[-1][2]
+    assert any(alice > 0 and held_then < last_held for alice, _, held_then in samples), samples
 
 
 def test_a_request_beyond_the_kv_quota_is_cut_or_refused_with_an_openai_error(stack: Stack) -> None:
