@@ -1,9 +1,14 @@
 """kvfence is one distribution whose namespace package ``kvfence`` is spread over two source roots:
 ``operator/`` (API, operator, router) and ``engine-image/`` (contract, engine, vLLM plugin). setuptools'
-declarative config cannot map one namespace onto two roots, so this file does only that mapping;
-everything else lives in pyproject.toml."""
+declarative config cannot map one namespace onto two roots, so this file does that mapping, and
+declares the one compiled module: the prefix cache's verified walk (``_prefix_walk.c``, linked against
+OpenSSL's libcrypto). ``KVFENCE_PURE_PYTHON=1`` builds without it (a wheel for any Python, as the GPU
+vLLM image needs: vLLM does not use the reference engine's prefix cache); everything else lives in
+pyproject.toml."""
 
-from setuptools import find_namespace_packages, setup
+import os
+
+from setuptools import Extension, find_namespace_packages, setup
 
 ROOTS = ("operator", "engine-image")
 packages: list[str] = []
@@ -13,4 +18,15 @@ for root in ROOTS:
         packages.append(pkg)
         package_dir[pkg] = f"{root}/{pkg.replace('.', '/')}"
 
-setup(packages=packages, package_dir=package_dir)
+ext_modules = []
+if os.environ.get("KVFENCE_PURE_PYTHON") != "1":
+    ext_modules.append(
+        Extension(
+            "kvfence.engine._prefix_walk",
+            ["engine-image/kvfence/engine/_prefix_walk.c"],
+            libraries=["crypto"],
+            extra_compile_args=["-O2"],
+        )
+    )
+
+setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules)

@@ -264,7 +264,15 @@ assert len(list(safe_open('/opt/kvfence/models/tiny/model.safetensors', 'pt').ke
       ;;
     vllm)
       image_exists "$VLLM_IMAGE" || die "the vLLM base $VLLM_IMAGE is not a local image: pull it where a registry is reachable (pin it by digest), or set VLLM_IMAGE"
-      build engine-vllm Dockerfile.vllm --build-arg "VLLM_IMAGE=$VLLM_IMAGE"
+      # vLLM's image has a Python of its own, not this host's: a pure-Python kvfence wheel (without the
+      # reference engine's compiled prefix walk, which vLLM does not use).
+      gctx="$OUT/vllm-context"
+      rm -rf "$gctx"
+      mkdir -p "$gctx/wheels"
+      KVFENCE_PURE_PYTHON=1 "$PYTHON" -m pip "${pip_args[@]}" --no-deps --wheel-dir "$gctx/wheels" "$ROOT" \
+        || die "pip wheel (pure Python) failed"
+      BUILD_CTX="$gctx" build engine-vllm Dockerfile.vllm --build-arg "VLLM_IMAGE=$VLLM_IMAGE"
+      rm -rf "$gctx"
       save engine-vllm
       ;;
     *) die "unknown image $image (control-plane, reference, vllm-cpu, vllm)" ;;

@@ -25,9 +25,16 @@ def ctx(namespace: str = "tenant/gold/a", **over: str) -> CacheContext:
     return CacheContext(namespace=namespace, **fields)
 
 
+#: the walks a lookup can take: SHA-256 in C (the default), SHA-256 in Python (an install without the
+#: compiled module), BLAKE2b (Python)
+WALKS = ["sha256", "sha256-python", "blake2b"]
+
+
 def setup(hash_fn: HashFn | None = None, algo: str = "sha256") -> FencedAllocator:
     m = EngineMetrics()
-    pc = PrefixCache(BS, m, hash_algorithm=algo, hash_fn=hash_fn)
+    python = algo.endswith("-python")
+    pc = PrefixCache(BS, m, hash_algorithm=algo.removesuffix("-python"), hash_fn=hash_fn, compiled=not python)
+    assert pc.compiled == (algo == "sha256" and hash_fn is None)
     return FencedAllocator("gold", 64, BS, metrics=m, prefix_cache=pc)
 
 
@@ -178,7 +185,7 @@ def test_fast_path_keys_equal_the_hash_function_chain(algo: str) -> None:
     assert pc.keys(ctx(), tokens, 10) == slow.keys(ctx(), tokens, 10)
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", WALKS)
 def test_fast_path_refuses_a_planted_entry_with_other_tokens(algo: str) -> None:
     a, pc, c = planted(algo)
     p1, p2 = arr(*range(1, 10)), arr(*range(1, 5), 7, 7, 7, 7, 9)
@@ -190,7 +197,7 @@ def test_fast_path_refuses_a_planted_entry_with_other_tokens(algo: str) -> None:
     assert a.cached_prefix_tokens(c, p1) == 8  # the genuine chain still hits
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", WALKS)
 def test_fast_path_refuses_a_planted_entry_with_another_parent(algo: str) -> None:
     a, pc, c = planted(algo)
     B = (5, 6, 7, 8)
@@ -202,7 +209,7 @@ def test_fast_path_refuses_a_planted_entry_with_another_parent(algo: str) -> Non
     assert a.metrics.value("kv_cache_hash_collision_total") == 1
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", WALKS)
 def test_fast_path_refuses_a_planted_entry_of_another_namespace(algo: str) -> None:
     a, pc, c = planted(algo)
     other = ctx("tenant/gold/b")
@@ -213,7 +220,7 @@ def test_fast_path_refuses_a_planted_entry_of_another_namespace(algo: str) -> No
     assert a.metrics.value("kv_cache_tenant_cross_access_rejected_total") == 1
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", WALKS)
 def test_fast_path_treats_a_fenced_entry_as_a_miss(algo: str) -> None:
     from kvfence.engine.blocks import BlockState
 
@@ -229,7 +236,7 @@ def test_fast_path_treats_a_fenced_entry_as_a_miss(algo: str) -> None:
     assert a.metrics.value("kv_cache_hash_collision_total") == 0
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", WALKS)
 def test_a_parent_handle_equal_but_not_identical_still_hits(algo: str) -> None:
     """The identity check is only a shortcut: an equal handle object goes through verify() and hits."""
     from kvfence.engine.blocks import BlockHandle
@@ -249,18 +256,28 @@ def test_a_parent_handle_equal_but_not_identical_still_hits(algo: str) -> None:
     prompts=st.lists(st.lists(st.integers(0, 2), min_size=5, max_size=24), min_size=2, max_size=8),
 )
 def test_fast_path_and_generic_path_find_the_same_prefixes(prompts: list[list[int]]) -> None:
-    fast, slow = setup(), setup(hash_fn=hash_function("sha256"))
+    """The compiled walk, the Python walk and the generic (injected hash_fn) walk agree."""
+    walks = [setup(), setup(algo="sha256-python"), setup(hash_fn=hash_function("sha256"))]
     c = ctx()
     for i, p in enumerate(prompts):
         prompt = arr(*p)
-        assert cache_prompt(fast, f"s{i}", c, "a", prompt) == cache_prompt(slow, f"s{i}", c, "a", prompt)
+        assert len({cache_prompt(a, f"s{i}", c, "a", prompt) for a in walks}) == 1
     for p in prompts:
-        assert fast.cached_prefix_tokens(c, arr(*p)) == slow.cached_prefix_tokens(c, arr(*p))
-    check_consistency(fast)
-    check_consistency(slow)
+        assert len({a.cached_prefix_tokens(c, arr(*p)) for a in walks}) == 1
+    for a in walks:
+        check_consistency(a)
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b", "generic"])
+def test_the_compiled_walk_is_built() -> None:
+    """`make test` builds it (setup.py, a C compiler and OpenSSL's headers): without it every SHA-256
+    lookup would silently take the slower Python walk."""
+    from kvfence.engine import prefix_cache
+
+    assert prefix_cache.COMPILED_WALK, "kvfence.engine._prefix_walk is not built: run `make venv`"
+    assert setup().prefix_cache is not None and setup().prefix_cache.compiled
+
+
+@pytest.mark.parametrize("algo", [*WALKS, "generic"])
 def test_lookup_across_split_windows_stops_at_the_first_bad_block(algo: str) -> None:
     """The walk splits the prompt a window of blocks at a time: a prompt longer than several windows
     hits in full, a planted entry past the first window stops it exactly there (counted), the key it
@@ -271,7 +288,13 @@ def test_lookup_across_split_windows_stops_at_the_first_bad_block(algo: str) -> 
     n = SPLIT_WINDOW * 2 + 7  # blocks
     m = EngineMetrics()
     hash_fn = hash_function("sha256") if algo == "generic" else None
-    pc = PrefixCache(BS, m, hash_algorithm="sha256" if algo == "generic" else algo, hash_fn=hash_fn)
+    pc = PrefixCache(
+        BS,
+        m,
+        hash_algorithm="sha256" if algo == "generic" else algo.removesuffix("-python"),
+        hash_fn=hash_fn,
+        compiled=not algo.endswith("-python"),
+    )
     a = FencedAllocator("gold", n + 8, BS, metrics=m, prefix_cache=pc)
     c = ctx()
     prompt = np.arange(1, n * BS + 2, dtype=np.int32)  # n full blocks and one token more

@@ -21,6 +21,16 @@ and counted in ``kv_cache_tenant_cross_access_rejected_total``; any other mismat
 collision, counted in ``kv_cache_hash_collision_total``. Both are misses.
 
 The cache holds no lock of its own: every method is called with the allocator's lock held.
+
+The walk
+--------
+:meth:`PrefixCache.lookup` walks the prompt block by block: key, index, fast-path check (the interned
+context, the very parent handle, the same tokens, usable); anything the fast path cannot take goes to
+:meth:`PrefixCache.verify`. With SHA-256 (the default) the per-block loop runs in C
+(``_prefix_walk.c``, built by ``setup.py`` against OpenSSL's libcrypto, the library hashlib itself
+uses) and returns to Python at the first block it cannot take. The Python loop below is the same
+walk for BLAKE2b, for an injected ``hash_fn``, and for an install without the compiled module
+(``COMPILED_WALK``).
 """
 
 from __future__ import annotations
@@ -35,6 +45,14 @@ from typing import Any
 
 from kvfence.engine.blocks import BlockHandle, BlockState, KVBlock
 from kvfence.engine.metrics import EngineMetrics
+
+try:
+    from kvfence.engine import _prefix_walk
+except ImportError:  # built by setup.py where a C compiler and OpenSSL's headers are installed
+    _prefix_walk = None  # type: ignore[assignment]
+
+#: whether this install has the compiled walk (``make test`` asserts it does)
+COMPILED_WALK = _prefix_walk is not None
 
 #: ``hash_fn(parent_key, payload) -> key``
 HashFn = Callable[[bytes, bytes | memoryview], bytes]
@@ -122,7 +140,10 @@ class PrefixCache:
         *,
         hash_algorithm: str = "sha256",
         hash_fn: HashFn | None = None,
+        compiled: bool = True,
     ) -> None:
+        """``compiled``: walk in C when the module is installed and the algorithm is built-in (the
+        tests turn it off to run the Python walk on the same cases)."""
         self.block_size = block_size
         self.block_bytes = 4 * block_size
         self.metrics = metrics
@@ -134,6 +155,8 @@ class PrefixCache:
         self._seed: Any = None if hash_fn is not None else _SEEDS[hash_algorithm]()
         #: splits token bytes into whole blocks in one C call (``findall(raw, pos, endpos)``)
         self._split = re.compile(b".{%d}" % self.block_bytes, re.DOTALL)
+        #: walk in C (sha256 only: BLAKE2b through OpenSSL is slower than hashlib's own)
+        self.compiled = compiled and COMPILED_WALK and hash_fn is None and hash_algorithm == "sha256"
 
     def __len__(self) -> int:
         return len(self.index)
@@ -221,8 +244,23 @@ class PrefixCache:
         key = matched = root if key is None else key
         blocks: list[KVBlock] = []
         append = blocks.append
-        get = self.index.get
         fenced = BlockState.FENCED
+        if self.compiled:
+            # The C walk takes what the fast path below takes and returns at the first block it
+            # cannot (cand is that block's entry, None at a miss or the end); verify() decides then.
+            walk, index = _prefix_walk.walk, self.index
+            pos, end = start * bb, min(max_blocks * bb, len(raw))
+            while True:
+                pos, key, matched, parent, cand = walk(
+                    index, raw, pos, end, bb, key, matched, ctx, parent, fenced, blocks
+                )
+                if cand is None or not self._verified(cand, ctx, parent, raw[pos : pos + bb]):
+                    return Match(blocks, matched)
+                append(cand)
+                matched = key
+                parent = cand.cache_handle
+                pos += bb
+        get = self.index.get
         seed = self._seed
         split = self._split.findall
         hf = self.hash_fn

@@ -1,0 +1,16 @@
+# The compiled walk (_prefix_walk.c): see that file and kvfence.engine.prefix_cache.
+from typing import Any
+
+def walk(
+    index: dict[bytes, Any],
+    raw: bytes,
+    pos: int,
+    end: int,
+    block_bytes: int,
+    key: bytes,
+    matched: bytes,
+    ctx: object,
+    parent: Any,
+    fenced: object,
+    blocks: list[Any],
+) -> tuple[int, bytes, bytes, Any, Any]: ...
