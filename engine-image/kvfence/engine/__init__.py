@@ -1,6 +1,7 @@
 """kvfence.engine: what runs inside a trust class's engine pod.
 
-* the isolation core, pure Python: :mod:`~kvfence.engine.blocks`, :mod:`~kvfence.engine.quotas`,
+* the isolation core, Python (the prefix cache's SHA-256 walk also in C, ``_prefix_walk.c``):
+  :mod:`~kvfence.engine.blocks`, :mod:`~kvfence.engine.quotas`,
   :mod:`~kvfence.engine.eviction`, :mod:`~kvfence.engine.prefix_cache`,
   :mod:`~kvfence.engine.allocator`, :mod:`~kvfence.engine.shared_prefixes`,
   :mod:`~kvfence.engine.metrics`;
