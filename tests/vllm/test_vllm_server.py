@@ -364,19 +364,14 @@ def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack
             )
             time.sleep(0.02)
 
+    def send(tenant: str, body: dict[str, Any], i: int) -> tuple[int, dict[str, Any]]:
+        return stack.post(tenant, "/v1/completions", {**body, "prompt": f"{i} " + body["prompt"]})
+
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
         with ThreadPoolExecutor(max_workers=29) as pool:
-            futs = [
-                pool.submit(
-                    stack.post,
-                    "carol",
-                    "/v1/completions",
-                    {**carol_body, "prompt": f"{i} " + carol_body["prompt"]},
-                )
-                for i in range(24)
-            ]
+            futs = [pool.submit(send, "carol", carol_body, i) for i in range(24)]
             # alice starts once the engine holds carol's requests back (23 of them wait in line).
             wait_until(
                 lambda: stack.server.metrics().get(carol_held, 0.0) > held,
@@ -384,15 +379,7 @@ def test_a_tenant_over_its_kv_quota_waits_while_the_other_is_served(stack: Stack
                 timeout=120,
                 interval=0.05,
             )
-            futs += [
-                pool.submit(
-                    stack.post,
-                    "alice",
-                    "/v1/completions",
-                    {**alice_body, "prompt": f"{i} " + alice_body["prompt"]},
-                )
-                for i in range(5)
-            ]
+            futs += [pool.submit(send, "alice", alice_body, i) for i in range(5)]
             results = [f.result() for f in futs]
     finally:
         done.set()

@@ -62,14 +62,22 @@ ROOT_SEED = b"kvfence-prefix-root-v1"
 SPLIT_WINDOW = 128
 
 
+# Copying an empty hasher is cheaper than constructing one (OpenSSL 3 looks the digest up on every
+# construction); the digests are the same.
+_EMPTY_SHA256 = hashlib.sha256()
+_EMPTY_BLAKE2B = hashlib.blake2b()  # full 64-byte digest
+
+
 def sha256_chain(parent: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.sha256(parent)
+    h = _EMPTY_SHA256.copy()
+    h.update(parent)
     h.update(payload)
     return h.digest()
 
 
 def blake2b_chain(parent: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(parent)  # full 64-byte digest
+    h = _EMPTY_BLAKE2B.copy()
+    h.update(parent)
     h.update(payload)
     return h.digest()
 
@@ -261,43 +269,17 @@ class PrefixCache:
                 parent = cand.cache_handle
                 pos += bb
         get = self.index.get
-        seed = self._seed
         split = self._split.findall
         hf = self.hash_fn
-        # The prompt's full blocks come from one C call per window of blocks (no slicing per block,
-        # and at most a window split in vain when the walk stops early). Each block is checked on a
-        # fast path first: the interned context, the very parent handle object the previous block
-        # carries (or the caller's), the same tokens byte for byte, usable. Anything else goes through
-        # verify(), which compares by value and counts what it refuses. The two inner loops differ
-        # only in how the key is computed.
+        # The Python walk (BLAKE2b, an injected hash_fn, or no compiled module). The prompt's full
+        # blocks come from one C call per window of blocks (no slicing per block, and at most a
+        # window split in vain when the walk stops early). Each block is checked on a fast path
+        # first: the interned context, the very parent handle object the previous block carries (or
+        # the caller's), the same tokens byte for byte, usable. Anything else goes through verify(),
+        # which compares by value and counts what it refuses.
         pos, end, step = start * bb, min(max_blocks * bb, len(raw)), SPLIT_WINDOW * bb
         while pos < end:
             stop = min(end, pos + step)
-            if seed is not None:  # a built-in algorithm: hash_fn's digest in fewer calls
-                new = seed.copy
-                for chunk in split(raw, pos, stop):
-                    h = new()
-                    h.update(key)
-                    h.update(chunk)
-                    key = h.digest()
-                    cand = get(key)
-                    if cand is None or (
-                        (
-                            cand.context is not ctx
-                            or cand.parent is not parent
-                            or cand.tokens != chunk
-                            or cand.state is fenced
-                        )
-                        and not self._verified(cand, ctx, parent, chunk)
-                    ):
-                        break
-                    append(cand)
-                    matched = key
-                    parent = cand.cache_handle
-                else:
-                    pos = stop
-                    continue
-                break
             for chunk in split(raw, pos, stop):
                 key = hf(key, chunk)
                 cand = get(key)
@@ -310,14 +292,11 @@ class PrefixCache:
                     )
                     and not self._verified(cand, ctx, parent, chunk)
                 ):
-                    break
+                    return Match(blocks, matched)
                 append(cand)
                 matched = key
                 parent = cand.cache_handle
-            else:
-                pos = stop
-                continue
-            break
+            pos = stop
         return Match(blocks, matched)
 
     def _verified(self, cand: KVBlock, ctx: CacheContext, parent: BlockHandle | None, chunk: bytes) -> bool:
