@@ -165,6 +165,12 @@ POD_EXTRAS_CASES: list[tuple[dict[str, Any], str | None, str | None]] = [
         "spec.engine.model.tokenSecretRef",
         "engine.model.tokenSecretRef applies to the vllm runtime only",
     ),
+    (
+        {"adapters": [{"name": "hub", "source": "org/lora"}, {"name": "nowhere"}]},
+        "spec.engine.adapters",
+        "engine.adapters[].source is required on the vllm runtime",
+    ),
+    ({"runtime": "reference", "adapters": [{"name": "seeded"}]}, None, None),
 ]
 
 

@@ -257,6 +257,15 @@ def test_model_cache_token_env_volumes_and_adapter_sources_are_validated(
     assert expected in str(e.value), str(e.value)
 
 
+def test_an_adapter_source_stored_on_the_reference_runtime_reads_as_unset() -> None:
+    """Earlier CRDs required adapters[].source on every runtime and the reference engine never read
+    it; the API server now refuses it there (tests/operator/test_operator_crds.py), and a class stored
+    before keeps working, its source read as unset."""
+    engine = {**VLLM_ENGINE, "runtime": "reference", "adapters": [{"name": "a", "source": "/adapters/a"}]}
+    tc = T.TrustClass.model_validate({"metadata": {"name": "gold"}, "spec": {"engine": engine}})
+    assert [(a.name, a.source) for a in tc.spec.engine.adapters] == [("a", None)]
+
+
 def test_forbidden_env_names_cover_what_the_builders_set(make_tc: Any) -> None:
     """Every variable the operator renders into an engine container is one extraEnv cannot set."""
     from kvfence.operator import builders as B

@@ -49,7 +49,7 @@ def test_denied_bindings_never_route(make_tc: Any, make_tb: Any) -> None:
     classes = {
         "gold": R.ClassState(
             make_tc(
-                engine={"adapters": [{"name": "a1", "source": "x"}], "numBlocks": 80},
+                engine={"adapters": [{"name": "a1"}], "numBlocks": 80},
                 quotas={"limits": {"maxKVBlocks": 50}},
             ),
             (KEY,),
@@ -264,7 +264,7 @@ def _edited(tb: Any, accepted: dict[str, Any], generation: int = 2) -> Any:
 
 def test_an_edit_that_cannot_be_accepted_keeps_the_last_accepted_spec(make_tc: Any, make_tb: Any) -> None:
     tc = make_tc(
-        engine={"adapters": [{"name": "a1", "source": "x"}]},
+        engine={"adapters": [{"name": "a1"}]},
         quotas={"defaults": {"requestsPerMinute": 60}, "limits": {"requestsPerMinute": 600}},
     )
     classes = {"gold": R.ClassState(tc, (KEY,))}

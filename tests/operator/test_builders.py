@@ -117,7 +117,7 @@ def test_dedicated_nodes_add_anti_affinity_against_other_classes(make_tc: Any) -
 def test_reference_engine_config_is_a_valid_engine_config(make_tc: Any) -> None:
     tc = make_tc(
         engine={
-            "adapters": [{"name": "support", "source": "/adapters/support"}],
+            "adapters": [{"name": "support"}],
             "numBlocks": 512,
             "maxModelLen": 1024,
             "model": {"name": "kvfence/tiny", "revision": "1", "servedName": "tiny"},

@@ -414,6 +414,17 @@ def test_extra_args_that_undo_isolation_are_refused_naming_the_flag(installed: A
                 assert f"spec.engine.extraArgs[{i}]: Forbidden: engine.extraArgs: {arg} refused: " in got, got
 
 
+def test_an_adapter_source_on_the_reference_runtime_is_refused(installed: Any, kv: Any) -> None:
+    """The reference engine loads no adapter weights: a source there would be accepted and ignored.
+    (The model reads one stored by an earlier CRD as unset: tests/operator/test_api.py.)"""
+    engine = {**VLLM_ENGINE, "runtime": "reference", "adapters": [{"name": "a", "source": "/adapters/a"}]}
+    got = _dry_run(kv, trust_class("crd-reference-adapter", engine=engine))
+    assert isinstance(got, str), "accepted"
+    assert (
+        "spec.engine.adapters: Forbidden: engine.adapters[].source applies to the vllm runtime only" in got
+    ), got
+
+
 def test_model_cache_token_env_volumes_and_adapter_sources_on_the_api_server(installed: Any, kv: Any) -> None:
     """The CRD refuses what the model refuses (the cases of tests/operator/test_api.py), naming the
     field, and stores what both accept as written."""

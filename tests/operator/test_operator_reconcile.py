@@ -203,7 +203,7 @@ def test_bindings_and_the_routing_table(operator: Any, kv: Any, wait: Any, clean
             engine={
                 "image": "kvfence/engine:dev",
                 "model": {"name": "kvfence/tiny", "servedName": "tiny"},
-                "adapters": [{"name": "support", "source": "/adapters/support"}],
+                "adapters": [{"name": "support"}],
             },
             namespaceSelector={"matchLabels": {"kvfence.dev/tenants": "gold"}},
             quotas={

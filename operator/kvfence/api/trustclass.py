@@ -206,7 +206,13 @@ class AdapterSpec(KubeModel):
         pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
         description="Adapter name clients use as the model name.",
     )
-    source: str = Field(min_length=1, max_length=512, description="Where the runtime loads the adapter from.")
+    source: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="Where vLLM loads the adapter from (a hub id, or a path under a mount): required on "
+        "the vllm runtime, refused on the reference runtime, which loads no adapter weights.",
+    )
 
 
 #: ``maxSurge``/``maxUnavailable`` of a Deployment: a count, or a percentage of the replicas.
@@ -323,6 +329,13 @@ MAX_EXTRA_ENV = 32
 MAX_EXTRA_VOLUMES = 16
 MODEL_CACHE_ON_REFERENCE = (
     "engine.modelCache applies to the vllm runtime only: the reference engine downloads no weights"
+)
+ADAPTER_SOURCE_ON_REFERENCE = (
+    "engine.adapters[].source applies to the vllm runtime only: the reference engine loads no adapter "
+    "weights (it derives each adapter from its name)"
+)
+ADAPTER_SOURCE_REQUIRED_ON_VLLM = (
+    "engine.adapters[].source is required on the vllm runtime: it is where vLLM loads the adapter from"
 )
 TOKEN_ON_REFERENCE = (
     "engine.model.tokenSecretRef applies to the vllm runtime only: the reference engine downloads no weights"
@@ -680,6 +693,20 @@ class EngineSpec(KubeModel):
                     "reason": "FieldValueForbidden",
                 },
                 {
+                    "rule": "self.runtime != 'reference' || !has(self.adapters) "
+                    "|| self.adapters.all(a, !has(a.source))",
+                    "message": ADAPTER_SOURCE_ON_REFERENCE,
+                    "fieldPath": ".adapters",
+                    "reason": "FieldValueForbidden",
+                },
+                {
+                    "rule": "self.runtime != 'vllm' || !has(self.adapters) "
+                    "|| self.adapters.all(a, has(a.source))",
+                    "message": ADAPTER_SOURCE_REQUIRED_ON_VLLM,
+                    "fieldPath": ".adapters",
+                    "reason": "FieldValueRequired",
+                },
+                {
                     "rule": "self.runtime != 'reference' || !has(self.modelCache)",
                     "message": MODEL_CACHE_ON_REFERENCE,
                     "fieldPath": ".modelCache",
@@ -700,7 +727,7 @@ class EngineSpec(KubeModel):
                 },
                 {
                     "rule": "self.runtime != 'vllm' || !has(self.adapters) || self.adapters.all(a, "
-                    "!a.source.startsWith('/') "
+                    "!has(a.source) || !a.source.startsWith('/') "
                     "|| (has(self.extraVolumeMounts) && self.extraVolumeMounts.exists(m, "
                     "a.source == m.mountPath || a.source.startsWith(m.mountPath + '/'))) "
                     f"|| (has(self.modelCache) && a.source.startsWith('{MODEL_CACHE_PATH}/')))",
@@ -847,10 +874,14 @@ class EngineSpec(KubeModel):
     def _runtime_fields(self) -> EngineSpec:
         """The CRD's rules on the runtime-only fields, for what the operator reads.
 
-        Exception: the values the 0.1.0 CRD defaulted onto every stored object read as unset on the
-        runtime that ignores them, so that existing classes keep working after an upgrade (the API
-        server refuses them there on every new write, those values included).
+        Exceptions: the values the 0.1.0 CRD defaulted onto every stored object read as unset on the
+        runtime that ignores them, and so do adapter sources on the reference runtime (which earlier
+        CRDs required there and the reference engine never read), so that existing classes keep
+        working after an upgrade (the API server refuses them there on every new write).
         """
+        if self.runtime == "reference":
+            for a in self.adapters:
+                a.source = None
         if self.runtime == "vllm" and self.num_blocks == LEGACY_DEFAULT_NUM_BLOCKS:
             self.num_blocks = None
         if (
@@ -874,6 +905,8 @@ class EngineSpec(KubeModel):
             raise ValueError(MODEL_CACHE_ON_REFERENCE)
         if self.runtime == "reference" and self.model.token_secret_ref is not None:
             raise ValueError(TOKEN_ON_REFERENCE)
+        if self.runtime == "vllm" and any(a.source is None for a in self.adapters):
+            raise ValueError(ADAPTER_SOURCE_REQUIRED_ON_VLLM)
         return self
 
     @model_validator(mode="after")
@@ -888,7 +921,7 @@ class EngineSpec(KubeModel):
             if self.model_cache is not None:
                 roots.append(MODEL_CACHE_PATH + "/")
             for a in self.adapters:
-                if a.source.startswith("/") and not any(
+                if a.source and a.source.startswith("/") and not any(
                     under(a.source, r) if not r.endswith("/") else a.source.startswith(r) for r in roots
                 ):
                     raise ValueError(f"{ADAPTER_NOT_MOUNTED}: {a.name} reads {a.source}")
