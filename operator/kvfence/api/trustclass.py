@@ -921,8 +921,12 @@ class EngineSpec(KubeModel):
             if self.model_cache is not None:
                 roots.append(MODEL_CACHE_PATH + "/")
             for a in self.adapters:
-                if a.source and a.source.startswith("/") and not any(
-                    under(a.source, r) if not r.endswith("/") else a.source.startswith(r) for r in roots
+                if (
+                    a.source
+                    and a.source.startswith("/")
+                    and not any(
+                        under(a.source, r) if not r.endswith("/") else a.source.startswith(r) for r in roots
+                    )
                 ):
                     raise ValueError(f"{ADAPTER_NOT_MOUNTED}: {a.name} reads {a.source}")
         return self
