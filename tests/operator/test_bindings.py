@@ -457,3 +457,25 @@ def test_a_revocation_still_revokes_a_binding_its_class_would_clamp(make_tc: Any
         d = out.decisions["team-a/acme"]
         assert d.denied and not d.bound and d.reason == reason, reason
         assert "acme" not in out.table.tenants, reason
+
+
+def test_a_binding_served_before_keeps_its_guarantee_and_id_ahead_of_an_older_one_never_admitted(
+    make_tc: Any, make_tb: Any
+) -> None:
+    # An older binding that was never admitted (its Secret appears only now) comes second: it neither
+    # takes the guarantee a bound tenant holds nor its tenant id.
+    tc = make_tc(engine={"numBlocks": 512})
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    g = {"guaranteedKVBlocks": 300}
+    late = make_tb("late", "late", quotas=g, created="2026-01-01T00:00:00Z")
+    bound = _admitted(make_tb("bound", "bound", quotas=g, created="2026-01-02T00:00:00Z"))
+    twin = make_tb("twin", "bound", namespace="team-b", created="2026-01-01T00:00:00Z")
+    lookups = keys(("team-a/late", "k-late"), ("team-a/bound", "k-bound"), ("team-b/twin", "k-twin"))
+    for order in ([late, bound, twin], [twin, bound, late]):
+        out = R.decide(classes, order, NS, lookups, OPTS)
+        d = out.decisions
+        assert d["team-a/bound"].bound and d["team-a/bound"].clamped == ()
+        assert out.tenant_quotas["gold"]["bound"].guaranteed_kv_blocks == 300
+        assert d["team-a/late"].denied and d["team-a/late"].reason == R.REASON_KV_OVERCOMMITTED
+        assert d["team-b/twin"].denied and d["team-b/twin"].reason == C.REASON_DUPLICATE_TENANT_ID
+        assert out.table.tenants["bound"].binding == "team-a/bound"

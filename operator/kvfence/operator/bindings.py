@@ -111,8 +111,11 @@ class Outcome:
     tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
 
 
-def _sort_key(b: TenantBinding) -> tuple[str, str]:
-    return (str(b.metadata.get("creationTimestamp", "")), b.key)
+def _sort_key(b: TenantBinding) -> tuple[bool, str, str]:
+    """Bindings served before (a spec accepted) come first, then the oldest: an established tenant
+    keeps its tenant id, API keys and guaranteed blocks ahead of any binding never admitted, even an
+    older one (say, one whose Secret appeared only now)."""
+    return (b.status.accepted_spec is None, str(b.metadata.get("creationTimestamp", "")), b.key)
 
 
 def _deny(reason: str, message: str, tc: str | None = None) -> Decision:
@@ -146,8 +149,9 @@ def decide(
     keys: Mapping[str, KeyLookup],
     opts: OperatorOptions,
 ) -> Outcome:
-    """Every binding's fate and the routing table. Oldest binding first wins a contested tenant id or
-    API key, so an established tenant is never displaced by a newcomer."""
+    """Every binding's fate and the routing table. Bindings served before, then the oldest, win a
+    contested tenant id, API key or guarantee (:func:`_sort_key`), so an established tenant is never
+    displaced by a newcomer."""
     out = Outcome()
     claimed_ids: dict[str, str] = {}
     claimed_keys: dict[str, str] = {}
