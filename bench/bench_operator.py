@@ -123,6 +123,7 @@ def binding_status(body: dict[str, Any], trust_class: str) -> dict[str, Any]:
         set_condition([], C.DENIED, False, C.REASON_NOT_DENIED, "", gen),
         set_condition([], C.READY, True, C.REASON_BOUND, msg, gen),
         set_condition([], C.SPEC_ACCEPTED, True, C.REASON_ACCEPTED, "", gen),
+        set_condition([], C.CLAMPED, False, C.REASON_WITHIN_CLASS_LIMITS, "", gen),
         *kstatus_conditions([], reconciling=None, stalled=None, generation=gen),
     ]
     return {

@@ -9,6 +9,7 @@ from typing import Any
 from kvfence.api import conditions as C
 from kvfence.contract.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable, hash_api_key
 from kvfence.operator import bindings as R
+from kvfence.operator import builders
 from kvfence.operator.builders import OperatorOptions
 
 OPTS = OperatorOptions()
@@ -329,3 +330,152 @@ def test_a_revocation_is_not_masked_by_the_last_accepted_spec(make_tc: Any, make
             )
             assert d.denied and not d.bound and d.reason == expect, reason
             assert "acme" not in out.table.tenants, reason
+
+
+# --- a class edited under bound tenants: clamped, never revoked -------------------------------------
+def _admitted(tb: Any) -> Any:
+    """``tb`` as bound before: its spec is its last accepted one (same generation)."""
+    return _edited(tb, tb.spec.wire(), generation=1)
+
+
+def test_lowered_class_limits_clamp_an_admitted_binding_and_deny_a_new_one(
+    make_tc: Any, make_tb: Any
+) -> None:
+    asked = {"requestsPerMinute": 6000, "maxKVBlocks": 200, "guaranteedKVBlocks": 100}
+    lowered = make_tc(
+        quotas={
+            "defaults": {"requestsPerMinute": 60},
+            "limits": {"requestsPerMinute": 600, "maxKVBlocks": 80},
+        }
+    )
+    classes = {"gold": R.ClassState(lowered, (KEY,))}
+    old = _admitted(make_tb("old", "old", quotas=asked))
+    new = make_tb("new", "new", quotas=asked, created="2026-01-02T00:00:00Z")
+    lookups = keys(("team-a/old", "k-old"), ("team-a/new", "k-new"))
+    out = R.decide(classes, [old, new], NS, lookups, OPTS)
+    d = out.decisions["team-a/old"]
+    # Still Bound, its spec still the one in force (nothing refused), served within the class's limits.
+    assert d.bound and not d.denied and d.reason == C.REASON_BOUND and d.refused is None
+    assert d.served_spec == old.spec  # the tenant's own spec stays the accepted one: a raise restores it
+    assert d.clamped == (
+        "quotas lowered to the limits: requestsPerMinute 6000 -> 600, maxKVBlocks 200 -> 80",
+        "guaranteedKVBlocks 100 -> 80 (the effective maxKVBlocks)",
+    )
+    route = out.table.tenants["old"]
+    assert route.quotas.requests_per_minute == 600 and route.quotas.max_kv_blocks == 80
+    q = out.tenant_quotas["gold"]["old"]
+    assert (q.max_kv_blocks, q.guaranteed_kv_blocks) == (80, 80)
+    assert d.quotas == q
+    # A binding never admitted has nothing to keep: the same spec is Denied, as before.
+    n = out.decisions["team-a/new"]
+    assert n.denied and n.reason == C.REASON_QUOTA_EXCEEDS_LIMIT and "new" not in out.table.tenants
+
+    # The class raises its limits again: served as specified, nothing clamped.
+    raised = make_tc(quotas={"limits": {"requestsPerMinute": 60000}})
+    out = R.decide({"gold": R.ClassState(raised, (KEY,))}, [old], NS, lookups, OPTS)
+    d = out.decisions["team-a/old"]
+    assert d.bound and d.clamped == () and out.table.tenants["old"].quotas.requests_per_minute == 6000
+
+    # An edit refused meanwhile: the accepted spec is served, clamped, and the refusal told too.
+    pending = _edited(make_tb("old", "old", quotas={"requestsPerMinute": 9000}), old.spec.wire())
+    out = R.decide(classes, [pending], NS, lookups, OPTS)
+    d = out.decisions["team-a/old"]
+    assert d.bound and d.refused is not None and d.refused.reason == C.REASON_QUOTA_EXCEEDS_LIMIT
+    assert d.served_spec == old.spec and d.clamped
+    assert out.table.tenants["old"].quotas.requests_per_minute == 600
+
+
+def test_an_adapter_removed_from_the_class_is_dropped_from_an_admitted_binding(
+    make_tc: Any, make_tb: Any
+) -> None:
+    tc = make_tc(engine={"adapters": [{"name": "a1"}]})
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    old = _admitted(make_tb("old", "old", allowedAdapters=["a1", "a2"]))
+    new = make_tb("new", "new", allowedAdapters=["a1", "a2"], created="2026-01-02T00:00:00Z")
+    out = R.decide(classes, [old, new], NS, keys(("team-a/old", "k-old"), ("team-a/new", "k-new")), OPTS)
+    d = out.decisions["team-a/old"]
+    assert d.bound and d.refused is None and d.clamped == ("adapters ['a2'] dropped (no longer served)",)
+    assert out.table.tenants["old"].allowed_adapters == ["a1"]
+    assert out.table.trust_classes["gold"].adapters == ["a1"]
+    n = out.decisions["team-a/new"]
+    assert n.denied and n.reason == C.REASON_ADAPTER_NOT_IN_CLASS
+
+
+def test_a_shrunk_block_budget_reduces_the_newest_guarantees_first(make_tc: Any, make_tb: Any) -> None:
+    tc = make_tc(engine={"numBlocks": 512})
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    g = {"guaranteedKVBlocks": 300, "maxKVBlocks": 400}
+    bs = [
+        _admitted(make_tb("first", "first", quotas=g, created="2026-01-01T00:00:00Z")),
+        # in another tenant's namespace: its message must not name the older bindings
+        _admitted(make_tb("second", "second", namespace="team-b", quotas=g, created="2026-01-02T00:00:00Z")),
+        _admitted(make_tb("third", "third", quotas=g, created="2026-01-03T00:00:00Z")),
+        make_tb("newcomer", "newcomer", quotas={"guaranteedKVBlocks": 1}, created="2026-01-04T00:00:00Z"),
+    ]
+    lookups = keys(
+        ("team-a/first", "k-1"), ("team-b/second", "k-2"), ("team-a/third", "k-3"), ("team-a/newcomer", "k-4")
+    )
+    for order in (bs, list(reversed(bs))):
+        out = R.decide(classes, order, NS, lookups, OPTS)
+        d = out.decisions
+        assert all(d[k].bound for k in ("team-a/first", "team-b/second", "team-a/third"))
+        # The oldest keeps its guarantee; the next gets what is left; the next nothing (still served).
+        got = {t: q.guaranteed_kv_blocks for t, q in out.tenant_quotas["gold"].items()}
+        assert got == {"first": 300, "second": 212, "third": 0}
+        assert d["team-a/first"].clamped == ()
+        assert d["team-b/second"].clamped == (
+            "guaranteedKVBlocks 300 -> 212 (what is left of the 512 blocks, 300 guaranteed to older "
+            "bindings)",
+        )
+        assert "team-a" not in d["team-b/second"].clamped[0] and "first" not in d["team-b/second"].clamped[0]
+        assert d["team-a/third"].clamped[0].startswith("guaranteedKVBlocks 300 -> 0 ")
+        # A binding never admitted is not given a guarantee the pool no longer has.
+        assert d["team-a/newcomer"].denied and d["team-a/newcomer"].reason == R.REASON_KV_OVERCOMMITTED
+        assert sum(q.guaranteed_kv_blocks or 0 for q in out.tenant_quotas["gold"].values()) <= 512
+        # The engine config the operator renders from it validates (its guarantees fit the pool).
+        builders.engine_config(tc, out.tenant_quotas["gold"])
+
+
+def test_a_revocation_still_revokes_a_binding_its_class_would_clamp(make_tc: Any, make_tb: Any) -> None:
+    tc = make_tc(quotas={"limits": {"requestsPerMinute": 600}})
+    tb = _admitted(make_tb("acme", "acme", quotas={"requestsPerMinute": 6000}))
+    lookups = keys(("team-a/acme", "secret-1"))
+    cases: list[tuple[dict[str, R.ClassState], dict[str, Any], dict[str, R.KeyLookup], str]] = [
+        ({"gold": R.ClassState(tc, (KEY,))}, {"team-a": {}}, lookups, C.REASON_NAMESPACE_NOT_ADMITTED),
+        ({}, NS, lookups, C.REASON_TRUST_CLASS_NOT_FOUND),
+        ({"gold": R.ClassState(tc, (KEY,), deleting=True)}, NS, lookups, C.REASON_TRUST_CLASS_NOT_FOUND),
+        # the keys removed: denied for that (not for what the class would have clamped)
+        (
+            {"gold": R.ClassState(tc, (KEY,))},
+            NS,
+            {"team-a/acme": R.KeyLookup()},
+            C.REASON_NO_API_KEYS,
+        ),
+    ]
+    for classes, ns, lk, reason in cases:
+        out = R.decide(classes, [tb], ns, lk, OPTS)
+        d = out.decisions["team-a/acme"]
+        assert d.denied and not d.bound and d.reason == reason, reason
+        assert "acme" not in out.table.tenants, reason
+
+
+def test_a_binding_served_before_keeps_its_guarantee_and_id_ahead_of_an_older_one_never_admitted(
+    make_tc: Any, make_tb: Any
+) -> None:
+    # An older binding that was never admitted (its Secret appears only now) comes second: it neither
+    # takes the guarantee a bound tenant holds nor its tenant id.
+    tc = make_tc(engine={"numBlocks": 512})
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    g = {"guaranteedKVBlocks": 300}
+    late = make_tb("late", "late", quotas=g, created="2026-01-01T00:00:00Z")
+    bound = _admitted(make_tb("bound", "bound", quotas=g, created="2026-01-02T00:00:00Z"))
+    twin = make_tb("twin", "bound", namespace="team-b", created="2026-01-01T00:00:00Z")
+    lookups = keys(("team-a/late", "k-late"), ("team-a/bound", "k-bound"), ("team-b/twin", "k-twin"))
+    for order in ([late, bound, twin], [twin, bound, late]):
+        out = R.decide(classes, order, NS, lookups, OPTS)
+        d = out.decisions
+        assert d["team-a/bound"].bound and d["team-a/bound"].clamped == ()
+        assert out.tenant_quotas["gold"]["bound"].guaranteed_kv_blocks == 300
+        assert d["team-a/late"].denied and d["team-a/late"].reason == R.REASON_KV_OVERCOMMITTED
+        assert d["team-b/twin"].denied and d["team-b/twin"].reason == C.REASON_DUPLICATE_TENANT_ID
+        assert out.table.tenants["bound"].binding == "team-a/bound"

@@ -5,6 +5,7 @@ An edit the operator cannot accept keeps the tenant served with its last accepte
 ``SpecAccepted=False`` (reason, observedGeneration) and a Warning Event, and survives an operator
 restart (the accepted spec is kept in the binding's status); only a revocation takes access away, and
 within seconds. A TrustClass whose spec stops validating stays routed with its last accepted spec.
+An edit of the TrustClass that a bound tenant's spec no longer fits clamps it instead of revoking it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from cluster.manifests import condition, secret, tenant_binding, trust_class
 from router.support import Proc
 from support.argocd import argocd_health
 from support.livestack import LiveStack, Traffic, complete
+
+from kvfence.operator import builders as B
 
 pytestmark = pytest.mark.cluster
 
@@ -266,3 +269,95 @@ def test_a_trust_class_whose_spec_stops_validating_stays_routed_with_its_last_ac
 def warning_events_cluster(kv: Any, reason: str) -> list[dict[str, Any]]:
     ev = kv.json("get", "events", "-A", "--field-selector", f"reason={reason}")
     return [e for e in (ev or {}).get("items", []) if e.get("type") == "Warning"]
+
+
+def clamped(obj: dict[str, Any]) -> bool:
+    c = condition(obj, "Clamped")
+    return (
+        c.get("status") == "True"
+        and c.get("reason") == "ClampedToClassLimits"
+        and c.get("observedGeneration") == obj["metadata"]["generation"]
+        and condition(obj, "Ready").get("status") == "True"
+        and condition(obj, "Bound").get("status") == "True"
+        and condition(obj, "Denied").get("status") == "False"
+        and condition(obj, "SpecAccepted").get("status") == "True"
+    )
+
+
+def engine_quota(kv: Any) -> dict[str, Any]:
+    """The tenant's KV quota in the engine config the operator wrote for the class."""
+    cm = kv.json("get", "configmap", B.CONFIG_NAME, "-n", CLASS_NS)
+    tenants: dict[str, Any] = json.loads(cm["data"][B.CONFIG_KEY])["quotas"]["tenants"]
+    return dict(tenants.get("acme", {}))
+
+
+def test_a_class_edit_below_a_bound_tenants_quota_clamps_it_and_keeps_it_served(
+    live: Live, operator: Any, kv: Any, wait: Any
+) -> None:
+    """The class's limits lowered below the tenant's own quota: not a revocation. The tenant stays
+    Bound and served through the router, at the class's new limits (routing table and engine config),
+    with ``Clamped=True`` and a Warning Event; a binding created now with that quota is Denied."""
+    key = "sk-edits-rotated-0123456789"
+    own = {"requestsPerMinute": 30000, "maxKVBlocks": 256}
+    ref = {"apiKeySecretRef": {"name": "acme-keys-v2"}}
+    res = kv.apply(tc_body(), secret("acme-keys-v2", TENANT_NS, k0=key), binding(**ref, quotas=own))
+    assert res.returncode == 0, res.stderr
+    wait(
+        lambda: (
+            live.served().get("quotas", {}).get("requestsPerMinute") == 30000
+            and live.tb()["status"].get("acceptedGeneration") == live.tb()["metadata"]["generation"]
+            and engine_quota(kv).get("maxBlocks") == 256
+        ),
+        "the tenant's own quota in force",
+        60,
+        dump=operator.tail,
+    )
+    accepted = live.tb()["status"]["acceptedSpec"]
+    lowered = tc_body()
+    lowered["spec"]["quotas"]["limits"] = {"requestsPerMinute": 12000, "maxKVBlocks": 128}
+    with Traffic(live.router, key, MODEL).running() as traffic:
+        assert kv.apply(lowered).returncode == 0
+        wait(lambda: clamped(live.tb()), "Clamped=True, still Bound", 60, dump=operator.tail)
+        wait(lambda: warning_events(kv, "ClampedToClassLimits"), "a Warning Event ClampedToClassLimits", 30)
+        tb = live.tb()
+        message = condition(tb, "Clamped")["message"]
+        assert "requestsPerMinute 30000 -> 12000, maxKVBlocks 256 -> 128" in message, message
+        assert tb["status"]["acceptedSpec"] == accepted  # the tenant's own spec is still the one in force
+        assert condition(tb, "Stalled").get("reason") == "ClampedToClassLimits"
+        assert argocd_health("tenantbinding", tb)[0] == "Degraded"
+        wait(
+            lambda: (
+                live.served()["quotas"].get("maxKVBlocks") == 128
+                and live.served()["quotas"].get("requestsPerMinute") == 12000
+            ),
+            "the clamped quota in the routing table",
+            30,
+        )
+        wait(lambda: engine_quota(kv).get("maxBlocks") == 128, "the clamped quota in the engine config", 60)
+        assert complete(live.router, key, MODEL) == 200
+        # A binding never accepted has nothing to keep: the same quota is refused outright.
+        newbie = tenant_binding("newbie", TENANT_NS, "newbie", CLASS, quotas=own)
+        assert kv.apply(secret("newbie-keys", TENANT_NS, k0="sk-edits-newbie-0123"), newbie).returncode == 0
+        wait(
+            lambda: (
+                condition(kv.json("get", "tb", "newbie", "-n", TENANT_NS) or {}, "Denied").get("reason")
+                == "QuotaExceedsClassLimit"
+            ),
+            "a new binding above the limits Denied",
+            60,
+        )
+        kv("delete", "tb", "newbie", "-n", TENANT_NS)
+    assert traffic.statuses and not traffic.failures(), traffic.failures()[:5]
+
+    # The class raises its limits again: served as specified.
+    assert kv.apply(tc_body()).returncode == 0
+    wait(
+        lambda: (
+            condition(live.tb(), "Clamped").get("status") == "False"
+            and live.served()["quotas"].get("maxKVBlocks") == 256
+        ),
+        "the tenant's own quota in force again",
+        60,
+    )
+    wait(lambda: engine_quota(kv).get("maxBlocks") == 256, "the tenant's own quota in the engine config", 60)
+    assert complete(live.router, key, MODEL) == 200

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from cluster.manifests import condition
+from support.argocd import argocd_health
 
 from kvfence.api import conditions
 from kvfence.api.common import API_VERSION
+from kvfence.contract.routing import ROUTING_SECRET_KEY, decode_table_bytes
 from kvfence.operator import builders
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey
 from kvfence.operator.reconciler import Event, Reconciler, Requeue
@@ -395,3 +398,81 @@ def test_the_classes_a_decision_wakes_are_queued_before_it_writes_the_bindings_s
     # the class renders its engine while the decision's status writes are sent, and is queued once
     assert at_write == [[ClassKey("gold")]]
     assert ClassKey("gold") not in follow
+
+
+def test_a_class_edit_under_a_bound_tenant_clamps_it_and_says_so_once(world: Any) -> None:
+    """Lower quota limits on the class: the binding stays Bound and Ready with its spec accepted,
+    ``Clamped=True`` and kstatus ``Stalled`` say what was clamped, one Warning Event tells it, the
+    routing table and the engine config carry the clamped quota; raised again: served as specified."""
+    kube, rec, route = world
+    events: list[Event] = []
+    rec._emit = events.append
+    limits = {"requestsPerMinute": 60000, "maxKVBlocks": 512}
+    kube.put(trust_class(namespaceSelector={}, quotas={"limits": limits}))
+    tenant(kube)
+    tb_key = (API_VERSION, "TenantBinding", "team-a", "acme")
+    kube.objs[tb_key]["spec"]["quotas"] = {"requestsPerMinute": 30000, "maxKVBlocks": 256}
+    first_pass(rec)
+    rec.reconcile(ClassKey("gold"))
+    tb = kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
+    assert condition(tb, conditions.CLAMPED)["reason"] == conditions.REASON_WITHIN_CLASS_LIMITS
+    accepted = tb["status"]["acceptedSpec"]
+
+    def engine_tenants() -> Any:
+        cm = kube.get("v1", "ConfigMap", builders.CONFIG_NAME, "kvf-gold")
+        return json.loads(cm["data"][builders.CONFIG_KEY])["quotas"]["tenants"]
+
+    assert engine_tenants()["acme"]["maxBlocks"] == 256
+
+    def edit_class(**lim: int) -> None:
+        tc = kube.objs[(API_VERSION, "TrustClass", "", "gold")]
+        tc["spec"]["quotas"] = {"limits": lim}
+        tc["metadata"]["generation"] += 1
+        rec.reconcile(ClassKey("gold"))
+        rec.reconcile(ROUTING)
+        rec.reconcile(ClassKey("gold"))  # the decision's follow-up: the tenants' KV quotas
+
+    events.clear()
+    edit_class(requestsPerMinute=12000, maxKVBlocks=128)
+    tb = kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
+    for ctype, status in (
+        (conditions.BOUND, "True"),
+        (conditions.READY, "True"),
+        (conditions.DENIED, "False"),
+        (conditions.SPEC_ACCEPTED, "True"),
+        (conditions.CLAMPED, "True"),
+        (conditions.STALLED, "True"),
+        (conditions.RECONCILING, "False"),
+    ):
+        assert condition(tb, ctype)["status"] == status, (ctype, tb["status"])
+    clamp = condition(tb, conditions.CLAMPED)
+    assert clamp["reason"] == conditions.REASON_CLAMPED == condition(tb, conditions.STALLED)["reason"]
+    assert "requestsPerMinute 30000 -> 12000, maxKVBlocks 256 -> 128" in clamp["message"]
+    assert clamp["observedGeneration"] == tb["metadata"]["generation"]
+    assert tb["status"]["acceptedSpec"] == accepted  # the tenant's own spec stays the one in force
+    assert argocd_health("tenantbinding", tb) == ("Degraded", f"ClampedToClassLimits: {clamp['message']}")
+    route_ = decode(kube)["tenants"]["acme"]
+    assert route_["quotas"]["requestsPerMinute"] == 12000 and route_["quotas"]["maxKVBlocks"] == 128
+    assert engine_tenants()["acme"]["maxBlocks"] == 128
+    told = [(e.reason, e.type) for e in events if e.obj["kind"] == "TenantBinding"]
+    assert told == [(conditions.REASON_CLAMPED, "Warning")]
+    # Decided again with nothing changed: no write, no second Event.
+    kube.writes.clear()
+    route()
+    assert ("status", "TenantBinding", "acme") not in kube.writes
+    assert len([e for e in events if e.obj["kind"] == "TenantBinding"]) == 1
+
+    edit_class(requestsPerMinute=60000, maxKVBlocks=512)
+    tb = kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
+    assert condition(tb, conditions.CLAMPED)["status"] == "False"
+    assert condition(tb, conditions.STALLED)["status"] == "False"
+    assert argocd_health("tenantbinding", tb)[0] == "Healthy"
+    assert decode(kube)["tenants"]["acme"]["quotas"]["requestsPerMinute"] == 30000
+    assert engine_tenants()["acme"]["maxBlocks"] == 256
+    told = [(e.reason, e.type) for e in events if e.obj["kind"] == "TenantBinding"]
+    assert told == [(conditions.REASON_CLAMPED, "Warning"), (conditions.REASON_WITHIN_CLASS_LIMITS, "Normal")]
+
+
+def decode(kube: FakeKube) -> Any:
+    s = kube.get("v1", "Secret", "kvfence-routing", "kvfence-system")
+    return json.loads(decode_table_bytes(base64.b64decode(s["data"][ROUTING_SECRET_KEY])))

@@ -23,6 +23,11 @@ DENIED: Final = "Denied"
 #: last accepted spec is served instead (its reason is the refusal's), as a Deployment keeps its old
 #: ReplicaSet. Set on both kinds.
 SPEC_ACCEPTED: Final = "SpecAccepted"
+#: True while the spec in force asks for more than its TrustClass allows *now* (the class was edited
+#: after the spec was accepted: lower quota limits, an adapter no longer served, fewer blocks to
+#: guarantee): the tenant stays Bound and served within the class's bounds, and this says what was
+#: clamped. Abnormal-true, like ``Denied``; ``Ready`` is not affected.
+CLAMPED: Final = "Clamped"
 
 # --- reasons: TrustClass ----------------------------------------------------------------------
 REASON_AVAILABLE: Final = "EngineAvailable"
@@ -63,3 +68,6 @@ REASON_SECRET_FORBIDDEN: Final = "ApiKeySecretForbidden"
 REASON_NO_API_KEYS: Final = "NoApiKeys"
 REASON_DUPLICATE_API_KEY: Final = "DuplicateApiKey"
 REASON_KV_OVERCOMMITTED: Final = "KVBlocksOvercommitted"
+REASON_CLAMPED: Final = "ClampedToClassLimits"
+REASON_WITHIN_CLASS_LIMITS: Final = "WithinClassLimits"
+REASON_NOT_BOUND: Final = "NotBound"

@@ -86,7 +86,9 @@ class TenantBindingStatus(KubeModel):
     )
     conditions: list[Condition] = conditions_field(
         "Bound and Denied; Ready (the same as Bound); SpecAccepted (False: the tenant is served with its "
-        "last accepted spec); Reconciling and Stalled as kstatus reads them."
+        "last accepted spec); Clamped (True: the TrustClass was edited after that spec was accepted and "
+        "the tenant is served within the class's current bounds: lower quotas, fewer adapters, fewer "
+        "guaranteed blocks); Reconciling and Stalled as kstatus reads them."
     )
     trust_class: str | None = Field(
         None, alias="trustClass", description="The trust class the tenant routes to."
@@ -98,7 +100,8 @@ class TenantBindingStatus(KubeModel):
         description="The last spec the operator accepted: the tenant is served with it. An edit that "
         "cannot be accepted (a quota above the class's limits, an adapter the class does not serve, an "
         "API-key Secret that does not exist or holds no keys) leaves it in force, with SpecAccepted=False "
-        "saying why.",
+        "saying why. An edit of the TrustClass that this spec no longer fits leaves it in force too, "
+        "served within the class's current bounds (Clamped=True says what was clamped).",
     )
     accepted_generation: int | None = Field(
         None, alias="acceptedGeneration", description="The .metadata.generation of acceptedSpec."

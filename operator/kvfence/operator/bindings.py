@@ -30,6 +30,7 @@ from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, OperatorO
 
 REASON_DUPLICATE_API_KEY = conditions.REASON_DUPLICATE_API_KEY
 REASON_KV_OVERCOMMITTED = conditions.REASON_KV_OVERCOMMITTED
+REASON_CLAMPED = conditions.REASON_CLAMPED
 #: suffix of the pseudo binding key under which the Secret of a last accepted spec is read and watched
 ACCEPTED_SUFFIX = "#accepted"
 
@@ -79,6 +80,9 @@ class Decision:
     #: why the binding's current spec was not accepted, when the tenant is served with its last
     #: accepted spec instead (None: the current spec is the one served)
     refused: Decision | None = None
+    #: what serving ``served_spec`` within its class's current bounds took from it, one phrase each
+    #: (empty: served as specified). Only a spec accepted before is clamped: the class was edited since.
+    clamped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,9 @@ class _Admit:
     cls: ClassState
     effective: TenantQuotas
     hashes: tuple[str, ...]
+    #: the adapters it is served with (``spec.allowedAdapters`` less those the class no longer serves)
+    adapters: tuple[str, ...]
+    clamped: tuple[str, ...]
 
 
 def accepted_key(binding: str) -> str:
@@ -104,8 +111,11 @@ class Outcome:
     tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
 
 
-def _sort_key(b: TenantBinding) -> tuple[str, str]:
-    return (str(b.metadata.get("creationTimestamp", "")), b.key)
+def _sort_key(b: TenantBinding) -> tuple[bool, str, str]:
+    """Bindings served before (a spec accepted) come first, then the oldest: an established tenant
+    keeps its tenant id, API keys and guaranteed blocks ahead of any binding never admitted, even an
+    older one (say, one whose Secret appeared only now)."""
+    return (b.status.accepted_spec is None, str(b.metadata.get("creationTimestamp", "")), b.key)
 
 
 def _deny(reason: str, message: str, tc: str | None = None) -> Decision:
@@ -119,6 +129,19 @@ def _other(binding: str, namespace: str) -> str:
     return f"TenantBinding {name!r} of this namespace" if ns == namespace else "an older TenantBinding"
 
 
+def _capped(quotas: TenantQuotas, limits: TenantQuotas) -> tuple[TenantQuotas, list[str]]:
+    """``quotas`` with every field set above the same field of ``limits`` lowered to that limit, and
+    what was lowered (``"wireName asked -> served"``)."""
+    update: dict[str, int] = {}
+    said: list[str] = []
+    for name, info in TenantQuotas.model_fields.items():
+        mine, lim = getattr(quotas, name), getattr(limits, name)
+        if mine is not None and lim is not None and mine > lim:
+            update[name] = lim
+            said.append(f"{info.alias or name} {mine} -> {lim}")
+    return quotas.model_copy(update=update), said
+
+
 def decide(
     classes: Mapping[str, ClassState],
     bindings: Iterable[TenantBinding],
@@ -126,8 +149,9 @@ def decide(
     keys: Mapping[str, KeyLookup],
     opts: OperatorOptions,
 ) -> Outcome:
-    """Every binding's fate and the routing table. Oldest binding first wins a contested tenant id or
-    API key, so an established tenant is never displaced by a newcomer."""
+    """Every binding's fate and the routing table. Bindings served before, then the oldest, win a
+    contested tenant id, API key or guarantee (:func:`_sort_key`), so an established tenant is never
+    displaced by a newcomer."""
     out = Outcome()
     claimed_ids: dict[str, str] = {}
     claimed_keys: dict[str, str] = {}
@@ -148,8 +172,15 @@ def decide(
             signing_keys=[base64.b64encode(k).decode() for k in state.signing_keys],
         )
 
-    def evaluate(b: TenantBinding, spec: TenantBindingSpec, lookup: KeyLookup) -> Decision | _Admit:
-        """What ``spec`` of binding ``b`` would get, claiming nothing (the tenant id is claimed)."""
+    def evaluate(
+        b: TenantBinding, spec: TenantBindingSpec, lookup: KeyLookup, *, admitted: bool = False
+    ) -> Decision | _Admit:
+        """What ``spec`` of binding ``b`` would get, claiming nothing (the tenant id is claimed).
+
+        ``admitted``: ``spec`` is the binding's last accepted one, so whatever it asks beyond its
+        class's *current* bounds (adapters, quota limits, guaranteed blocks) is the class's edit, not
+        the tenant's: it is served clamped to those bounds (and says so) instead of refused. Only a
+        revocation (class gone, namespace not admitted, keys gone or taken) refuses it."""
         cname = spec.trust_class_name
         found = classes.get(cname)
         if found is None or found.deleting:
@@ -162,29 +193,43 @@ def decide(
                 conditions.REASON_NAMESPACE_NOT_ADMITTED,
                 f"namespace {b.namespace!r} is not admitted by TrustClass {cname!r} (namespaceSelector)",
             )
+        clamped: list[str] = []
         class_adapters = {a.name for a in cs.tc.spec.engine.adapters}
         missing = sorted(set(spec.allowed_adapters) - class_adapters)
-        if missing:
+        if missing and not admitted:
             return _deny(
                 conditions.REASON_ADAPTER_NOT_IN_CLASS,
                 f"adapters {missing} are not served by TrustClass {cname!r}",
             )
-        over = spec.quotas.exceeds(cs.tc.spec.quotas.limits)
-        if over:
+        if missing:
+            clamped.append(f"adapters {missing} dropped (no longer served)")
+        adapters = tuple(sorted(set(spec.allowed_adapters) & class_adapters))
+        limits = cs.tc.spec.quotas.limits
+        over = spec.quotas.exceeds(limits)
+        if over and not admitted:
             return _deny(
                 conditions.REASON_QUOTA_EXCEEDS_LIMIT,
                 f"quotas above the limits of TrustClass {cname!r}: {over}",
             )
-        effective = spec.quotas.merged_over(cs.tc.spec.quotas.defaults)
+        quotas, lowered = _capped(spec.quotas, limits)
+        if lowered:
+            clamped.append(f"quotas lowered to the limits: {', '.join(lowered)}")
+        effective = quotas.merged_over(cs.tc.spec.quotas.defaults)
         if (
             effective.guaranteed_kv_blocks is not None
             and effective.max_kv_blocks is not None
             and effective.guaranteed_kv_blocks > effective.max_kv_blocks
         ):
-            return _deny(
-                conditions.REASON_QUOTA_EXCEEDS_LIMIT,
-                "effective guaranteedKVBlocks exceeds effective maxKVBlocks",
+            if not admitted:
+                return _deny(
+                    conditions.REASON_QUOTA_EXCEEDS_LIMIT,
+                    "effective guaranteedKVBlocks exceeds effective maxKVBlocks",
+                )
+            clamped.append(
+                f"guaranteedKVBlocks {effective.guaranteed_kv_blocks} -> {effective.max_kv_blocks} "
+                "(the effective maxKVBlocks)"
             )
+            effective = effective.model_copy(update={"guaranteed_kv_blocks": effective.max_kv_blocks})
         if lookup.error is not None:
             return _deny(lookup.error, lookup.message)
         if not lookup.hashes:
@@ -199,15 +244,29 @@ def decide(
         used = guaranteed_used.get(cname, 0)
         budget = cs.tc.spec.engine.kv_block_budget
         if guaranteed and used + guaranteed > budget:
-            message = (
-                f"guaranteedKVBlocks {guaranteed} would exceed the {budget} guaranteed blocks the "
-                f"operator admits on vllm TrustClass {cname!r} ({used} already guaranteed; vLLM sizes "
-                "its pool from GPU memory when it starts, and its fence checks them against that pool too)"
-                if cs.tc.spec.engine.runtime == "vllm"
-                else f"guaranteedKVBlocks {guaranteed} would overcommit the {budget} blocks "
-                f"of TrustClass {cname!r} ({used} already guaranteed)"
+            vllm = cs.tc.spec.engine.runtime == "vllm"
+            pool = (
+                f"the {budget} guaranteed blocks the operator admits on vllm"
+                if vllm
+                else f"the {budget} blocks"
             )
-            return _deny(REASON_KV_OVERCOMMITTED, message)
+            if not admitted:
+                message = (
+                    f"guaranteedKVBlocks {guaranteed} would exceed {pool} TrustClass {cname!r} ({used} "
+                    "already guaranteed; vLLM sizes its pool from GPU memory when it starts, and its fence "
+                    "checks them against that pool too)"
+                    if vllm
+                    else f"guaranteedKVBlocks {guaranteed} would overcommit {pool} of TrustClass {cname!r} "
+                    f"({used} already guaranteed)"
+                )
+                return _deny(REASON_KV_OVERCOMMITTED, message)
+            # Older bindings were decided first and keep theirs: this one gets what is left.
+            fits = max(0, budget - used)
+            clamped.append(
+                f"guaranteedKVBlocks {guaranteed} -> {fits} (what is left of {pool}, {used} guaranteed to "
+                "older bindings)"
+            )
+            effective = effective.model_copy(update={"guaranteed_kv_blocks": fits})
         if cname not in routes:
             return Decision(
                 bound=False,
@@ -216,7 +275,7 @@ def decide(
                 message=f"TrustClass {cname!r} has no signing key yet",
                 trust_class=cname,
             )
-        return _Admit(spec, cs, effective, lookup.hashes)
+        return _Admit(spec, cs, effective, lookup.hashes, adapters, tuple(clamped))
 
     for b in sorted(bindings, key=_sort_key):
         owner = claimed_ids.get(b.spec.tenant_id)
@@ -233,14 +292,18 @@ def decide(
         got = evaluate(b, b.spec, lookup)
         refused: Decision | None = None
         accepted = b.accepted_spec()
-        if isinstance(got, Decision) and accepted is not None and accepted != b.spec:
+        if isinstance(got, Decision) and accepted is not None:
             # An edit that cannot be accepted: the tenant keeps its last accepted spec (as a
             # Deployment keeps its old ReplicaSet), unless that one is refused too (a revocation).
+            # The accepted spec is clamped to what its class allows now: an edit of the class takes
+            # no tenant offline either (the spec may be the current one: the class changed under it).
             same_ref = accepted.api_key_secret_ref == b.spec.api_key_secret_ref
             old_lookup = lookup if same_ref else keys.get(accepted_key(b.key), lookup)
-            previous = evaluate(b, accepted, old_lookup)
+            previous = evaluate(b, accepted, old_lookup, admitted=True)
             if isinstance(previous, _Admit):
-                refused, got = got, previous
+                refused, got = (got if accepted != b.spec else None), previous
+            elif accepted == b.spec:
+                got = previous  # the revocation, not what the class would have clamped
         if isinstance(got, Decision):
             out.decisions[b.key] = got
             continue
@@ -252,7 +315,7 @@ def decide(
         tenants[b.spec.tenant_id] = TenantRoute(
             trust_class=cname,
             api_key_hashes=sorted(set(admit.hashes)),
-            allowed_adapters=sorted(admit.spec.allowed_adapters),
+            allowed_adapters=list(admit.adapters),
             quotas=Quotas(
                 max_concurrent_requests=effective.max_concurrent_requests,
                 requests_per_minute=effective.requests_per_minute,
@@ -277,6 +340,7 @@ def decide(
             quotas=effective,
             served_spec=admit.spec,
             refused=refused,
+            clamped=admit.clamped,
         )
     out.table = RoutingTable(trust_classes=routes, tenants=dict(sorted(tenants.items())))
     return out

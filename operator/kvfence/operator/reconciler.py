@@ -855,26 +855,41 @@ class Reconciler:
                 f"generation {gen} is not accepted: {refused.message}; the tenant is served with its last "
                 f"accepted spec (generation {accepted_gen})"
             )
-            conds.append(
-                set_condition(existing, conditions.SPEC_ACCEPTED, False, refused.reason, refusal, gen)
-            )
+            spec_c = set_condition(existing, conditions.SPEC_ACCEPTED, False, refused.reason, refusal, gen)
         elif d.bound:
-            conds.append(
-                set_condition(existing, conditions.SPEC_ACCEPTED, True, conditions.REASON_ACCEPTED, "", gen)
+            spec_c = set_condition(
+                existing, conditions.SPEC_ACCEPTED, True, conditions.REASON_ACCEPTED, "", gen
             )
         else:
-            conds.append(set_condition(existing, conditions.SPEC_ACCEPTED, False, d.reason, d.message, gen))
+            spec_c = set_condition(existing, conditions.SPEC_ACCEPTED, False, d.reason, d.message, gen)
+        # The class edited under the spec in force: served within the class's current bounds.
+        if d.bound and d.clamped:
+            clamp = (
+                f"the spec in force (generation {accepted_gen}) asks for more than TrustClass "
+                f"{d.trust_class!r} allows now; the tenant is served within it: " + "; ".join(d.clamped)
+            )
+            clamp_c = set_condition(existing, conditions.CLAMPED, True, conditions.REASON_CLAMPED, clamp, gen)
+        elif d.bound:
+            clamp_c = set_condition(
+                existing, conditions.CLAMPED, False, conditions.REASON_WITHIN_CLASS_LIMITS, "", gen
+            )
+        else:
+            clamp_c = set_condition(existing, conditions.CLAMPED, False, conditions.REASON_NOT_BOUND, "", gen)
+        conds += [spec_c, clamp_c]
+        # A refused edit or a clamped spec needs a change by someone (the tenant is served meanwhile).
+        stalled: tuple[str, str] | None = None
+        if d.denied:
+            stalled = (d.reason, d.message)
+        elif refused is not None:
+            stalled = (refused.reason, spec_c["message"])
+        elif clamp_c["status"] == "True":
+            stalled = (conditions.REASON_CLAMPED, clamp_c["message"])
         conds += kstatus_conditions(
             existing,
             reconciling=None
             if d.bound or d.denied or refused is not None
             else {"reason": d.reason, "message": d.message},
-            # A refused edit needs a change by someone (the tenant is served meanwhile).
-            stalled=(d.reason, d.message)
-            if d.denied
-            else (refused.reason, conds[-1]["message"])
-            if refused is not None
-            else None,
+            stalled=stalled,
             generation=gen,
         )
         status: Obj = {"observedGeneration": gen, "conditions": conds}
@@ -899,7 +914,22 @@ class Reconciler:
             or old.get(conditions.DENIED, {}).get("reason") != conds[1]["reason"]
         ):
             self._emit(Event(body, d.reason, d.message, "Normal" if d.bound or not d.denied else "Warning"))
-        spec_c = conds[3]
         was = old.get(conditions.SPEC_ACCEPTED, {})
         if refused is not None and (was.get("status"), was.get("reason")) != ("False", refused.reason):
             self._emit(Event(body, refused.reason, spec_c["message"], "Warning"))
+        # Told when a clamp starts or changes (the class edited again, the guarantees of older
+        # bindings changed what is left), and when it ends with the tenant still served.
+        was = old.get(conditions.CLAMPED, {})
+        if clamp_c["status"] == "True" and (was.get("status"), was.get("message")) != (
+            "True",
+            clamp_c["message"],
+        ):
+            self._emit(Event(body, conditions.REASON_CLAMPED, clamp_c["message"], "Warning"))
+        elif d.bound and clamp_c["status"] == "False" and was.get("status") == "True":
+            self._emit(
+                Event(
+                    body,
+                    conditions.REASON_WITHIN_CLASS_LIMITS,
+                    f"the spec in force is served as specified again: TrustClass {d.trust_class!r} allows it",
+                )
+            )

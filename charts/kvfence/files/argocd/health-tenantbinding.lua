@@ -22,6 +22,10 @@ if c.Bound ~= nil and c.Bound.status == "True" and c.SpecAccepted ~= nil and c.S
   -- an edit was refused: the tenant is served with its last accepted spec, the sync did not take
   return {status = "Degraded", message = say(c.SpecAccepted)}
 end
+if c.Bound ~= nil and c.Bound.status == "True" and c.Clamped ~= nil and c.Clamped.status == "True" then
+  -- the class was edited under the spec in force: the tenant is served within the class's bounds
+  return {status = "Degraded", message = say(c.Clamped)}
+end
 if c.Bound ~= nil and c.Bound.status == "True" then
   return {status = "Healthy", message = say(c.Bound)}
 end
