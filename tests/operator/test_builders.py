@@ -319,8 +319,13 @@ def test_rollout_strategy_defaults_per_class_and_follows_engine_rollout(make_tc:
     gpu, cpu = {"resources": {"gpu": {"count": 1}}}, {"resources": {"gpu": {"count": 0}}}
     assert strategy(**gpu) == {"maxSurge": 0, "maxUnavailable": 1}  # no surge accelerator by default
     assert strategy(**cpu) == {"maxSurge": 1, "maxUnavailable": 0}
-    # a GPU class that keeps serving from the old pod while the new one loads
-    assert strategy(**gpu, engine={"rollout": {"maxSurge": 1}}) == {"maxSurge": 1, "maxUnavailable": 1}
+    # a GPU class that keeps serving from the old pod while the new one loads: a surge asked for
+    # means no replica unavailable unless that is set too
+    assert strategy(**gpu, engine={"rollout": {"maxSurge": 1}}) == {"maxSurge": 1, "maxUnavailable": 0}
+    half = {"rollout": {"maxSurge": "50%"}}
+    assert strategy(**gpu, engine=half) == {"maxSurge": "50%", "maxUnavailable": 0}
+    surge_and_down = {"rollout": {"maxSurge": 1, "maxUnavailable": 1}}
+    assert strategy(**gpu, engine=surge_and_down) == {"maxSurge": 1, "maxUnavailable": 1}
     both = {"rollout": {"maxSurge": 1, "maxUnavailable": 0}}
     assert strategy(**gpu, engine=both) == {"maxSurge": 1, "maxUnavailable": 0}
     assert strategy(**cpu, engine={"rollout": {"maxSurge": "25%"}}) == {

@@ -240,9 +240,9 @@ class RolloutSpec(KubeModel):
 
     Unset fields take the class's default: on a GPU class maxSurge 0 and maxUnavailable 1 (no extra
     accelerator is asked for, one replica is down at a time: a one-replica class is down while the new
-    pod loads its model); on a CPU class maxSurge 1 and maxUnavailable 0. Set maxSurge 1 (and
-    maxUnavailable 0) on a GPU class to keep serving from the old pod while the new one starts, when
-    the cluster has an accelerator to spare."""
+    pod loads its model); on a CPU class maxSurge 1 and maxUnavailable 0. A maxSurge set above 0 with
+    maxUnavailable unset means maxUnavailable 0: set maxSurge 1 on a GPU class to keep serving from the
+    old pod while the new one starts, when the cluster has an accelerator to spare."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -284,12 +284,17 @@ class RolloutSpec(KubeModel):
         return self
 
     def resolved(self, gpu: bool) -> tuple[int | str, int | str]:
-        """(maxSurge, maxUnavailable): the class's defaults for what is unset; a default that would
+        """(maxSurge, maxUnavailable): the class's defaults for what is unset (maxUnavailable 0 when
+        a surge is asked for: the old pods serve until the new ones are ready); a default that would
         leave both 0 is 1 instead."""
         surge: int | str = self.max_surge if self.max_surge is not None else (0 if gpu else 1)
-        unavailable: int | str = (
-            self.max_unavailable if self.max_unavailable is not None else (1 if gpu else 0)
-        )
+        unavailable: int | str
+        if self.max_unavailable is not None:
+            unavailable = self.max_unavailable
+        elif self.max_surge is not None and not _is_zero(self.max_surge):
+            unavailable = 0
+        else:
+            unavailable = 1 if gpu else 0
         if _is_zero(surge) and _is_zero(unavailable):
             if self.max_surge is None:
                 surge = 1
