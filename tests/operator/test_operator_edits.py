@@ -194,6 +194,12 @@ def test_a_revocation_takes_access_away_within_seconds_even_while_an_edit_is_ref
     kv("label", "namespace", TENANT_NS, f"kvfence.dev/tenants={CLASS}", "--overwrite")
     wait(lambda: complete(live.router, key, MODEL) == 200, "admitted again", 30)
 
+    # The binding deleted (its refused edit still pending): revoked within seconds as well.
+    kv("delete", "tb", "acme", "-n", TENANT_NS, "--wait=false")
+    wait(lambda: complete(live.router, key, MODEL) == 401, "binding deleted: 401 within seconds", 10, 0.2)
+    assert kv.apply(binding(apiKeySecretRef={"name": "acme-keys-v2"})).returncode == 0
+    wait(lambda: complete(live.router, key, MODEL) == 200, "bound again", 60)
+
 
 def test_a_trust_class_whose_spec_stops_validating_stays_routed_with_its_last_accepted_spec(
     live: Live, operator: Any, kv: Any, wait: Any, cluster: Any

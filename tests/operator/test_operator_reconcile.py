@@ -516,6 +516,17 @@ def test_deleting_a_trustclass_removes_everything(operator: Any, kv: Any, wait: 
         child = kv.json("get", kind, "-n", "kvf-doomed", "-l", "kvfence.dev/trust-class=doomed")["items"]
         assert child and all(c["metadata"]["ownerReferences"][0]["kind"] == "TrustClass" for c in child)
     kv("delete", "trustclass", "doomed", "--wait=false")
+    # A revocation: the class and its tenants leave the routing table within seconds of the delete,
+    # before the finalizer has taken the class's children down.
+    wait(
+        lambda: (
+            "t-victim" not in kv.routing_table()["tenants"]
+            and "doomed" not in kv.routing_table()["trustClasses"]
+        ),
+        "class deleted: its tenants unrouted within seconds",
+        10,
+        0.2,
+    )
     wait(lambda: kv.json("get", "trustclass", "doomed") is None, "TrustClass gone (finalizer released)", 120)
     table = kv.routing_table()
     assert "doomed" not in table["trustClasses"] and "t-victim" not in table["tenants"]
