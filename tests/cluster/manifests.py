@@ -33,6 +33,16 @@ EXTRA_ARGS_CASES: list[tuple[list[str], list[str]]] = [
     (["--signing-key-dir", "/x"], ["--signing-key-dir"]),
     (["--log-level=DEBUG", "--conf=/x"], ["--conf=/x"]),
     (["--middlewarex", "--kv-cache-dtype", "fp8", "--", "-x"], []),
+    (["--kv-offloading-backend", "lmcache", "--kv-offloading-size=8"],
+     ["--kv-offloading-backend", "--kv-offloading-size=8"]),  # KV offloading picks a KV connector
+    (["--prefix-match-unit", "16", "--mm-hasher-algorithm=sha256"],
+     ["--prefix-match-unit", "--mm-hasher-algorithm=sha256"]),
+    (["--distributed-executor-backend", "my.Executor", "--tool-parser-plugin", "/p.py"],
+     ["--distributed-executor-backend", "--tool-parser-plugin"]),
+    # an exact option that also abbreviates a refused flag: argparse reads the option
+    (["--reasoning-parser", "qwen3", "--reasoning_parser=deepseek_r1"], []),
+    (["--reasoning-parser-plugin", "/p.py", "--reasoning-parser-p=/p.py"],
+     ["--reasoning-parser-plugin", "--reasoning-parser-p=/p.py"]),
 ]  # fmt: skip
 
 #: A vLLM engine on GPU (the runtime that downloads weights and loads adapters).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 import yaml
 from cluster import manifests
 
-from kvfence.api.trustclass import TrustClass
+from kvfence.api.trustclass import EXACT_EXTRA_ARGS, FORBIDDEN_EXTRA_ARGS, TrustClass, refused_extra_args
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
 from kvfence.operator.builders import vllm_args
 
@@ -246,3 +247,33 @@ def test_vllm_loads_the_middleware_and_it_guards_the_app(
     statuses = [r["status"] for r in answer["results"]]
     assert statuses == [401, 200, 200], answer
     assert answer["seen"] == [derive_cache_salt(KEY, "gold", alice.namespace)]
+
+
+#: The kinds of ``vllm serve`` options tenant isolation relies on (issue 12, item 7): prefix-cache
+#: hashing and its granularity, KV transfer, offloading and events, the middleware and scheduler, and
+#: anything that loads a class or a plugin into the engine.
+ISOLATION_OPTION = re.compile(
+    r"^--(no-)?(enable-prefix-caching|prefix-caching-hash|prefix-match|mm-hasher|kv-transfer|kv-offloading"
+    r"|kv-events|ec-transfer|middleware|scheduler-cls|worker-cls|worker-extension-cls"
+    r"|distributed-executor-backend|logits-processors|config$|.*-plugin$)"
+)
+
+
+def test_extra_args_refuse_every_isolation_option_of_the_pinned_vllm(vllm_python: Any) -> None:
+    options = set(probe(vllm_python.require(), {"options": True})["options"])
+    assert len(options) > 100 and "--max-num-seqs" in options, sorted(options)[:20]
+    # Every option of those kinds that this vLLM has is refused in engine.extraArgs ...
+    sensitive = sorted(o for o in options if ISOLATION_OPTION.match(o))
+    assert {"--kv-offloading-backend", "--tool-parser-plugin", "--middleware"} <= set(sensitive)
+    assert [o for o in sensitive if not refused_extra_args([o])] == []
+    # ... every refused vLLM flag is one of its options (no stale name in the list) ...
+    engine_only = {"--signing-key-dir"}  # the reference engine's (kvfence-engine)
+    assert sorted(set(FORBIDDEN_EXTRA_ARGS) - engine_only - options) == []
+    # ... and the options that merely abbreviate a refused flag are exactly the allowed exceptions.
+    shadowed = sorted(
+        o
+        for o in options
+        if o not in FORBIDDEN_EXTRA_ARGS and any(f.startswith(o) for f in FORBIDDEN_EXTRA_ARGS)
+    )
+    assert shadowed == sorted(EXACT_EXTRA_ARGS)
+    assert [o for o in options - set(FORBIDDEN_EXTRA_ARGS) if refused_extra_args([o])] == []

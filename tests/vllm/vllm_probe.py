@@ -11,6 +11,7 @@ what kvfence renders. Reads a JSON request on stdin, writes a JSON answer on std
   the parser's error.
 * ``bodies``: request bodies as the middleware hands them to vLLM, validated with vLLM's own request
   models for the three salted endpoints.
+* ``options``: every long option of ``vllm serve``'s parser (what ``engine.extraArgs`` could reach).
 * ``middleware``: vLLM's own middleware registration (``init_entrypoints_middleware``) applied to a
   FastAPI app with ``--middleware kvfence.vllm.middleware.KvfenceMiddleware``, exercised with
   signed and unsigned requests.
@@ -156,6 +157,16 @@ def run_middleware(spec: dict[str, Any]) -> dict[str, Any]:
     return {"results": results, "seen": seen}
 
 
+def serve_options() -> list[str]:
+    """Every long option ``vllm serve`` accepts (its parser, as :func:`parse_all` builds it)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand().subparser_init(cli.add_subparsers(required=False, dest="subparser"))
+    return sorted({o for a in serve._actions for o in a.option_strings if o.startswith("--")})
+
+
 def main() -> int:
     req = json.load(sys.stdin)
     answer: dict[str, Any] = {}
@@ -168,6 +179,8 @@ def main() -> int:
             answer["argv"] = parse_all(req["argv"])
         if "bodies" in req:
             answer["bodies"] = validate_bodies(req["bodies"])
+        if req.get("options"):
+            answer["options"] = serve_options()
         if "middleware" in req:
             answer["middleware"] = run_middleware(req["middleware"])
     json.dump(answer, sys.stdout)

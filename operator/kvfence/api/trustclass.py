@@ -68,27 +68,39 @@ KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION = (
 GPU_COUNT_ON_CPU = "engine.device CPU requests no GPU: resources.gpu.count must be 0"
 
 #: Flags ``engine.extraArgs`` may not carry: each one chooses something tenant isolation relies on
-#: (prefix-cache hashing and on/off, KV transfer and KV events, the kvfence middleware and scheduler,
-#: classes or plugins loaded into the engine, a second config file, the signing keys). One list for
-#: both runtimes: a flag the other runtime does not know would only make its parser exit.
+#: (prefix-cache hashing, its granularity and on/off, KV transfer, KV offloading and KV events, the
+#: kvfence middleware and scheduler, classes or plugins loaded into the engine, a second config file,
+#: the signing keys). One list for both runtimes: a flag the other runtime does not know would only
+#: make its parser exit. tests/vllm/test_vllm_args.py checks it against the pinned vLLM's own parser.
 FORBIDDEN_EXTRA_ARGS: tuple[str, ...] = (
     # vllm serve
     "--config",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--prefix-caching-hash-algo",
+    "--prefix-match-unit",
+    "--mm-hasher-algorithm",
     "--kv-transfer-config",
+    "--kv-offloading-backend",
+    "--kv-offloading-size",
     "--kv-events-config",
     "--ec-transfer-config",
     "--middleware",
     "--scheduler-cls",
     "--worker-cls",
     "--worker-extension-cls",
+    "--distributed-executor-backend",
     "--io-processor-plugin",
+    "--tool-parser-plugin",
+    "--reasoning-parser-plugin",
     "--logits-processors",
     # kvfence-engine (--config as well)
     "--signing-key-dir",
 )
+#: Options of the runtimes that are allowed although they abbreviate a refused flag: argparse takes an
+#: exact name over an abbreviation (``--reasoning-parser qwen3`` names that option, not
+#: ``--reasoning-parser-plugin``). tests/vllm/test_vllm_args.py checks this is every such vLLM option.
+EXACT_EXTRA_ARGS: tuple[str, ...] = ("--reasoning-parser",)
 #: The longest argument ``engine.extraArgs`` admits (bounds the cost of the CRD's rule).
 MAX_EXTRA_ARG_LENGTH = 512
 EXTRA_ARGS_WHY = (
@@ -107,11 +119,16 @@ def flag_name(arg: str) -> str | None:
 
 def refused_extra_args(args: list[str]) -> list[str]:
     """The arguments of ``args`` that name a flag of :data:`FORBIDDEN_EXTRA_ARGS`, or abbreviate one
-    (argparse accepts any unique prefix), in order."""
+    (argparse accepts any unique prefix) without naming an option of :data:`EXACT_EXTRA_ARGS`, in
+    order."""
     out = []
     for a in args:
         name = flag_name(a)
-        if name is not None and any(f.startswith(name) for f in FORBIDDEN_EXTRA_ARGS):
+        if (
+            name is not None
+            and name not in EXACT_EXTRA_ARGS
+            and any(f.startswith(name) for f in FORBIDDEN_EXTRA_ARGS)
+        ):
             out.append(a)
     return out
 
@@ -132,17 +149,32 @@ def _prefixes_re(word: str) -> str:
     return out
 
 
-def extra_args_regex() -> str:
-    """RE2 of an argument :func:`refused_extra_args` refuses (the CRD's CEL rule uses it;
-    tests/operator/test_operator_crds.py sends the model's cases to the API server)."""
-    return "^--(" + "|".join(_prefixes_re(f.removeprefix("--")) for f in FORBIDDEN_EXTRA_ARGS) + ")($|[=.])"
+def extra_args_regex(flags: tuple[str, ...] = FORBIDDEN_EXTRA_ARGS) -> str:
+    """RE2 of an argument that names or abbreviates one of ``flags`` (the CRD's CEL rules refuse what
+    it matches unless :func:`exact_args_regex` matches too; tests/operator/test_operator_crds.py sends
+    the model's cases to the API server)."""
+    return "^--(" + "|".join(_prefixes_re(f.removeprefix("--")) for f in flags) + ")($|[=.])"
 
 
-EXTRA_ARG_RULE: dict[str, JsonValue] = {
-    "rule": f"!self.matches('{extra_args_regex()}')",
-    "messageExpression": f"'engine.extraArgs: ' + self + ' refused: {EXTRA_ARGS_WHY}'",
-    "reason": "FieldValueForbidden",
-}
+def exact_args_regex() -> str:
+    """RE2 of an argument that names an option of :data:`EXACT_EXTRA_ARGS`."""
+    words = (f.removeprefix("--").replace("-", "[-_]") for f in EXACT_EXTRA_ARGS)
+    return "^--(" + "|".join(words) + ")($|[=.])"
+
+
+#: Flags per CEL rule: the API server bounds each rule's estimated cost (regex size times the
+#: argument's maximum length), so the refused flags are checked by several rules of one message.
+EXTRA_ARG_RULE_FLAGS = 11
+
+EXTRA_ARG_RULES: list[JsonValue] = [
+    {
+        "rule": f"!self.matches('{extra_args_regex(FORBIDDEN_EXTRA_ARGS[i : i + EXTRA_ARG_RULE_FLAGS])}')"
+        f" || self.matches('{exact_args_regex()}')",
+        "messageExpression": f"'engine.extraArgs: ' + self + ' refused: {EXTRA_ARGS_WHY}'",
+        "reason": "FieldValueForbidden",
+    }
+    for i in range(0, len(FORBIDDEN_EXTRA_ARGS), EXTRA_ARG_RULE_FLAGS)
+]
 
 
 #: A Kubernetes object name (DNS-1123 subdomain).
@@ -825,7 +857,7 @@ class EngineSpec(KubeModel):
             "items": {
                 "type": "string",
                 "maxLength": MAX_EXTRA_ARG_LENGTH,
-                "x-kubernetes-validations": [EXTRA_ARG_RULE],
+                "x-kubernetes-validations": EXTRA_ARG_RULES,
             }
         },
     )
