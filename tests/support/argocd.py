@@ -1,11 +1,13 @@
-"""The chart's Argo CD health checks (charts/kvfence/files/argocd), run by a real Lua runtime."""
+"""The chart's Argo CD health checks (charts/kvfence/files/argocd), run by a real Lua runtime of the
+dialect Argo CD runs them in: Argo CD embeds gopher-lua, a Lua 5.1, so the scripts run under Lua 5.1
+(a 5.2+ construct such as ``goto`` or integer division fails here as it would there)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import lupa.lua54 as lua54
+import lupa.lua51 as lua51
 
 ARGOCD = Path(__file__).resolve().parents[2] / "charts" / "kvfence" / "files" / "argocd"
 
@@ -13,7 +15,7 @@ ARGOCD = Path(__file__).resolve().parents[2] / "charts" / "kvfence" / "files" / 
 def argocd_health(kind: str, obj: dict[str, Any]) -> tuple[str, str]:
     """(status, message) of the chart's Argo CD health check of ``kind`` for ``obj``, the way Argo CD
     runs it: the script's body with the object as the global ``obj``."""
-    rt = lua54.LuaRuntime(unpack_returned_tuples=True)
+    rt = lua51.LuaRuntime(unpack_returned_tuples=True)
     rt.globals().obj = _to_lua(rt, obj)
     script = (ARGOCD / f"health-{kind}.lua").read_text()
     hs = rt.execute(script)
