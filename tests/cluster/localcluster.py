@@ -1,9 +1,10 @@
 """A real Kubernetes control plane on this machine, for tests and for `make up`.
 
 etcd + kube-apiserver (TLS, RBAC and Node authorization, the default admission plugins) +
-kube-controller-manager (garbage collection, Deployments -> ReplicaSets -> Pods, service-account
-tokens) + kube-scheduler + kwok, which plays the kubelet for a handful of fake nodes, some with
-``nvidia.com/gpu`` capacity, so GPU pods are really scheduled and reported Running.
+kube-controller-manager (its default controllers: garbage collection, Deployments -> ReplicaSets ->
+Pods, service-account tokens, HorizontalPodAutoscalers) + kube-scheduler + kwok, which plays the
+kubelet for a handful of fake nodes, some with ``nvidia.com/gpu`` capacity, so GPU pods are really
+scheduled and reported Running.
 
 The binaries come from ``build-components.sh`` (built from upstream sources, cached by version).
 Every process is started in its own session, logs into ``<dir>/logs/``, and is recorded in

@@ -752,3 +752,98 @@ def test_an_autoscaler_owns_the_engine_replicas_with_replicas_managed_externally
     )
     assert "kvfence-operator" in managers_of_replicas()
     wait(lambda: status_at(2), "two replicas ready", 180)
+
+
+def hpa_manifest(ns: str, min_replicas: int, max_replicas: int = 4) -> dict[str, Any]:
+    """An ``autoscaling/v2`` HPA on the class's engine, on vLLM's queue (docs/operations.md). No
+    custom metrics API is served here, so it never reads the metric: the HPA controller only raises a
+    target below ``minReplicas`` to it (and lowers one above ``maxReplicas``), which needs none."""
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "kvfence-engine", "namespace": ns},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvfence-engine"},
+            "minReplicas": min_replicas,
+            "maxReplicas": max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": "vllm:num_requests_waiting"},
+                        "target": {"type": "AverageValue", "averageValue": "4"},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_a_real_hpa_sizes_an_externally_managed_engine_and_the_operator_never_fights_it(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    """kube-controller-manager's HPA controller (the cluster runs it), not a simulation of it: it
+    writes deployment/kvfence-engine's /scale, the operator leaves the count alone across a later
+    reconcile, and the class's status follows the Deployment."""
+    cleanup.append("hpa")
+    ns = "kvf-hpa"
+    spec: dict[str, Any] = {"replicasManagedExternally": True, "resources": {"gpu": {"count": 0}}}
+    assert kv.apply(trust_class("hpa", **spec)).returncode == 0
+
+    def dep() -> dict[str, Any]:
+        got: dict[str, Any] = kv.json("get", "deploy", "kvfence-engine", "-n", ns, "--show-managed-fields")
+        return got
+
+    def operator_owns_replicas() -> bool:
+        return any(
+            m["manager"] == "kvfence-operator" and "f:replicas" in (m.get("fieldsV1") or {}).get("f:spec", {})
+            for m in dep()["metadata"]["managedFields"]
+        )
+
+    def status_at(n: int) -> dict[str, Any] | None:
+        st: dict[str, Any] = kv.json("get", "trustclass", "hpa").get("status") or {}
+        ok = st.get("desiredReplicas") == n and st.get("replicas") == n and st.get("readyReplicas") == n
+        return st if ok and ready(kv, "hpa") else None
+
+    # Created without replicas: the Deployment default, 1 (an HPA leaves a target at 0 alone).
+    wait(lambda: status_at(1), "one replica ready", 180, dump=operator.tail)
+    assert kv.apply(hpa_manifest(ns, min_replicas=2)).returncode == 0
+    wait(lambda: dep()["spec"]["replicas"] == 2, "the HPA raises the engine to minReplicas", 120)
+    events = kv.json("get", "events", "-n", ns, "--field-selector", "reason=SuccessfulRescale")
+    assert any(
+        e["involvedObject"]["kind"] == "HorizontalPodAutoscaler" and "below Spec.MinReplicas" in e["message"]
+        for e in events["items"]
+    ), events
+    assert not operator_owns_replicas()  # what the HPA wrote through /scale is not the operator's
+    wait(lambda: status_at(2), "status shows the HPA's 2 replicas, ready", 180, dump=operator.tail)
+    # ... and the HPA, at its next sync, finds the count it set: nothing to change.
+    wait(
+        lambda: (
+            (kv.json("get", "hpa", "kvfence-engine", "-n", ns).get("status") or {}).get("currentReplicas")
+            == 2
+        ),
+        "the HPA sees 2 replicas",
+        90,
+    )
+
+    # An unrelated class edit (a quota: the engine's config, not its pod template): the operator
+    # applies the engine Deployment again and leaves the count alone. The Deployment keeps its
+    # generation: a count set back by the operator and raised again by the HPA would be two more.
+    generation = dep()["metadata"]["generation"]
+    edited = trust_class("hpa", **spec, quotas={"defaults": {"requestsPerMinute": 100}})
+    assert kv.apply(edited).returncode == 0
+    tc_gen = kv.json("get", "trustclass", "hpa")["metadata"]["generation"]
+    wait(
+        lambda: (kv.json("get", "trustclass", "hpa").get("status") or {}).get("observedGeneration") == tc_gen,
+        "the edit reconciled",
+        60,
+        dump=operator.tail,
+    )
+    wait(lambda: status_at(2), "two replicas ready after the edit", 180, dump=operator.tail)
+    assert dep()["spec"]["replicas"] == 2 and dep()["metadata"]["generation"] == generation
+    assert not operator_owns_replicas()
+
+    # The HPA keeps driving: a higher floor raises the engine, and the status follows.
+    assert kv.apply(hpa_manifest(ns, min_replicas=3)).returncode == 0
+    wait(lambda: status_at(3), "status shows the HPA's 3 replicas, ready", 180, dump=operator.tail)
+    assert dep()["metadata"]["generation"] == generation + 1

@@ -177,6 +177,51 @@ def test_a_missing_shared_prefix_configmap_applies_nothing_and_says_so(world: An
     )
 
 
+def test_a_degraded_class_reports_its_running_engine_and_writes_its_status_once(world: Any) -> None:
+    """A class whose edit applies nothing keeps its engine as last rendered: its status counts that
+    engine's pods (read for it), follows them while it stays degraded, and is not written again when
+    nothing changed."""
+    kube, rec, _ = world
+    kube.put(trust_class(replicas=2))
+    first_pass(rec)
+    rec.reconcile(ClassKey("gold"))
+    dep_ref = ("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold")
+
+    def engine_pods(total: int, ready: int) -> None:
+        dep = kube.get(*dep_ref)
+        dep["status"] = {"replicas": total, "readyReplicas": ready, "availableReplicas": ready}
+        kube.put(dep)
+
+    engine_pods(2, 2)
+    rec.reconcile(ClassKey("gold"))
+    st = kube.get(API_VERSION, "TrustClass", "gold")["status"]
+    assert (st["desiredReplicas"], st["replicas"], st["readyReplicas"]) == (2, 2, 2)
+    # an edit that needs a ConfigMap that does not exist: nothing is applied, the class is Degraded
+    ref = {"name": "tools", "form": "completion", "configMapKeyRef": {"name": "prompts", "key": "tools"}}
+    tc = kube.get(API_VERSION, "TrustClass", "gold")
+    tc["spec"]["prefixCache"] = {"sharedPrefixes": [ref]}
+    kube.put(tc)
+    engine_pods(2, 1)  # meanwhile one engine pod lost readiness
+    with pytest.raises(Requeue):
+        rec.reconcile(ClassKey("gold"))
+    tc = kube.get(API_VERSION, "TrustClass", "gold")
+    assert condition(tc, conditions.DEGRADED)["reason"] == conditions.REASON_SHARED_PREFIX_UNRESOLVED
+    st = tc["status"]
+    assert (st["desiredReplicas"], st["replicas"], st["readyReplicas"]) == (2, 2, 1)
+    assert st["signingKeyId"]  # left as it was
+    # the retry finds the same: nothing to write
+    kube.writes.clear()
+    with pytest.raises(Requeue):
+        rec.reconcile(ClassKey("gold"))
+    assert kube.writes == []
+    engine_pods(1, 1)
+    with pytest.raises(Requeue):
+        rec.reconcile(ClassKey("gold"))
+    st = kube.get(API_VERSION, "TrustClass", "gold")["status"]
+    assert (st["replicas"], st["readyReplicas"]) == (1, 1)
+    assert kube.writes == [("status", "TrustClass", "gold")]
+
+
 def tenant(kube: FakeKube, name: str = "acme", trust_class: str = "gold") -> None:
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
     data = {"key": base64.b64encode(f"sk-{name}".encode()).decode()}

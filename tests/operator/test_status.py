@@ -6,7 +6,13 @@ from typing import Any
 
 from kvfence.api import conditions as C
 from kvfence.api.trustclass import TrustClass
-from kvfence.operator.status import ACCEPTED_SPEC, rolled_out, trust_class_status
+from kvfence.operator.status import (
+    ACCEPTED_SPEC,
+    rolled_out,
+    status_differs,
+    status_patch,
+    trust_class_status,
+)
 
 SPEC = {"engine": {"image": "x", "model": {"name": "m"}}, "replicas": 2, "resources": {"gpu": {"count": 0}}}
 
@@ -106,3 +112,46 @@ def test_scaled_to_zero_is_not_ready_but_rolled_out() -> None:
     tc = TrustClass.model_validate(b)
     out = trust_class_status(b, tc, deployment=deployment(replicas=0, updated=0, available=0, ready=0))
     assert out.rolled_out and cond(out.status, C.READY)["reason"] == C.REASON_SCALED_TO_ZERO
+
+
+#: What an earlier reconcile wrote: the counts a degraded class must not leave standing.
+STALE = {"desiredReplicas": 3, "replicas": 3, "readyReplicas": 3}
+
+
+def test_a_degraded_class_reports_the_pods_its_engine_runs_as_last_rendered() -> None:
+    tc = TrustClass.model_validate(body())
+    running = deployment(replicas=2, ready=1)  # one pod of the last rendering lost readiness
+    why = (C.REASON_FORBIDDEN_EXTRA_ARGS, "no")
+    s = trust_class_status(body(status=STALE), tc, deployment=running, degraded=why).status
+    assert (s["desiredReplicas"], s["replicas"], s["readyReplicas"]) == (2, 2, 1)
+    assert cond(s, C.DEGRADED)["status"] == "True" and cond(s, C.READY)["status"] == "False"
+    # no engine (the namespace is someone else's, or nothing was ever rendered): none of its pods run
+    s = trust_class_status(body(status=STALE), tc, deployment=None, degraded=why).status
+    assert (s["desiredReplicas"], s["replicas"], s["readyReplicas"]) == (2, 0, 0)
+
+
+def test_a_class_that_does_not_validate_reports_what_its_deployment_asks_for_and_runs() -> None:
+    before = {ACCEPTED_SPEC: {"replicas": 1}, "acceptedGeneration": 2, **STALE}
+    running = deployment(replicas=4, ready=4)  # sized since by an autoscaler, say
+    why = (C.REASON_INVALID_SPEC, "bad field")
+    s = trust_class_status(body(status=before), None, deployment=running, degraded=why).status
+    assert (s["desiredReplicas"], s["replicas"], s["readyReplicas"]) == (4, 4, 4)
+    s = trust_class_status(body(status=before), None, deployment=None, degraded=why).status
+    assert (s["replicas"], s["readyReplicas"]) == (0, 0)
+    assert "desiredReplicas" not in s  # nothing asks for any: left as the patch finds it
+
+
+def test_a_status_is_written_once_even_where_it_leaves_fields_alone() -> None:
+    """A degraded status sets no signingKeyId (the key is not read): the merge patch keeps the live
+    one, so the next reconcile, which computes the same status, has nothing to write."""
+    tc = TrustClass.model_validate(body())
+    live = {**STALE, "signingKeyId": "abc", "conditions": []}
+    why = (C.REASON_FORBIDDEN_EXTRA_ARGS, "no")
+    desired = trust_class_status(body(status=live), tc, deployment=deployment(), degraded=why).status
+    assert status_differs(desired, live)
+    written = {k: v for k, v in {**live, **status_patch(desired, live)}.items() if v is not None}
+    assert written["signingKeyId"] == "abc" and written["replicas"] == 2
+    again = trust_class_status(body(status=written), tc, deployment=deployment(), degraded=why).status
+    assert not status_differs(again, written)
+    # a field the status sets, changed, is written again
+    assert status_differs(again, {**written, "readyReplicas": 0})

@@ -623,7 +623,10 @@ class Reconciler:
         degraded: tuple[str, str] | None = None,
     ) -> bool:
         """Patch the TrustClass status if it changed (:func:`status.trust_class_status`); return
-        whether the engine rolled out."""
+        whether the engine rolled out. A degraded class applied nothing, so its engine Deployment is
+        read here: its status shows the pods that run (as last rendered), never stale counts."""
+        if degraded is not None and deployment is None:
+            deployment = self._engine_deployment(body, tc, degraded[0])
         out = trust_class_status(
             body,
             tc,
@@ -647,6 +650,18 @@ class Reconciler:
                 status_patch(out.status, live_status),
             )
         return out.rolled_out
+
+    def _engine_deployment(self, body: Obj, tc: TrustClass | None, reason: str) -> Obj | None:
+        """The class's engine Deployment as it runs, for the status of a class that applied nothing:
+        in its namespace (for a class that does not validate, its last accepted spec's, else the one
+        its status names); None where it has none (the namespace is someone else's, or unknown)."""
+        if reason == conditions.REASON_NAMESPACE_CONFLICT:
+            return None
+        served = tc or accepted_trust_class(body)
+        ns = served.target_namespace if served is not None else (body.get("status") or {}).get("namespace")
+        if not ns:
+            return None
+        return self.kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, ns)
 
     # --- routing ---------------------------------------------------------------------------------
     def reconcile_routing(self) -> set[Key]:

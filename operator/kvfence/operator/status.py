@@ -91,7 +91,12 @@ def _strip_times(status: Obj) -> Obj:
 
 
 def status_differs(desired: Obj, live: Obj | None) -> bool:
-    return _strip_times(desired) != _strip_times(live or {})
+    """Whether the merge patch that writes ``desired`` (:func:`status_patch`) would change ``live``: a
+    key ``desired`` does not set is left as it is by the patch, so it is not compared (else a status
+    that leaves a field alone would be written again at every reconcile, to no effect)."""
+    live = live or {}
+    patched = {k: v for k, v in {**live, **desired}.items() if v is not None}
+    return _strip_times(patched) != _strip_times(live)
 
 
 def _with_removals(new: Obj, old: Obj) -> Obj:
@@ -121,6 +126,12 @@ def desired_replicas(tc: TrustClass, deployment: Obj | None) -> int:
     if not tc.spec.replicas_managed_externally:
         return tc.spec.desired_replicas
     return int(((deployment or {}).get("spec") or {}).get("replicas", 1))
+
+
+def observed_replicas(deployment: Obj | None) -> tuple[int, int]:
+    """The engine pods the Deployment reports, and how many are ready (0 and 0: there is none)."""
+    dstat: Obj = (deployment or {}).get("status") or {}
+    return int(dstat.get("replicas", 0) or 0), int(dstat.get("readyReplicas", 0) or 0)
 
 
 def rolled_out(deployment: Obj | None, want: int) -> bool:
@@ -158,8 +169,13 @@ def trust_class_status(
     degraded: tuple[str, str] | None = None,
 ) -> ClassStatus:
     """The status of the TrustClass ``body`` (``tc`` its validated form, None if it does not
-    validate), given its engine Deployment as read, the key the router signs with, and a reason it is
-    degraded before anything was applied (``degraded``: reason, message)."""
+    validate), given its engine Deployment as read (None: there is none), the key the router signs
+    with, and a reason it is degraded before anything was applied (``degraded``: reason, message).
+
+    ``replicas`` and ``readyReplicas`` are always the Deployment's, Degraded or not: a degraded class's
+    engine keeps running as last rendered, and its status says how many of its pods run. A class that
+    does not validate has no spec to ask for replicas: its ``desiredReplicas`` is what the Deployment
+    (rendered from the last accepted spec) asks for."""
     meta = body["metadata"]
     gen = meta.get("generation")
     rolled = False
@@ -175,6 +191,9 @@ def trust_class_status(
         status["selector"] = ",".join(
             f"{k}={v}" for k, v in sorted(builders.selector_labels(tc.name).items())
         )
+    elif deployment is not None:
+        status["desiredReplicas"] = int((deployment.get("spec") or {}).get("replicas", 1))
+    status["replicas"], status["readyReplicas"] = observed_replicas(deployment)
     if key is not None:
         status["signingKeyId"] = key_id(key)
     if degraded is None and tc is not None:
@@ -195,12 +214,9 @@ def trust_class_status(
         assert tc is not None
         want = desired_replicas(tc, deployment)
         dstat: Obj = (deployment or {}).get("status") or {}
-        ready = int(dstat.get("readyReplicas", 0) or 0)
+        ready = status["readyReplicas"]
         available = int(dstat.get("availableReplicas", 0) or 0)
         updated = int(dstat.get("updatedReplicas", 0) or 0)
-        total = int(dstat.get("replicas", 0) or 0)
-        status["replicas"] = total
-        status["readyReplicas"] = ready
         dconds = {c.get("type"): c for c in dstat.get("conditions", [])}
         stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
         failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
