@@ -64,8 +64,7 @@ def test_helm_values_for_the_examples_grant_exactly_their_namespaces() -> None:
 @pytest.mark.cluster
 def test_examples_pass_the_apiservers_validation(cluster: LocalCluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    cluster.wait_established("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev")
     namespaces = docs("00-namespaces.yaml")
     # Dry-run the namespaces too, then create them for real: namespaced objects need them to exist.
     cluster.kubectl("apply", "--dry-run=server", "-f", str(EXAMPLES / "00-namespaces.yaml"))

@@ -243,8 +243,7 @@ def test_install_with_monitoring_and_gateway(release: Release, cluster: LocalClu
     for group, kind, plural, version in STUB_CRDS:
         if cluster.kubectl("get", "crd", f"{plural}.{group}", check=False).returncode != 0:
             cluster.apply(stub_crd(group, kind, plural, version))
-    for group, _, plural, _ in STUB_CRDS:
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{plural}.{group}", "--timeout=60s")
+    cluster.wait_established(*(f"{plural}.{group}" for group, _, plural, _ in STUB_CRDS))
     release.helm(
         "install",
         release.name,

@@ -408,6 +408,22 @@ class LocalCluster:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({res.returncode}): {res.stderr.strip()}")
         return res
 
+    def wait_established(self, *crds: str, timeout: float = 60) -> None:
+        """Until each CustomResourceDefinition is ``Established``. Polls the object rather than
+        ``kubectl wait --for=condition=Established``, which fails at once ("accessor error") when it
+        reads a CRD whose status has no conditions yet, right after the apply."""
+
+        def established(crd: str) -> bool:
+            res = self.kubectl("get", f"crd/{crd}", "-o", "json", check=False)
+            if res.returncode != 0:
+                return False
+            conds = json.loads(res.stdout).get("status", {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conds)
+
+        deadline = time.monotonic() + timeout
+        for crd in crds:
+            self._wait_for(lambda crd=crd: established(crd), deadline, f"CRD {crd} Established")
+
     def apply(self, obj: dict[str, Any] | list[dict[str, Any]], *, server_side: bool = False) -> None:
         doc = obj if isinstance(obj, dict) else {"apiVersion": "v1", "kind": "List", "items": obj}
         args = ["apply", "-f", "-"] + (["--server-side"] if server_side else [])

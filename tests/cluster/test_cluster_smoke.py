@@ -187,7 +187,7 @@ WIDGET_CRD = {
 
 def test_crd_schema_violations_are_rejected_naming_the_field(cluster: LocalCluster) -> None:
     cluster.apply(WIDGET_CRD)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/widgets.smoke.kvfence.dev", "--timeout=60s")
+    cluster.wait_established("widgets.smoke.kvfence.dev")
     ns = fresh_namespace(cluster, "smoke-crd")
 
     def widget(spec: dict[str, Any]) -> str:

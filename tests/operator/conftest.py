@@ -256,8 +256,7 @@ def installed(cluster: Any, kv: Kubectl, tmp_path_factory: pytest.TempPathFactor
         "-f",
         str(ROOT / "crds"),
     )
-    for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
-        kv("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    cluster.wait_established("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev")
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}}
     res = kv.apply(ns, *rbac.manifests(OPERATOR_NS))
     assert res.returncode == 0, res.stderr
