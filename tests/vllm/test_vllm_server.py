@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from router.support import Proc, auth, b64, request, start_router, write_table
+from support import prom
 from support.ports import free_port
 from support.waiting import wait_until
 
@@ -37,9 +38,12 @@ from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
     METRIC_HASH_COLLISION,
     METRIC_STALE_REFERENCE,
+    Identity,
     cache_namespace,
     derive_cache_salt,
+    sign,
 )
+from kvfence.contract.engine_config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS
 from kvfence.contract.routing import hash_api_key
 
 from .vllmserve import VllmServer, start_vllm, tiny_model, trust_class
@@ -89,6 +93,8 @@ SYSTEM = "You are a helpful assistant of the kvfence project. " + text(1, 140)
 class Stack:
     server: VllmServer
     router: Proc
+    #: the routing table file the router follows (the operator's Secret, as a file)
+    table: Path
 
     def post(
         self, tenant: str, path: str, body: dict[str, Any], **headers: str
@@ -99,7 +105,7 @@ class Stack:
         return status, json.loads(data)
 
 
-def routing_table(engine_url: str) -> dict[str, Any]:
+def routing_table(engine_url: str, keys: tuple[bytes, ...] = (KEY,)) -> dict[str, Any]:
     return {
         "version": 1,
         "trustClasses": {
@@ -108,7 +114,7 @@ def routing_table(engine_url: str) -> dict[str, Any]:
                 "runtime": "vllm",
                 "servedModels": ["tiny"],
                 "cacheScope": "Tenant",
-                "signingKeys": [b64(KEY)],
+                "signingKeys": [b64(k) for k in keys],
             }
         },
         "tenants": {t: {"trustClass": "gold", "apiKeyHashes": [hash_api_key(k)]} for t, k in KEYS.items()},
@@ -132,7 +138,7 @@ def start_stack(python: str, tmp: Path, *, prefix_cache: bool, quotas: dict[str,
     except Exception:
         server.stop()
         raise
-    return Stack(server, router)
+    return Stack(server, router, table)
 
 
 # --- the oracle's requests ------------------------------------------------------------------------
@@ -508,3 +514,87 @@ def test_declared_shared_prefixes_reach_running_vllm_and_share_only_the_declared
     assert counters(stack.server) == (0, 0, 0)
     assert stack.server.metric("kvfence_engine_shared_prefix_hits_total") > 0
     assert stack.server.metrics()["kvfence_engine_kv_blocks_pinned"] == pinned_blocks
+
+
+# --- changes without restarts, under traffic (issue 12, item 3) ------------------------------------
+def _replace(path: Path, data: bytes) -> None:
+    """Replace a mounted file atomically, as the kubelet swaps a Secret volume."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _direct(stack: Stack, key: bytes, tenant: str = "alice") -> int:
+    """A completion sent to vLLM itself, signed as the router signs it but with ``key``: 200 once both
+    vLLM processes (the API server's middleware and the engine core's scheduler) hold the key."""
+    identity = Identity(tenant, "gold", cache_namespace("gold", tenant, "Tenant"))
+    salt = derive_cache_salt(key, "gold", identity.namespace)
+    raw = json.dumps({"model": "tiny", "prompt": "direct", "max_tokens": 1, "cache_salt": salt}).encode()
+    headers = {**sign(key, identity, "POST", "/v1/completions", raw), "Content-Type": "application/json"}
+    status, _, _ = request("POST", stack.server.url + "/v1/completions", headers=headers, timeout=60, raw=raw)
+    return status
+
+
+def test_a_key_rotation_and_a_quota_change_under_traffic_fail_no_request_and_restart_nothing(
+    stack: Stack,
+) -> None:
+    """The operator's rotation, on real vLLM: the new key is mounted as ``current`` with the old one as
+    ``previous`` (both verify), the router signs with the new one once the engines hold it, the old
+    one is dropped; and a quota is changed. Two tenants send requests through the router all along:
+    not one fails, and the vLLM processes are the ones that were started."""
+    pid = stack.server.popen.pid if stack.server.popen else None
+    key_dir = Path(json.loads(stack.server.config_path.read_text())["signingKeyDir"])
+    generation = "kvfence_router_routing_table_generation"
+    results: list[tuple[str, int, str]] = []
+    stop = threading.Event()
+
+    def traffic(tenant: str) -> None:
+        i = 0
+        while not stop.is_set():
+            body = {"model": "tiny", "prompt": f"{tenant} {i} {text(7000 + i, 20)}", "max_tokens": 2}
+            status, doc = stack.post(tenant, "/v1/completions", body)
+            results.append((tenant, status, "" if status == 200 else json.dumps(doc)[:300]))
+            i += 1
+
+    def router_switched(before: float) -> bool:
+        status, _, data = request("GET", stack.router.url + "/metrics", timeout=10)
+        return status == 200 and prom.total(data.decode(), generation) > before
+
+    def rotate(old: bytes, new: bytes) -> None:
+        _replace(key_dir / SIGNING_KEY_PREVIOUS, old)
+        _replace(key_dir / SIGNING_KEY_CURRENT, new)
+        wait_until(lambda: _direct(stack, new) == 200, "both vLLM processes verify the new key", 60, 0.3)
+        _, _, data = request("GET", stack.router.url + "/metrics", timeout=10)
+        before = prom.total(data.decode(), generation)
+        write_table(stack.table, routing_table(stack.server.url, (new, old)))
+        wait_until(lambda: router_switched(before), "the router signing with the new key", 30, 0.1)
+        served = len(results)
+        wait_until(lambda: len(results) >= served + 4, "requests signed with the new key served", 60, 0.1)
+        (key_dir / SIGNING_KEY_PREVIOUS).unlink()
+        wait_until(lambda: _direct(stack, old) == 401, "the old key no longer verifies", 60, 0.3)
+
+    new_key = bytes(range(100, 132))
+    workers = [threading.Thread(target=traffic, args=(t,)) for t in ("alice", "bob")]
+    for w in workers:
+        w.start()
+    try:
+        wait_until(lambda: len(results) >= 6, "traffic flowing", 120, 0.1)
+        rotate(KEY, new_key)
+        limit = 'kvfence_engine_tenant_kv_blocks_limit{kind="max",tenant="alice"}'
+        stack.server.set_quotas({"alice": {"maxBlocks": 40}, "carol": {"maxBlocks": CAROL_MAX_BLOCKS}})
+        wait_until(lambda: stack.server.metrics().get(limit) == 40, "alice's new quota applied", 30, 0.2)
+        rotate(new_key, KEY)  # and back: the module's other tests sign with KEY
+        stack.server.set_quotas({"carol": {"maxBlocks": CAROL_MAX_BLOCKS}})
+        wait_until(lambda: stack.server.metrics().get(limit) != 40, "alice's quota lifted again", 30, 0.2)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    failed = [r for r in results if r[1] != 200]
+    assert not failed, failed[:5]
+    assert {t for t, _, _ in results} == {"alice", "bob"} and len(results) > 20, len(results)
+    out = stack.server.output()
+    assert out.count("signing keys reloaded") >= 8, "each vLLM process reloads at each of the 4 changes"
+    assert (
+        stack.server.popen is not None and stack.server.popen.pid == pid and stack.server.popen.poll() is None
+    )
