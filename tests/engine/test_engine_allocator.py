@@ -130,6 +130,26 @@ def test_tenant_at_its_maximum_evicts_its_own_cold_blocks_first() -> None:
     assert a.metrics.value("kvfence_engine_kv_evictions_total", {"kind": "own"}) == 2
 
 
+def test_a_tenant_above_a_lowered_maximum_sheds_its_surplus_and_gets_exactly_what_it_asks() -> None:
+    # Its maximum lowered below what it holds cold (a quota change without a restart): its next
+    # allocation evicts its own cold blocks down to the maximum, returns the surplus to the free list
+    # and is handed only the blocks it asked for (it was handed every evicted block).
+    a = make(num_blocks=16, quotas={"tenants": {"t": {"maxBlocks": 12}}})
+    run_seq(a, "s1", "t", toks(*range(1, 42)))  # 10 full blocks cached (cold) and a partial one
+    acc = check_consistency(a)
+    assert acc.usage["t"] == 10 and acc.cold == 10
+    a.set_quotas(QuotasConfig.model_validate({"tenants": {"t": {"maxBlocks": 4}}}))
+    free_before = len(a.pool.free)
+    got = a.allocate_sequence("s2", "t", BS)
+    assert len(got.handles) == 1 and len(got.table) == 1
+    acc = check_consistency(a)
+    assert acc.usage["t"] == 4 and acc.cold == 3  # at its maximum: 3 cold + 1 active
+    assert len(a.pool.free) == free_before + 6  # 7 evicted: 6 back to the free list, 1 handed out
+    assert a.metrics.value("kvfence_engine_kv_evictions_total", {"kind": "own"}) == 7
+    a.allocate_sequence("s3", "other", 12 * BS)  # the shed blocks serve anyone
+    check_consistency(a)
+
+
 def test_guaranteed_share_is_reserved_and_protected_from_other_tenants() -> None:
     a = make(num_blocks=10, quotas={"tenants": {"g": {"guaranteedBlocks": 4}}})
     # "g" has not allocated anything: 4 of the 10 free blocks are reserved for it.

@@ -385,3 +385,32 @@ def test_vllms_async_scheduler_is_fenced_the_same_way(tmp_path: Path) -> None:
         h.step()
         h.check()
     assert all(h.finished[r.request_id] == "length" for r in [*a, b])
+
+
+def test_a_tenant_above_a_lowered_maximum_is_handed_only_the_blocks_its_request_needs(tmp_path: Path) -> None:
+    # Its maximum lowered below what it holds cold (a quota change without a restart): the next
+    # allocation evicts its own cold blocks down to the maximum, the surplus becomes clean free blocks
+    # (out of vLLM's prefix cache too), and the request gets what it needs. Real vLLM crashed its
+    # worker here when the fence handed a 1-block request every evicted block.
+    h = Harness(tmp_path)
+    for base in (100, 300):
+        h.add("alice", [*range(base, base + 64), 1])  # 4 full blocks each, cached when finished
+        h.run()
+    h.check()
+    alice = h.fence.book.accounts["alice"]
+    assert len(alice.cold) == 8 and alice.usage == 8
+    time.sleep(0.01)
+    h.write_quotas({"alice": {"maxBlocks": 3}})
+    h.sched._next_reload = 0
+    free_before = h.pool.free_block_queue.num_free_blocks  # vLLM's own count (clean and cached)
+    r = h.add("alice", list(range(500, 520)), max_tokens=4)  # 24 tokens at most: 2 blocks
+    h.step()
+    blocks = h.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+    assert len(blocks) == 2, [b.block_id for b in blocks]
+    assert alice.max_blocks == 3 and alice.usage == 3 and len(alice.cold) == 1
+    assert h.fence.counters.evictions_own == 7  # 5 shed to the free list, 2 handed out
+    assert h.pool.free_block_queue.num_free_blocks == free_before - 2
+    h.check()  # the shed blocks are free in vLLM's pool and out of its prefix cache, as in the shadow
+    h.run()
+    h.check()
+    assert h.finished[r.request_id] == "length"

@@ -309,14 +309,17 @@ class FencedAllocator:
         """Commit ``plan``: evict what it says (own cold blocks, then others' beyond their guarantee),
         pop the rest from the free list, and hand every block to ``acct`` under a new generation.
         Called with the lock held, after planning succeeded: nothing here may fail."""
+        free = self.pool.free
+        # A tenant above its maximum (lowered since) sheds its surplus cold blocks to the free list.
+        if plan.released:
+            free.extend([self._evict(take_cold(acct)) for _ in range(plan.released)])
         new = [self._evict(take_cold(acct)) for _ in range(plan.own_evictions)]
-        if plan.own_evictions:
-            self.metrics.evictions.labels("own").inc(plan.own_evictions)
+        if plan.own_evictions or plan.released:
+            self.metrics.evictions.labels("own").inc(plan.own_evictions + plan.released)
         for other, n in plan.cross_evictions:
             new.extend(self._evict(take_cold(other)) for _ in range(n))
             self.metrics.evictions.labels("cross").inc(n)
             self.book.forget_if_idle(other)
-        free = self.pool.free
         new.extend(free.popleft() for _ in range(plan.from_free))
         for b in new:
             b.generation += 1

@@ -40,6 +40,10 @@ class EvictionPlan:
     own_evictions: int
     #: (owner account, number of its cold blocks to reclaim), in order
     cross_evictions: list[tuple[TenantAccount, int]]
+    #: the tenant's own cold blocks evicted and returned to the clean free list, not handed out: its
+    #: usage was above its maximum (lowered since) by more than the blocks it asks for. Evicted first
+    #: (least recently used), before the ``own_evictions`` it is handed.
+    released: int = 0
 
 
 def plan_allocation(
@@ -63,15 +67,18 @@ def plan_allocation(
             raise PoolExhausted(acct.tenant, needed, acct.max_blocks - active_after)
         raise QuotaExceeded(acct.tenant, needed, active_after, acct.max_blocks)
     own_cold = len(acct.cold) - revived_own
-    # Evictions the hard maximum forces on the tenant's own cold blocks.
+    # Evictions the hard maximum forces on the tenant's own cold blocks. More than it needs when its
+    # usage is above its maximum (the maximum was lowered): the surplus goes back to the free list.
     forced = max(0, acct.usage + needed - acct.max_blocks)
     assert forced <= own_cold
-    rest = needed - forced
+    released = max(0, forced - needed)
+    handed = forced - released
+    rest = needed - handed
     usable_free = max(0, len(pool.free) - book.reserved_for_others(acct))
     from_free = min(rest, usable_free)
     rest -= from_free
-    own = forced + min(rest, own_cold - forced)
-    rest -= own - forced
+    own = handed + min(rest, own_cold - forced)
+    rest -= own - handed
     cross: list[tuple[TenantAccount, int]] = []
     if rest > 0:
         # Reclaim from others, furthest above their guarantee first. O(tenants), only on this path.
@@ -95,7 +102,7 @@ def plan_allocation(
                 break
     if rest > 0:
         raise PoolExhausted(acct.tenant, needed, needed - rest)
-    return EvictionPlan(from_free, own, cross)
+    return EvictionPlan(from_free, own, cross, released)
 
 
 def take_cold(acct: TenantAccount) -> KVBlock:

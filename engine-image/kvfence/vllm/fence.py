@@ -175,6 +175,9 @@ class TenantFence:
         self.book = QuotaBook(quotas, self.usable_blocks)
         self.counters = FenceCounters()
         self.records: list[Record | None] = [None] * num_blocks
+        #: cold blocks :meth:`take` returned to the free list instead of handing them out (a tenant
+        #: above a lowered maximum); the pool drops them from vLLM's prefix cache and clears this
+        self.released_ids: list[int] = []
         #: request id -> (tenant account, blocks reserved) for admitted requests
         self.admitted: dict[str, tuple[TenantAccount, int]] = {}
         self._reserved: dict[str, int] = {}
@@ -391,6 +394,17 @@ class TenantFence:
             out.extend(self._pop_free(len(free)))
             return self._hand_out(acct, out)
         plan = plan_allocation(self.pool, self.book, acct, n)
+        if plan.released:
+            # Above its maximum (lowered since): the surplus cold blocks become clean free blocks, and
+            # the caller drops them from vLLM's prefix cache (released_ids).
+            for _ in range(plan.released):
+                b = take_cold(acct)
+                self._uncharge(b)
+                b.state = FREE
+                self.pool.free.append(b)
+                self.released_ids.append(b.block_id)
+            self.moves += 1
+            self.counters.evictions_own += plan.released
         out = [take_cold(acct) for _ in range(plan.own_evictions)]
         self.counters.evictions_own += plan.own_evictions
         for other, k in plan.cross_evictions:

@@ -156,6 +156,12 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
             except FenceError as e2:
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e2}") from None
         queue.num_free_blocks -= num_blocks
+        if fence.released_ids:  # cold blocks the fence made clean (still free): out of vLLM's cache too
+            for bid in fence.released_ids:
+                released = self.blocks[bid]
+                if released.block_hash is not None:
+                    self._maybe_evict_cached_block(released)
+            fence.released_ids.clear()
         ret: list[Any] = list(map(self.blocks.__getitem__, ids))
         if self._reuse_watchers:
             self._notify_reuse(ret)
