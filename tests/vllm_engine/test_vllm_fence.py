@@ -414,3 +414,28 @@ def test_a_tenant_above_a_lowered_maximum_is_handed_only_the_blocks_its_request_
     h.run()
     h.check()
     assert h.finished[r.request_id] == "length"
+
+
+def test_requests_a_lowered_maximum_can_never_fit_are_cut_or_refused_never_left_waiting(
+    tmp_path: Path,
+) -> None:
+    # carol's maximum lowered (8 -> 3 blocks) while one of her requests runs and another waits for
+    # room, both reaching 7 blocks: without a cut the waiting one would be held back forever, and the
+    # running one, preempted at the new maximum, too. Both finish.
+    h = Harness(tmp_path, quotas={"carol": {"maxBlocks": 8}})
+    first = h.add("carol", list(range(2000, 2020)), max_tokens=80)  # reaches 100 tokens: 7 blocks
+    second = h.add("carol", list(range(3000, 3020)), max_tokens=80)
+    h.step()
+    assert first.request_id in h.fence.admitted and second.request_id not in h.fence.admitted
+    time.sleep(0.01)
+    h.write_quotas({"carol": {"maxBlocks": 3}})
+    h.sched._next_reload = 0
+    h.run()
+    h.check()
+    # The waiting one is cut to fit the new maximum (3 blocks of 16: 28 tokens after its 20).
+    assert h.finished[second.request_id] == "length"
+    assert len(h.outputs[second.request_id]) == 3 * 16 - 20
+    # The running one either finished within it or, preempted holding more than fits, was refused.
+    assert h.finished[first.request_id] in ("length", "error"), h.finished[first.request_id]
+    carol = h.fence.book.accounts.get("carol")
+    assert carol is None or carol.active == 0

@@ -682,31 +682,40 @@ class FenceMixin:
             return
         self._tenant_of[rid] = tenant
         shared_tokens = self._shared_start(request) * self.block_size  # not charged to the tenant
-        if not self.fence.fits_alone(tenant, request.num_prompt_tokens + 1 - shared_tokens):
+        self._fit_to_quota(request, tenant, shared_tokens)
+        super().add_request(request)  # type: ignore[misc]
+
+    def _fit_to_quota(self, request: Request, tenant: str, shared_tokens: int) -> bool:
+        """Fit a request to its tenant's current maximum (when it arrives, and when a lowered maximum
+        left it waiting for room it could never get): refused (True) if the tokens it holds alone do
+        not fit; otherwise its ``max_tokens`` cut so that all it can reach fits, and its reach noted."""
+        rid = request.request_id
+        # The prompt, and the output so far of a request preempted after the maximum was lowered.
+        if not self.fence.fits_alone(tenant, request.num_tokens + 1 - shared_tokens):
             self.fence.count("quota_rejected", tenant)
             log.warning(
-                "kvfence: request %s of tenant %r refused: its %d prompt tokens exceed the tenant's KV quota",
+                "kvfence: request %s of tenant %r refused: its %d tokens exceed the tenant's KV quota",
                 rid,
                 tenant,
-                request.num_prompt_tokens,
+                request.num_tokens,
             )
             self._refuse_quota(request, tenant, shared_tokens)
-        else:
-            acct = self.fence.account(tenant)
-            reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-            if acct.limited and self.fence.blocks_for(reach - shared_tokens) > acct.max_blocks:
-                cut = acct.max_blocks * self.block_size + shared_tokens - request.num_prompt_tokens
-                log.info(
-                    "kvfence: request %s of tenant %r: max_tokens %d cut to %d to fit its KV quota",
-                    rid,
-                    tenant,
-                    request.max_tokens,
-                    cut,
-                )
-                request.max_tokens = cut
-                reach = request.num_prompt_tokens + cut
-            self._reach_of[rid] = reach - shared_tokens
-        super().add_request(request)  # type: ignore[misc]
+            return True
+        acct = self.fence.account(tenant)
+        reach = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if acct.limited and self.fence.blocks_for(reach - shared_tokens) > acct.max_blocks:
+            cut = acct.max_blocks * self.block_size + shared_tokens - request.num_prompt_tokens
+            log.info(
+                "kvfence: request %s of tenant %r: max_tokens %d cut to %d to fit its KV quota",
+                rid,
+                tenant,
+                request.max_tokens,
+                cut,
+            )
+            request.max_tokens = cut
+            reach = request.num_prompt_tokens + cut
+        self._reach_of[rid] = reach - shared_tokens
+        return False
 
     def _refuse_quota(self, request: Request, tenant: str, shared_tokens: int) -> None:
         """Refuse a request whose prompt alone exceeds its tenant's maximum: finished with an error in
@@ -893,6 +902,14 @@ class FenceMixin:
                 continue
             need = -(-reach_of.get(rid, request.num_tokens) // bs)
             before = pending.get(tenant, 0)
+            if before + need > left and need > (fence.maximum(tenant) or 0):
+                # Its tenant's maximum was lowered below what it can reach: it would wait forever.
+                # Cut to fit now, or refused if what it holds alone does not fit.
+                shared = self._shared_of.get(rid, 0) * bs
+                if self._fit_to_quota(request, tenant, shared):
+                    held.append(request)
+                    continue
+                need = -(-reach_of[rid] // bs)
             if before + need > left:
                 held.append(request)
                 held_by[tenant] = held_by.get(tenant, 0) + 1
