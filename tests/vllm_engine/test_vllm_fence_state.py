@@ -1,5 +1,6 @@
 """A hypothesis state machine over vLLM's real scheduler with the kvfence plugin: random tenants,
-shared prefixes, aborts and steps; after every step the fence's shadow agrees with vLLM's block pool,
+shared prefixes, aborts, steps and (with quotas) carol's maximum changed at any time, raised or
+lowered below what she holds; after every step the fence's shadow agrees with vLLM's block pool,
 no running request holds a block with another namespace's or other tokens' content, quotas and
 guarantees hold, and (with sha256) nothing is ever counted as a collision, cross access or stale use.
 At the end every request has finished normally: nothing is lost or stuck."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import random
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,11 @@ class FencedScheduling(RuleBasedStateMachine):
         #: request id -> (finish reason, output tokens) expected
         self.expected: dict[str, tuple[str, int]] = {}
         self.aborted: set[str] = set()
+        #: carol's requests sent since her maximum first changed: each finishes, cut or refused to fit
+        #: whatever maximum is in force when it runs (at most its max_tokens)
+        self.loose: dict[str, int] = {}
+        self.requotaed = False
+        self.carol_max = self.h.num_blocks  # unlimited: the pool
         fence = self.h.fence
         take = fence.take
 
@@ -54,9 +61,16 @@ class FencedScheduling(RuleBasedStateMachine):
             for rid, (reason, n) in self.expected.items():
                 if rid in self.aborted:
                     continue
+                if rid in self.loose:
+                    assert self.h.finished.get(rid) in ("length", "error"), (rid, self.h.finished.get(rid))
+                    assert len(self.h.outputs[rid]) <= self.loose[rid]
+                    continue
                 assert self.h.finished.get(rid) == reason, (rid, self.h.finished.get(rid), reason)
                 assert len(self.h.outputs[rid]) == n
         finally:
+            # The scheduler's stats writer (a thread writing into the directory) stops first, or the
+            # directory can be written while it is removed.
+            self.h.sched.shutdown()
             self.tmp.cleanup()
 
     @rule(
@@ -74,6 +88,32 @@ class FencedScheduling(RuleBasedStateMachine):
             room = ALICE_MAX * self.h.block_size - len(tokens)
             expected = ("error", 0) if room < 1 else ("length", min(max_tokens, room))
         self.expected[req.request_id] = expected
+        if tenant == "carol" and self.requotaed:
+            self.loose[req.request_id] = max_tokens
+
+    @precondition(lambda self: bool(self.quotas))
+    @rule(carol_max=st.one_of(st.none(), st.integers(2, 10)))
+    def requota(self, carol_max: int | None) -> None:
+        """carol's maximum set, raised, lowered (even below what she holds) or lifted, as the operator
+        rewrites the engine config; the scheduler applies it at its next step."""
+        tenants = dict(self.quotas)
+        if carol_max is not None:
+            tenants["carol"] = {"maxBlocks": carol_max}
+            if carol_max < self.carol_max:  # what she holds above it may only shrink from here on
+                held = self.h.over_max.get("carol", self.carol_max)
+                self.h.over_max["carol"] = max(held, min(self.carol_max, self.h.num_blocks))
+        self.carol_max = carol_max if carol_max is not None else self.h.num_blocks
+        time.sleep(0.01)  # a new file stamp
+        self.h.write_quotas(tenants)
+        self.h.sched._next_reload = 0
+        self.h.sched._maybe_reload()  # what its next step does first: the new maximum is in force now
+        assert self.h.fence.maximum("carol") == carol_max
+        if not self.requotaed:
+            self.requotaed = True
+            for rid in self.expected:  # carol's requests in flight fit whatever comes now
+                if rid.startswith("carol-"):
+                    self.loose[rid] = self.expected[rid][1]
+        event(f"carol's maximum {carol_max}")
 
     @rule(tenant=st.sampled_from(TENANTS), n=st.integers(2, 5), prefix=st.integers(0, 2))
     def burst(self, tenant: str, n: int, prefix: int) -> None:
