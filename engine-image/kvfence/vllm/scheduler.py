@@ -718,18 +718,22 @@ class FenceMixin:
         return False
 
     def _refuse_quota(self, request: Request, tenant: str, shared_tokens: int) -> None:
-        """Refuse a request whose prompt alone exceeds its tenant's maximum: finished with an error in
-        the next update_from_output, its answer (the reference engine's ``429 quota_exceeded``) left
-        for the middleware first."""
+        """Refuse a request whose prompt alone (with the output so far, for one preempted after its
+        tenant's maximum was lowered) exceeds its tenant's maximum: finished with an error in the next
+        update_from_output, its answer (the reference engine's ``429 quota_exceeded``) left for the
+        middleware first."""
         rid = request.request_id
         self._refused[rid] = "QuotaExceeded"
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         ref = extra.get(XARG_REQUEST_REF) if isinstance(extra, dict) else None
         if ref is None:
             return
-        need = self.fence.blocks_for(request.num_prompt_tokens + 1 - shared_tokens)
+        need = self.fence.blocks_for(request.num_tokens + 1 - shared_tokens)
+        what = (
+            "the prompt needs" if request.num_output_tokens == 0 else "the prompt and its output so far need"
+        )
         message = (
-            f"KV-block quota exceeded for tenant {tenant!r}: the prompt needs {need} KV blocks of "
+            f"KV-block quota exceeded for tenant {tenant!r}: {what} {need} KV blocks of "
             f"{self.block_size} tokens, more than the tenant's maximum of "
             f"{self.fence.maximum(tenant)} (maxKVBlocks)"
         )
