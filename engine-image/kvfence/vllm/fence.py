@@ -399,11 +399,8 @@ class TenantFence:
             # the caller drops them from vLLM's prefix cache (released_ids).
             for _ in range(plan.released):
                 b = take_cold(acct)
-                self._uncharge(b)
-                b.state = FREE
-                self.pool.free.append(b)
+                self._to_free(b, acct)  # its usage stays above 0: it is at its maximum after this
                 self.released_ids.append(b.block_id)
-            self.moves += 1
             self.counters.evictions_own += plan.released
         out = [take_cold(acct) for _ in range(plan.own_evictions)]
         self.counters.evictions_own += plan.own_evictions
