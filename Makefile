@@ -16,7 +16,7 @@ VLLM_LANE_ADDOPTS = -ra --strict-markers --import-mode=importlib -p no:cacheprov
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
 
-$(VENV)/.installed: pyproject.toml setup.py engine-image/kvfence/engine/_prefix_walk.c
+$(VENV)/.installed: pyproject.toml setup.py engine-image/kvfence/engine/_prefix_walk.c engine-image/kvfence/vllm/_records.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -1,9 +1,10 @@
 """kvfence is one distribution whose namespace package ``kvfence`` is spread over two source roots:
 ``operator/`` (API, operator, router) and ``engine-image/`` (contract, engine, vLLM plugin). setuptools'
 declarative config cannot map one namespace onto two roots, so this file does that mapping, and
-declares the one compiled module: the prefix cache's verified walk (``_prefix_walk.c``, linked against
-OpenSSL's libcrypto). ``KVFENCE_PURE_PYTHON=1`` builds without it (a wheel for any Python, as the GPU
-vLLM image needs: vLLM does not use the reference engine's prefix cache); everything else lives in
+declares the compiled modules: the prefix cache's verified walk (``_prefix_walk.c``, linked against
+OpenSSL's libcrypto) and the vLLM fence's prefix-cache records (``_records.c``). ``KVFENCE_PURE_PYTHON=1``
+builds without them (a wheel for any Python, as the GPU vLLM image needs: its Python is vLLM's; the
+fence then uses its pure-Python records, see kvfence.vllm.records); everything else lives in
 pyproject.toml."""
 
 import os
@@ -25,6 +26,13 @@ if os.environ.get("KVFENCE_PURE_PYTHON") != "1":
             "kvfence.engine._prefix_walk",
             ["engine-image/kvfence/engine/_prefix_walk.c"],
             libraries=["crypto"],
+            extra_compile_args=["-O2"],
+        )
+    )
+    ext_modules.append(
+        Extension(
+            "kvfence.vllm._records",
+            ["engine-image/kvfence/vllm/_records.c"],
             extra_compile_args=["-O2"],
         )
     )

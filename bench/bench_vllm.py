@@ -67,6 +67,7 @@ import statistics
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +206,10 @@ def drive(
                     while open_[t] < users[t] and nxt[t] < len(stream):
                         spec = stream[nxt[t]]
                         nxt[t] += 1
-                        req = h.make(t, spec.prompt, spec.max_tokens, request_id=spec.rid)
+                        # Fresh int objects for every request, as vLLM's engine core decodes each
+                        # request's token ids (msgspec): prompts of one tenant share no int objects.
+                        prompt = array("q", spec.prompt).tolist()
+                        req = h.make(t, prompt, spec.max_tokens, request_id=spec.rid)
                         tenant_of[spec.rid] = t
                         on()
                         t0 = pc()

@@ -30,6 +30,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+import kvfence.vllm.scheduler as fenced_scheduler
 from kvfence.contract import (
     XARG_TENANT,
     XARG_TENANT_TAG,
@@ -272,7 +273,9 @@ class Harness:
                 if rec is None:
                     continue
                 bs = self.block_size
-                assert rec.tokens == list(req.all_token_ids[i * bs : (i + 1) * bs]), (req.request_id, i)
+                # as the scheduler records them (compiled or pure Python: see test_vllm_records.py)
+                want = fenced_scheduler.Record(None, list(req.all_token_ids), i * bs, (i + 1) * bs, None)
+                assert rec.tokens == want.tokens, (req.request_id, i)
                 root = rec  # where the request's namespace entered (after a shared prefix, if any)
                 while not root.root and root.parent is not None:
                     root = root.parent

@@ -23,12 +23,12 @@ id, and applies the reference engine's own quota book and eviction planner to it
   counter's value at a prefix lookup means the block moved since; a prefix hit is refused as *stale* if
   a block it looked up moved (or was freed) before the request took it. While the counter has not
   moved since the lookup, no block did (one comparison instead of one per block).
-* **verified hits**: each cached block has a :class:`Record`: its token ids, the record of the block
-  before it, and at the root the cache namespace (salt and adapter). A hit chain verifies when each
-  block's tokens are the request's and its parent record is the previous block's (the same object, or
-  failing that the same content: vLLM keeps duplicate copies of a block); a candidate that fails is a
-  miss, counted as a collision, or as a cross-namespace access when its chain starts in another
-  namespace.
+* **verified hits**: each cached block has a :class:`~kvfence.vllm.records.Record`: its token ids,
+  the record of the block before it, and at the root the cache namespace (salt and adapter). A hit
+  chain verifies when each block's tokens are the request's and its parent record is the previous
+  block's (the same object, or failing that the same content: vLLM keeps duplicate copies of a
+  block); a candidate that fails is a miss, counted as a collision, or as a cross-namespace access
+  when its chain starts in another namespace.
 * **the free blocks**: the fence owns them. vLLM's own free queue (a doubly linked list in Python) is
   replaced by a count (:class:`~kvfence.vllm.scheduler.FenceFreeCount`); clean blocks are a stack
   here (the block freed last is handed out first, as vLLM reuses uncached blocks), cold ones are in
@@ -50,6 +50,7 @@ from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.blocks import BlockState, KVBlock
 from kvfence.engine.eviction import plan_allocation, take_cold
 from kvfence.engine.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
+from kvfence.vllm.records import Record, equal
 
 #: The account of blocks allocated outside any request's context (vLLM internals); never expected.
 UNATTRIBUTED = ""
@@ -82,26 +83,13 @@ class FenceError(Exception):
     """The fence was asked to do something its bookkeeping says is impossible (a bug, never input)."""
 
 
-class Record:
-    """What a cached block holds: its tokens, after which block, in which namespace (roots only: the
-    first block of a chain, and the first block after a declared shared prefix, where the request's own
-    namespace enters the chain)."""
-
-    __slots__ = ("namespace", "parent", "root", "tokens")
-
-    def __init__(
-        self, parent: Record | None, tokens: list[int], namespace: Namespace | None, root: bool = False
-    ) -> None:
-        self.parent = parent
-        self.tokens = tokens
-        self.namespace = namespace
-        self.root = root or parent is None
-
-    def root_namespace(self) -> Namespace | None:
-        r = self
-        while not r.root and r.parent is not None:
-            r = r.parent
-        return r.namespace
+def root_namespace(rec: Record) -> Namespace | None:
+    """The cache namespace of the chain ``rec`` belongs to: at its root (the first block, or the first
+    block after a declared shared prefix, where the request's own namespace enters the chain)."""
+    r: Record | None = rec
+    while r is not None and not r.root and r.parent is not None:
+        r = r.parent
+    return r.namespace if r is not None else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -567,7 +555,7 @@ class TenantFence:
             lo = 0
             for bid in block_ids:
                 rec = records[bid]
-                if rec is None or rec.tokens != tokens[lo : lo + bs]:
+                if rec is None or not equal(rec.tokens, tokens, lo):
                     break
                 if lo == 0:
                     if not (rec.root and rec.parent is None and rec.namespace == (tenant_ns, None)):
@@ -588,7 +576,7 @@ class TenantFence:
                 if rec is shared[i]:  # the pinned block itself (its tokens were compared at add)
                     parent = rec
                     continue
-            elif rec is not None and rec.tokens == tokens[i * bs : (i + 1) * bs]:
+            elif rec is not None and equal(rec.tokens, tokens, i * bs):
                 if i == start:  # where the request's namespace enters the chain
                     ok = (
                         rec.root
@@ -606,7 +594,7 @@ class TenantFence:
                 if ok:
                     parent = rec
                     continue
-            root = rec.root_namespace() if rec is not None else None
+            root = root_namespace(rec) if rec is not None else None
             if root is not None and root[0] != tenant_ns:
                 self.counters.cross_access_rejected += 1
                 verdict = Verdict.CROSS_ACCESS

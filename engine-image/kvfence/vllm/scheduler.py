@@ -270,17 +270,18 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 # a block without its parent's record: fail safe, an entry that never verifies.
                 records[block.block_id] = parent = None
                 continue
-            chunk = tokens[i * block_size : (i + 1) * block_size]  # a copy: the list slice
+            lo = i * block_size  # the record takes tokens[lo:lo + block_size] (kvfence.vllm.records)
             # Only the root, and blocks with extra keys, store a namespace (block_namespace's rule,
             # without a call for every plain block on this hot path).
             if i == root:
                 ns = namespace_of(request)
                 namespace = TenantFence.block_namespace(0, ns, None if extras is None else extras[i:])
-                records[block.block_id] = parent = Record(parent, chunk, namespace, root=True)
+                rec = Record(parent, tokens, lo, lo + block_size, namespace, True)
+                records[block.block_id] = parent = rec
                 continue
             # (i > root >= 0 here: block_namespace ignores the request's namespace for such a block)
             namespace = TenantFence.block_namespace(i, (), extras) if extras is not None else None
-            records[block.block_id] = parent = Record(parent, chunk, namespace)
+            records[block.block_id] = parent = Record(parent, tokens, lo, lo + block_size, namespace)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
         super().move_block_hashes(src_block, dst_block)

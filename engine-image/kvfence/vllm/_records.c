@@ -1,0 +1,259 @@
+/* The vLLM fence's prefix-cache records in C (kvfence.vllm.records holds the pure-Python equivalent and
+ * says when each is used).
+ *
+ *   Record(parent, tokens, start, stop, namespace, root=False)
+ *       what a cached block holds: tokens[start:stop] of a request's token list packed as native
+ *       int64 bytes (stop clamped to the list, as slicing does), the record of the block before it
+ *       (a Record or None), the cache namespace (roots) or extra keys (None for plain text), and
+ *       whether the request's namespace enters the chain here (always when parent is None).
+ *       Read-only attributes: parent, tokens, namespace, root.
+ *   equal(packed, tokens, start) -> bool
+ *       whether a record's packed tokens are exactly tokens[start:start + n] of a token list.
+ *
+ * Why (docs/engine.md, "What the plugin costs inside vLLM"): vLLM's scheduler thread runs Python's
+ * cyclic garbage collector every 700 net allocations of container objects, and each young collection
+ * walks the token lists of the requests that arrived since the last one. A record is created for every
+ * block vLLM caches, so records as Python objects (and their token lists) made the fenced scheduler
+ * collect about twice as often as vLLM alone. This Record is not a container the collector knows
+ * about: records form a tree (a parent always exists before its children, and nothing is ever
+ * reassigned), so no cycle can pass through one, and the objects a record refers to (its namespace
+ * tuple) stay tracked on their own. Packed tokens also keep none of the request's int objects alive,
+ * and equal() reads each token once, copying and writing nothing.
+ *
+ * Token ids are Python ints; anything else, or an int outside int64, raises (TypeError,
+ * OverflowError) rather than compare unequal: a token list that is not one is a bug, never a miss. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *parent;    /* Record or None */
+    PyObject *tokens;    /* bytes */
+    PyObject *namespace; /* anything, None for plain text */
+    char root;
+} RecordObject;
+
+static PyTypeObject RecordType;
+
+/* One token id as int64; -1 with an exception set on error. */
+static inline int
+token_at(PyObject *list, Py_ssize_t i, int64_t *out)
+{
+    PyObject *o = PyList_GET_ITEM(list, i);
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "token %zd is %.100s, not an int", i, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow) {
+        PyErr_Format(PyExc_OverflowError, "token %zd is outside int64", i);
+        return -1;
+    }
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static PyObject *
+pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
+{
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "Record: tokens must be a list");
+        return NULL;
+    }
+    if (start < 0 || stop < 0) {
+        PyErr_SetString(PyExc_ValueError, "Record: start and stop must not be negative");
+        return NULL;
+    }
+    Py_ssize_t len = PyList_GET_SIZE(list);
+    if (stop > len)
+        stop = len;
+    if (start > stop)
+        start = stop;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * (Py_ssize_t)sizeof(int64_t));
+    if (out == NULL)
+        return NULL;
+    char *buf = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        int64_t v;
+        if (token_at(list, i, &v) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        memcpy(buf + (i - start) * sizeof(int64_t), &v, sizeof v);
+    }
+    return out;
+}
+
+static PyObject *
+record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"parent", "tokens", "start", "stop", "namespace", "root", NULL};
+    PyObject *parent, *list, *namespace;
+    Py_ssize_t start, stop;
+    int root = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnnO|p:Record", kwlist, &parent, &list, &start, &stop,
+                                     &namespace, &root))
+        return NULL;
+    if (parent != Py_None && !Py_IS_TYPE(parent, &RecordType)) {
+        PyErr_SetString(PyExc_TypeError, "Record: parent must be a Record or None");
+        return NULL;
+    }
+    PyObject *tokens = pack(list, start, stop);
+    if (tokens == NULL)
+        return NULL;
+    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(tokens);
+        return NULL;
+    }
+    Py_INCREF(parent);
+    self->parent = parent;
+    self->tokens = tokens;
+    Py_INCREF(namespace);
+    self->namespace = namespace;
+    self->root = (char)(root || parent == Py_None);
+    return (PyObject *)self;
+}
+
+static void
+record_clear_fields(RecordObject *r)
+{
+    Py_CLEAR(r->tokens);
+    Py_CLEAR(r->namespace);
+}
+
+/* Iterative over the parent chain: freeing the last record of a long chain (a 128k-token context is
+ * 8,000 blocks) must not recurse once per block. A parent held by nothing else is freed here, in the
+ * loop; the first one still referenced elsewhere just loses this reference. */
+static void
+record_dealloc(RecordObject *self)
+{
+    PyObject *parent = self->parent;
+    self->parent = NULL;
+    record_clear_fields(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+    while (parent != NULL && Py_IS_TYPE(parent, &RecordType) && Py_REFCNT(parent) == 1) {
+        RecordObject *p = (RecordObject *)parent;
+        parent = p->parent;
+        p->parent = NULL;
+        record_clear_fields(p);
+        Py_SET_REFCNT(p, 0);
+        Py_TYPE(p)->tp_free((PyObject *)p);
+    }
+    Py_XDECREF(parent);
+}
+
+static PyObject *
+record_repr(RecordObject *self)
+{
+    return PyUnicode_FromFormat("Record(%zd tokens, root=%s)",
+                                PyBytes_GET_SIZE(self->tokens) / (Py_ssize_t)sizeof(int64_t),
+                                self->root ? "True" : "False");
+}
+
+static PyObject *
+record_get_root(RecordObject *self, void *closure)
+{
+    return PyBool_FromLong(self->root);
+}
+
+static PyMemberDef record_members[] = {
+    {"parent", T_OBJECT, offsetof(RecordObject, parent), READONLY, "the record of the block before, or None"},
+    {"tokens", T_OBJECT, offsetof(RecordObject, tokens), READONLY, "the block's token ids, packed int64"},
+    {"namespace", T_OBJECT, offsetof(RecordObject, namespace), READONLY, "namespace or extra keys, or None"},
+    {NULL},
+};
+
+static PyGetSetDef record_getset[] = {
+    {"root", (getter)record_get_root, NULL, "whether the request's namespace enters the chain here", NULL},
+    {NULL},
+};
+
+static PyTypeObject RecordType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvfence.vllm._records.Record",
+    .tp_basicsize = sizeof(RecordObject),
+    .tp_dealloc = (destructor)record_dealloc,
+    .tp_repr = (reprfunc)record_repr,
+    /* Not Py_TPFLAGS_HAVE_GC, on purpose: see the top of this file. Not a base type either: a subclass
+     * could add what makes a cycle. */
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What a cached block holds (see kvfence.vllm.records).",
+    .tp_members = record_members,
+    .tp_getset = record_getset,
+    .tp_new = record_new,
+};
+
+static PyObject *
+records_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "equal(packed, tokens, start)");
+        return NULL;
+    }
+    PyObject *packed = args[0], *list = args[1];
+    if (!PyBytes_Check(packed) || !PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "equal: packed must be bytes and tokens a list");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "equal: start must not be negative");
+        return NULL;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(packed);
+    if (size % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "equal: packed is not a whole number of int64 token ids");
+        return NULL;
+    }
+    Py_ssize_t n = size / (Py_ssize_t)sizeof(int64_t), len = PyList_GET_SIZE(list);
+    if (start > len || n > len - start)
+        Py_RETURN_FALSE; /* the list ends first: what comparing with a shorter slice gives */
+    const char *buf = PyBytes_AS_STRING(packed);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t v, want;
+        if (token_at(list, start + k, &v) < 0)
+            return NULL;
+        memcpy(&want, buf + k * sizeof(int64_t), sizeof want);
+        if (v != want)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"equal", (PyCFunction)(void (*)(void))records_equal, METH_FASTCALL,
+     "equal(packed, tokens, start) -> bool: whether packed holds exactly tokens[start:start + n]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvfence.vllm._records",
+    "The vLLM fence's prefix-cache records, compiled (see _records.c and kvfence.vllm.records).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC
+PyInit__records(void)
+{
+    if (PyType_Ready(&RecordType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RecordType);
+    if (PyModule_AddObject(m, "Record", (PyObject *)&RecordType) < 0) {
+        Py_DECREF(&RecordType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

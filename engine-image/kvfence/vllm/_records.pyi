@@ -1,0 +1,24 @@
+# The compiled records (_records.c): see that file and kvfence.vllm.records (PyRecord is the same
+# interface in Python).
+from typing import Any
+
+class Record:
+    @property
+    def parent(self) -> Record | None: ...
+    @property
+    def tokens(self) -> Any: ...
+    @property
+    def namespace(self) -> Any: ...
+    @property
+    def root(self) -> bool: ...
+    def __init__(
+        self,
+        parent: Record | None,
+        tokens: list[int],
+        start: int,
+        stop: int,
+        namespace: Any,
+        root: bool = False,
+    ) -> None: ...
+
+def equal(packed: Any, tokens: list[int], start: int, /) -> bool: ...

@@ -1,0 +1,165 @@
+"""The fence's prefix-cache records (kvfence.vllm.records): the compiled implementation (_records.c)
+and the pure-Python one give the same answers, and the fence's verification holds with each."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm_engine.vllmsched import Harness, weak_hash
+
+import kvfence.vllm.fence as fence_mod
+import kvfence.vllm.scheduler as sched_mod
+from kvfence.vllm import records
+from kvfence.vllm.fence import root_namespace, same_chain
+
+PROMPT = list(range(100, 164))  # 4 full blocks of 16
+INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+def test_the_compiled_records_are_built() -> None:
+    # `make venv` builds kvfence.vllm._records (setup.py); a silently missing module would make every
+    # vLLM-lane test run the pure-Python records only.
+    assert records.COMPILED, "kvfence.vllm._records is not built: run `make venv`"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(INT64, max_size=40),
+    st.lists(INT64, max_size=40),
+    st.integers(0, 45),
+    st.integers(0, 45),
+    st.integers(0, 45),
+)
+def test_compiled_and_pure_python_records_agree(
+    recorded: list[int], asked: list[int], start: int, stop: int, at: int
+) -> None:
+    from kvfence.vllm import _records
+
+    c = _records.Record(None, recorded, start, stop, ("ns",))
+    py = records.PyRecord(None, recorded, start, stop, ("ns",))
+    assert py.tokens == recorded[start:stop]
+    assert len(c.tokens) == 8 * len(py.tokens)  # the same tokens, packed as int64
+    # A record equals a list exactly where the list slice does, for any list and offset.
+    for probe in (asked, recorded, [*asked, *recorded], recorded[start:stop] + asked):
+        want = py.tokens == probe[at : at + len(py.tokens)] and at <= len(probe)
+        assert _records.equal(c.tokens, probe, at) is want
+        assert records.py_equal(py.tokens, probe, at) is want
+    # Its own tokens, where they were taken from, always match.
+    assert _records.equal(c.tokens, recorded, min(start, len(recorded)))
+    assert records.py_equal(py.tokens, recorded, min(start, len(recorded)))
+    # Two records of the same tokens compare equal, in either implementation.
+    assert _records.Record(c, recorded, start, stop, None).tokens == c.tokens
+
+
+@pytest.mark.parametrize("impl", ["compiled", "pure Python"])
+def test_a_record_keeps_its_parent_namespace_and_root(impl: str) -> None:
+    from kvfence.vllm import _records
+
+    make = _records.Record if impl == "compiled" else records.PyRecord
+    ns = (("salt", None), None)
+    root = make(None, PROMPT, 0, 16, ns)
+    child = make(root, PROMPT, 16, 32, None)
+    entry = make(child, PROMPT, 32, 48, ("other",), True)  # where a request's namespace enters
+    assert (root.root, child.root, entry.root) == (True, False, True)
+    assert child.parent is root and root.parent is None and entry.parent is child
+    assert root.namespace == ns and child.namespace is None
+    assert root_namespace(child) == ns and root_namespace(entry) == ("other",)
+    # A copy of the same content after the same prefix is the same chain; other tokens are not.
+    assert same_chain(make(root, PROMPT, 16, 32, None), child)
+    assert not same_chain(make(root, PROMPT, 17, 33, None), child)
+
+
+def test_compiled_records_refuse_what_is_not_a_token_list() -> None:
+    from kvfence.vllm import _records
+
+    with pytest.raises(TypeError):
+        _records.Record(None, [1, "2", 3], 0, 3, None)
+    with pytest.raises(TypeError):
+        _records.equal(_records.Record(None, [1, 2], 0, 2, None).tokens, [1, 2.0], 0)
+    with pytest.raises(OverflowError):
+        _records.Record(None, [2**63], 0, 1, None)
+    with pytest.raises(TypeError):
+        _records.Record(None, (1, 2), 0, 2, None)  # vLLM's token ids are lists
+    with pytest.raises(TypeError):
+        _records.Record(object(), [1, 2], 0, 2, None)  # a parent is a record
+    with pytest.raises(ValueError):
+        _records.equal(b"\x00" * 7, [0], 0)  # not whole int64 ids: never a silent mismatch
+    for make, equal in ((_records.Record, _records.equal), (records.PyRecord, records.py_equal)):
+        with pytest.raises(ValueError):
+            make(None, [1, 2], -1, 2, None)
+        with pytest.raises(ValueError):
+            equal(make(None, [1, 2], 0, 2, None).tokens, [1, 2], -1)
+    with pytest.raises(AttributeError):
+        _records.Record(None, [1], 0, 1, None).parent = None  # type: ignore[misc]  # read-only
+
+
+def test_compiled_records_are_no_work_for_the_garbage_collector_and_free_long_chains() -> None:
+    from kvfence.vllm import _records
+
+    tokens = list(range(16 * 1000))
+    ns = ("salt", None)
+    gc.collect()
+    before = gc.get_count()[0]
+    chain = None
+    for i in range(1000):
+        chain = _records.Record(chain, tokens, 16 * i, 16 * (i + 1), ns if i == 0 else None)
+    # No container allocation counted (what triggers young collections), none tracked.
+    assert gc.get_count()[0] - before < 10
+    assert not gc.is_tracked(chain)
+    # The namespace a record holds stays alive through it, and is freed with the last record.
+    held = sys.getrefcount(ns)
+    # A chain far longer than the C stack could free recursively (one record per block of a 2M-token
+    # context) is freed iteratively, without crashing, when its last record goes.
+    long = None
+    for _ in range(200_000):
+        long = _records.Record(long, tokens, 0, 16, None)
+    del long
+    first = _records.Record(None, tokens, 0, 16, ns)
+    second = _records.Record(first, tokens, 16, 32, None)
+    assert sys.getrefcount(ns) == held + 1
+    del first
+    assert second.parent is not None and second.parent.namespace is ns  # still held by its child
+    del second
+    assert sys.getrefcount(ns) == held
+    assert chain is not None and root_namespace(chain) == ns
+
+
+@pytest.fixture(params=["compiled", "pure Python"])
+def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The fence with each implementation of its records (the scheduler records, the fence compares)."""
+    if request.param == "pure Python":
+        monkeypatch.setattr(sched_mod, "Record", records.PyRecord)
+        monkeypatch.setattr(fence_mod, "equal", records.py_equal)
+    yield request.param
+
+
+def test_verification_holds_with_either_implementation(tmp_path: Path, implementation: str) -> None:
+    h = Harness(tmp_path, hash_fn=weak_hash)
+    a = h.add("alice", [*PROMPT, 1])
+    h.run()
+    want = bytes if implementation == "compiled" else list
+    stored = [r for r in h.fence.records if r is not None]
+    assert stored and all(isinstance(r.tokens, want) for r in stored)
+    assert h.finished[a.request_id] == "length"
+    # Its own prefix: a verified hit of all four blocks.
+    a2 = h.add("alice", [*PROMPT, 2])
+    assert h.hits(h.step(), a2.request_id) == 64
+    h.run()
+    # Other tokens in each block's second half: the weak hash finds alice's blocks, verification refuses.
+    other = [t + 1000 if i % 16 >= 8 else t for i, t in enumerate(PROMPT)]
+    a3 = h.add("alice", [*other, 1])
+    assert h.hits(h.step(), a3.request_id) == 0
+    assert h.fence.counters.hash_collision >= 1
+    h.run()
+    # The same tokens from another tenant: refused as a cross-namespace access.
+    b = h.add("bob", [*PROMPT, 1])
+    assert h.hits(h.step(), b.request_id) == 0
+    assert h.fence.counters.cross_access_rejected == 1
+    h.run()
+    h.check()
