@@ -63,6 +63,7 @@ import os
 import platform
 import pstats
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -670,6 +671,168 @@ def hit_rates(config: Any, rounds: int, seed: int) -> list[list[str]]:
     return rows
 
 
+#: a client request of valgrind's, callable from Python (ctypes): toggles callgrind's collection
+CALLGRIND_TOGGLE_C = r"""
+#include <valgrind/callgrind.h>
+void kvfence_cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kvfence_cg_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void kvfence_cg_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+#: the simulated last-level cache: this machine kind's per-core L2 (AMD EPYC: 2 MiB, 16-way, 64 B)
+CALLGRIND_LL = "2097152,16,64"
+CALLGRIND_EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
+
+
+def callgrind_child(
+    kind: str, per_user: int, seed: int, quotas: dict[str, Any], config: Any, lib_path: str | None
+) -> None:
+    """Under valgrind (see :func:`callgrind`): one warm-up run, not instrumented, then the workload,
+    instrumented, with collection on only inside the calls the timed runs time."""
+    import ctypes
+
+    assert lib_path is not None
+    lib = ctypes.CDLL(lib_path)
+    drive(kind, workload(1, seed + 1), quotas, config)
+
+    class Toggle:  # drive()'s profiler interface: on around each timed call, off after it
+        def enable(self) -> None:
+            lib.kvfence_cg_toggle()
+
+        def disable(self) -> None:
+            lib.kvfence_cg_toggle()
+
+    streams = workload(per_user, seed)
+    lib.kvfence_cg_start()
+    run = drive(kind, streams, quotas, config, Toggle())  # type: ignore[arg-type]
+    lib.kvfence_cg_stop()
+    print(json.dumps({"steps": len(run.step_ns), "fingerprint": run.fingerprint}))
+
+
+def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
+    """Instructions and simulated cache misses of the same timed calls, stock and fenced, under
+    valgrind's callgrind (both kinds at once, one process each): counts that do not depend on what
+    else the machine runs. The cycle estimate is callgrind's own (KCachegrind's CEst): Ir + 10 x L1
+    misses + 100 x last-level misses."""
+    import subprocess
+
+    if not shutil.which("valgrind"):
+        raise SystemExit("--callgrind needs valgrind (Debian: apt-get install valgrind)")
+    with tempfile.TemporaryDirectory(prefix="kvfence-bench-cg-") as tmp:
+        src, lib = Path(tmp) / "toggle.c", Path(tmp) / "libtoggle.so"
+        src.write_text(CALLGRIND_TOGGLE_C)
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        results: dict[str, Any] = {}
+        for label in chosen:
+            procs = {}
+            for kind in KINDS:
+                out = Path(tmp) / f"callgrind.{kind}"
+                cmd = [
+                    "valgrind",
+                    "--tool=callgrind",
+                    "--cache-sim=yes",
+                    f"--LL={CALLGRIND_LL}",
+                    "--instr-atstart=no",
+                    "--collect-atstart=no",
+                    f"--callgrind-out-file={out}",
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--callgrind-child",
+                    kind,
+                    "--callgrind-lib",
+                    str(lib),
+                    "--variants",
+                    label,
+                    "--requests-per-user",
+                    str(per_user),
+                    "--seed",
+                    str(a.seed),
+                ]
+                procs[kind] = (
+                    out,
+                    subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL),
+                )
+            got: dict[str, dict[str, Any]] = {}
+            for kind, (out, proc) in procs.items():
+                stdout, _ = proc.communicate()
+                if proc.returncode != 0:
+                    raise SystemExit(
+                        f"[{label}] the {kind} run under valgrind failed (exit {proc.returncode})"
+                    )
+                events = totals = None
+                for line in out.read_text().splitlines():
+                    if line.startswith("events:"):
+                        events = line.split()[1:]
+                    elif line.startswith("totals:"):
+                        totals = [int(x) for x in line.split()[1:]]
+                assert events is not None and totals is not None, f"no totals in {out}"
+                counts = dict(zip(events, totals, strict=True))
+                counts["LLm"] = counts["ILmr"] + counts["DLmr"] + counts["DLmw"]
+                counts["L1m"] = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
+                counts["CEst"] = counts["Ir"] + 10 * counts["L1m"] + 100 * counts["LLm"]
+                got[kind] = {**counts, **json.loads(stdout.decode().strip().splitlines()[-1])}
+            same = got["stock"]["fingerprint"] == got["fenced"]["fingerprint"]
+            steps = got["stock"]["steps"]
+            res = {k: got[k] for k in KINDS}
+            res["same_schedule"] = same
+            for key in ("Ir", "L1m", "LLm", "CEst"):
+                res[f"ratio_{key}"] = got["fenced"][key] / got["stock"][key]
+            results[label] = res
+            rows = [
+                [
+                    label,
+                    kind,
+                    str(got[kind]["steps"]),
+                    f"{got[kind]['Ir'] / steps / 1e3:,.0f}",
+                    f"{got[kind]['L1m'] / steps:,.0f}",
+                    f"{got[kind]['LLm'] / steps:,.0f}",
+                    f"{got[kind]['CEst'] / steps / 1e3:,.0f}",
+                    "" if kind == "stock" else f"{res['ratio_Ir']:.3f}",
+                    "" if kind == "stock" else f"{res['ratio_LLm']:.3f}",
+                    "" if kind == "stock" else f"{res['ratio_CEst']:.3f}",
+                    "" if kind == "stock" else ("yes" if same else "NO"),
+                ]
+                for kind in KINDS
+            ]
+            table(
+                f"Scheduler step = schedule() + update_from_output() (+ add_request), under callgrind: "
+                f"counts per step, last-level cache simulated as {CALLGRIND_LL} (size, ways, line); vLLM "
+                f"{vllm.__version__}",
+                [
+                    "variant",
+                    "scheduler",
+                    "steps",
+                    "k instr/step",
+                    "L1 misses/step",
+                    "LL misses/step",
+                    "k CEst/step",
+                    "fenced/stock instr",
+                    "fenced/stock LL misses",
+                    "fenced/stock CEst",
+                    "same schedule",
+                ],
+                rows,
+            )
+            if label == "no quotas":
+                verdict = "met" if res["ratio_CEst"] <= TARGET else "NOT met"
+                print(
+                    f"\ntarget [{label}]: fenced/stock estimated cycles <= {TARGET}: {res['ratio_CEst']:.3f} "
+                    f"({verdict}; instructions {res['ratio_Ir']:.3f})"
+                )
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"vllm-callgrind-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    setup = {
+        "vllm": vllm.__version__,
+        "python": platform.python_version(),
+        "requests_per_user": per_user,
+        "seed": a.seed,
+        "last_level_cache": CALLGRIND_LL,
+    }
+    path.write_text(json.dumps({"setup": setup, "variants": results}, indent=2) + "\n")
+    print(f"\nwritten to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")
@@ -693,6 +856,13 @@ def main() -> None:
         action="store_true",
         help="vLLM's AsyncScheduler (its default on GPUs) for both, instead of the synchronous one",
     )
+    ap.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="instead of timing: count instructions and simulated cache misses under valgrind (see above)",
+    )
+    ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
     a = ap.parse_args()
     rounds = a.rounds or (3 if a.quick else 5)
     per_user = a.requests_per_user or (2 if a.quick else 8)
@@ -709,6 +879,12 @@ def main() -> None:
         config.scheduler_config = copy.copy(config.scheduler_config)
         config.scheduler_config.async_scheduling = True
     sc = config.scheduler_config
+    if a.callgrind_child:
+        callgrind_child(a.callgrind_child, per_user, a.seed, VARIANTS[a.variants], config, a.callgrind_lib)
+        return
+    if a.callgrind:
+        callgrind(chosen, per_user, a)
+        return
     if a.hit_rate:
         n_rounds = 6 if a.quick else 12
         rows = hit_rates(config, n_rounds, a.seed)

@@ -252,7 +252,8 @@ for image in "${IMAGES[@]}"; do
       # vLLM's CLI, the kvfence plugin and the built-in model, on a read-only root filesystem.
       tool run --rm --network none --read-only --tmpfs /tmp --entrypoint python3 \
         -e VLLM_TARGET_DEVICE=cpu "localhost/kvfence/engine-vllm-cpu:$VERSION" -c "
-import importlib.metadata as m, json, kvfence.vllm.middleware, kvfence.vllm.scheduler, vllm.entrypoints.cli.main
+import importlib.metadata as m, json, kvfence.vllm.middleware, kvfence.vllm.scheduler, kvfence.vllm.records, vllm.entrypoints.cli.main
+assert kvfence.vllm.records.COMPILED, 'the kvfence wheel lacks the compiled prefix-cache records (_records.c)'
 from transformers import AutoTokenizer
 assert m.version('vllm') == '$VLLM_VERSION+cpu', m.version('vllm')
 assert json.load(open('/opt/kvfence/models/tiny/config.json'))['model_type'] == 'llama'

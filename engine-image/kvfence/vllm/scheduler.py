@@ -68,6 +68,7 @@ from kvfence.vllm.fence import (
 )
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
+from kvfence.vllm.records import COMPILED as records_compiled
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
@@ -644,11 +645,13 @@ class FenceMixin:
         self.stats = StatsWriter.from_env(self.fence)
         self._refusals = RefusalBox.from_env()
         log.info(
-            "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with quotas",
+            "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with "
+            "quotas, %s prefix-cache records",
             self._keys.trust_class,
             self.fence.usable_blocks,
             self.block_size,
             len(quotas.tenants),
+            "compiled" if records_compiled else "pure-Python",
         )
 
     # --- identity ---------------------------------------------------------------------------------
