@@ -2,7 +2,7 @@
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
         [--quick] [--rounds 5] [--profile] [--process-per-run] [--async-scheduling]
-        [--variants "no quotas,quotas"] [--hit-rate]
+        [--variants "no quotas,quotas"] [--hit-rate] [--callgrind]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -48,6 +48,14 @@ check that preemption of the benchmark by other work on the machine did not make
 of the mean step time exceeds 1.05 (or with ``--profile``), one more run of each is made under
 cProfile (enabled only around the timed calls) and the plugin's top costs are printed. The result
 goes to bench/results/vllm-<time>.json.
+
+``--callgrind`` counts instead of timing (for machines whose other load makes a 5% difference
+untimeable): one run of each scheduler under valgrind's callgrind, both at once, collection on only
+inside the calls the timed runs time (``add_request`` included), the last-level cache simulated as
+this machine kind's per-core L2; it reports instructions, L1 and last-level misses per step and
+callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) for each, and their
+fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind and gcc (a two-line
+client-request library is compiled on the fly).
 """
 
 from __future__ import annotations
