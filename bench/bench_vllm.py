@@ -679,6 +679,15 @@ def hit_rates(config: Any, rounds: int, seed: int) -> list[list[str]]:
     return rows
 
 
+def write_results(prefix: str, doc: dict[str, Any]) -> Path:
+    """``doc`` as bench/results/<prefix>-<time>.json (not committed); its path."""
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
 #: a client request of valgrind's, callable from Python (ctypes): toggles callgrind's collection
 CALLGRIND_TOGGLE_C = r"""
 #include <valgrind/callgrind.h>
@@ -827,9 +836,6 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
                     f"\ntarget [{label}]: fenced/stock estimated cycles <= {TARGET}: {res['ratio_CEst']:.3f} "
                     f"({verdict}; instructions {res['ratio_Ir']:.3f})"
                 )
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"vllm-callgrind-{time.strftime('%Y%m%dT%H%M%S')}.json"
     setup = {
         "vllm": vllm.__version__,
         "python": platform.python_version(),
@@ -837,7 +843,7 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
         "seed": a.seed,
         "last_level_cache": CALLGRIND_LL,
     }
-    path.write_text(json.dumps({"setup": setup, "variants": results}, indent=2) + "\n")
+    path = write_results("vllm-callgrind", {"setup": setup, "variants": results})
     print(f"\nwritten to {path}")
 
 
@@ -954,9 +960,6 @@ def main() -> None:
             profiles[label] = profile(streams, VARIANTS[label], config)
             print_profile(label, profiles[label])
 
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"vllm-{time.strftime('%Y%m%dT%H%M%S')}.json"
     setup = {
         "vllm": vllm.__version__,
         "python": platform.python_version(),
@@ -978,8 +981,7 @@ def main() -> None:
         "target_ratio": TARGET,
         "process_per_run": a.process_per_run,
     }
-    doc = {"setup": setup, "variants": results, "profiles": profiles}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path = write_results("vllm", {"setup": setup, "variants": results, "profiles": profiles})
     print(f"\nwritten to {path}")
 
 

@@ -11,6 +11,9 @@ A Python without vLLM fails here loudly instead of collecting nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,3 +25,17 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "tests/vllm_engine needs real vLLM: run it with the Python that tests/vllm/install-vllm.sh prints "
         f"(make test does): {e}"
     ) from None
+
+
+@pytest.fixture(params=["compiled", "pure Python"])
+def record_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The fence with each implementation of its prefix-cache records (kvfence.vllm.records): the
+    scheduler records, the fence compares."""
+    if request.param == "pure Python":
+        import kvfence.vllm.fence as fence_mod
+        import kvfence.vllm.scheduler as sched_mod
+        from kvfence.vllm import records
+
+        monkeypatch.setattr(sched_mod, "Record", records.PyRecord)
+        monkeypatch.setattr(fence_mod, "equal", records.py_equal)
+    yield request.param

@@ -28,7 +28,7 @@ def test_vllm_builds_the_fenced_scheduler_from_its_flag(tmp_path: Path) -> None:
     h.check()
 
 
-def test_a_tenant_hits_its_own_prefix_and_another_tenant_does_not(tmp_path: Path) -> None:
+def test_a_tenant_hits_its_own_prefix_and_another_tenant_does_not(tmp_path: Path, record_impl: str) -> None:
     h = Harness(tmp_path)
     a = h.add("alice", [*PROMPT, 1])
     h.run()
@@ -43,7 +43,8 @@ def test_a_tenant_hits_its_own_prefix_and_another_tenant_does_not(tmp_path: Path
     assert (c.hash_collision, c.cross_access_rejected, c.stale_reference) == (0, 0, 0)
 
 
-def test_forced_collisions_are_misses_and_counted(tmp_path: Path) -> None:
+def test_forced_collisions_are_misses_and_counted(tmp_path: Path, record_impl: str) -> None:
+    # record_impl: with the compiled records and with the pure-Python ones (the GPU image's)
     h = Harness(tmp_path, hash_fn=weak_hash)
     h.add("alice", [*PROMPT, 1])
     h.run()
@@ -63,7 +64,7 @@ def test_forced_collisions_are_misses_and_counted(tmp_path: Path) -> None:
     h.check()
 
 
-def test_refused_hit_ends_the_hit_at_the_first_bad_block(tmp_path: Path) -> None:
+def test_refused_hit_ends_the_hit_at_the_first_bad_block(tmp_path: Path, record_impl: str) -> None:
     h = Harness(tmp_path, hash_fn=weak_hash)
     h.add("alice", [*PROMPT, 1])
     h.run()

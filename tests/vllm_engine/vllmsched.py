@@ -38,6 +38,7 @@ from kvfence.contract import (
     derive_cache_salt,
     tenant_tag,
 )
+from kvfence.vllm.fence import root_namespace
 
 TRUST_CLASS = "gold"
 KEY = bytes(range(32))
@@ -266,17 +267,17 @@ class Harness:
         )
         # Every block a running request holds carries that request's own tokens (no foreign KV).
         mgr = self.sched.kv_cache_manager
+        bs = self.block_size
         for req in self.sched.running:
             blocks = mgr.coordinator.single_type_managers[0].req_to_blocks[req.request_id]
+            tokens = list(req.all_token_ids)
             for i, block in enumerate(blocks):
                 rec = fence.records[block.block_id]
                 if rec is None:
                     continue
-                bs = self.block_size
                 # as the scheduler records them (compiled or pure Python: see test_vllm_records.py)
-                want = fenced_scheduler.Record(None, list(req.all_token_ids), i * bs, (i + 1) * bs, None)
+                want = fenced_scheduler.Record(None, tokens, i * bs, (i + 1) * bs, None)
                 assert rec.tokens == want.tokens, (req.request_id, i)
-                root = rec  # where the request's namespace entered (after a shared prefix, if any)
-                while not root.root and root.parent is not None:
-                    root = root.parent
-                assert root.namespace is not None and root.namespace[0][0] == req.cache_salt
+                # where the request's namespace entered (after a shared prefix, if any)
+                ns = root_namespace(rec)
+                assert ns is not None and ns[0][0] == req.cache_salt
