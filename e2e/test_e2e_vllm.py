@@ -163,7 +163,7 @@ def test_umbrella_is_held_to_its_kv_blocks_and_hooli_is_not(
         "kvfence_engine_quota_rejected_total to count the refusal",
     )
     # The neighbour, without a maximum, is served the same prompt in full (within maxModelLen, 1024).
-    r = router.complete(hooli, long_prompt, max_tokens=100)
+    r = router.complete(hooli, long_prompt, max_tokens=100, ignore_eos=True)  # all 100 (see above)
     assert r.status == 200, r.body
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] > UMBRELLA_MAX_BLOCKS * BLOCK and usage["completion_tokens"] == 100, usage
