@@ -49,8 +49,16 @@ if [[ ! -x "$venv/bin/python" ]]; then
   printf 'kvfence install-vllm.sh\n' > "$shim/INSTALLER"
   : > "$shim/RECORD"
   "${pip[@]}" install --quiet "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
-  VLLM_TARGET_DEVICE=cpu "$tmp/bin/python" -c \
-    "import vllm, importlib.metadata as m; assert m.version('vllm').startswith('$VLLM_VERSION'), m.version('vllm'); import vllm._C"
+  # vLLM's CPU kernels, loaded as vLLM loads them: the wheel carries AVX512 (+BF16), AVX512 and AVX2
+  # builds and picks by the CPU (importing vllm._C directly dies of an illegal instruction on a machine
+  # without AVX512).
+  VLLM_TARGET_DEVICE=cpu "$tmp/bin/python" -c "
+import importlib.metadata as m, torch, vllm
+from vllm.platforms import current_platform
+assert m.version('vllm').startswith('$VLLM_VERSION'), m.version('vllm')
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, 'silu_and_mul'), 'vLLM CPU kernels did not load'
+"
   # venvs are not relocatable by their scripts' shebangs: rewrite the scratch path.
   grep -rlI --exclude-dir=site-packages "$tmp" "$tmp/bin" | xargs -r sed -i "s#$tmp#$venv#g"
   rm -rf "$venv"
