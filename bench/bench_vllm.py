@@ -10,10 +10,11 @@ Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (t
 blocks, max_num_seqs 128, max_num_batched_tokens 8192, chunked prefill, prefix caching with sha256
 block hashes; the synchronous scheduler, or with ``--async-scheduling`` vLLM's AsyncScheduler, its GPU
 default), and driven with fake model outputs (one sampled token per request whose prefill is
-complete; no model runs). What is timed is the scheduler's own work per engine step:
-``schedule()`` + ``update_from_output()``. Building requests (block hashing belongs to vLLM's input
-processing, not to the scheduler) and the fake model output are not timed; ``add_request`` (where the
-plugin checks the tenant tag) is timed apart.
+complete; no model runs). What is timed is the scheduler's own work per engine step: the
+``add_request`` calls of the requests that arrived since the last step (vLLM's engine core makes them on
+the scheduler's thread; the plugin checks the tenant tag and packs the prompt there), ``schedule()`` and
+``update_from_output()``. Building requests (block hashing belongs to vLLM's input processing, not to
+the scheduler) and the fake model output are not timed; ``add_request`` is also reported apart.
 
 Workload (seeded; both schedulers see the identical request stream): 8 tenants, each with its own
 system prompt of 32-96 blocks (512-1536 tokens) that every request of the tenant starts with, then a
@@ -52,7 +53,9 @@ goes to bench/results/vllm-<time>.json.
 ``--callgrind`` counts instead of timing (for machines whose other load makes a 5% difference
 untimeable): one run of each scheduler under valgrind's callgrind, both at once, collection on only
 inside the calls the timed runs time (``add_request`` included), the last-level cache simulated as
-this machine kind's per-core L2; it reports instructions, L1 and last-level misses per step and
+this machine kind's per-core L2 (the plugin's stats snapshot written every 166 steps on the scheduler's
+thread, what its thread's 0.25 s interval is in real time, rather than as often as valgrind's slowness
+lets it); it reports instructions, L1 and last-level misses per step and
 callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) for each, and their
 fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind and gcc (a two-line
 client-request library is compiled on the fly).
@@ -180,8 +183,11 @@ def drive(
     quotas: dict[str, Any],
     config: Any,
     prof: cProfile.Profile | None = None,
+    stats_every: int = 0,
 ) -> Run:
-    """Runs the whole workload through a fresh scheduler of ``kind`` (stock or fenced)."""
+    """Runs the whole workload through a fresh scheduler of ``kind`` (stock or fenced). ``stats_every``:
+    instead of the plugin's stats thread (a snapshot every 0.25 s of wall time), its write is made on
+    the scheduler's thread every that many steps, inside the timed calls (see :func:`callgrind`)."""
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-vllm-") as tmp:
         h = Harness(
             Path(tmp),
@@ -194,6 +200,9 @@ def drive(
         sched = h.sched
         requests = sched.requests
         run = Run(kind)
+        writer = getattr(sched, "stats", None) if stats_every else None
+        if writer is not None:
+            writer.stop()  # its thread ends; write() is called below instead
         nxt = dict.fromkeys(TENANTS, 0)
         users = dict(zip(TENANTS, CONCURRENCY, strict=True))
         open_ = dict.fromkeys(TENANTS, 0)
@@ -208,6 +217,7 @@ def drive(
         # the startup heap, the scheduler's structures included, is frozen out of the collector.
         gc.collect()
         gc.freeze()
+        add_step = add_cpu = 0  # add_request time since the last step
         try:
             while True:
                 for t in TENANTS:  # every user with nothing outstanding sends its next request
@@ -221,10 +231,15 @@ def drive(
                         req = h.make(t, prompt, spec.max_tokens, request_id=spec.rid)
                         tenant_of[spec.rid] = t
                         on()
+                        c0 = tt()
                         t0 = pc()
                         sched.add_request(req)
-                        run.add_ns += pc() - t0
+                        t1 = pc()
+                        c1 = tt()
                         off()
+                        run.add_ns += t1 - t0
+                        add_step += t1 - t0
+                        add_cpu += c1 - c0
                         run.added += 1
                         open_[t] += 1
                 if not sched.has_requests():
@@ -250,11 +265,16 @@ def drive(
                 c2 = tt()
                 t2 = pc()
                 ecos = sched.update_from_output(out, mro)
+                if writer is not None and len(run.step_ns) % stats_every == 0:
+                    writer.write()
                 t3 = pc()
                 c3 = tt()
                 off()
-                run.step_ns.append(t1 - t0 + t3 - t2)
-                run.cpu_ns.append(c1 - c0 + c3 - c2)
+                # The step includes the add_request calls before it: vLLM's engine core adds arriving
+                # requests on the scheduler's thread, and the plugin does work there too.
+                run.step_ns.append(t1 - t0 + t3 - t2 + add_step)
+                run.cpu_ns.append(c1 - c0 + c3 - c2 + add_cpu)
+                add_step = add_cpu = 0
                 run.schedule_ns += t1 - t0
                 run.update_ns += t3 - t2
                 run.scheduled_reqs += len(ids)
@@ -545,7 +565,8 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
                 ]
             )
     table(
-        f"Scheduler step = schedule() + update_from_output(); medians of {rounds} interleaved rounds "
+        "Scheduler step = add_request() + schedule() + update_from_output(); medians of "
+        f"{rounds} interleaved rounds "
         f"({n_req} requests, {NUM_BLOCKS} blocks of {BLOCK_SIZE}, max_num_seqs {MAX_NUM_SEQS}, "
         f"max_num_batched_tokens {MAX_BATCHED_TOKENS}; vLLM {vllm.__version__})",
         [
@@ -700,6 +721,13 @@ CALLGRIND_LL = "2097152,16,64"
 CALLGRIND_EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
+#: Under callgrind the plugin's stats thread would write its snapshot every 0.25 s of *valgrind's* time,
+#: about every other step of a run 50-100x slower than real, and how often would depend on the machine's
+#: load. Instead the write is made every this many steps, on the scheduler's thread, counted: the steps in
+#: 0.25 s at about 1.5 ms per step (the stock scheduler's mean on this workload, docs/engine.md).
+CALLGRIND_STATS_EVERY = 166
+
+
 def callgrind_child(
     kind: str, per_user: int, seed: int, quotas: dict[str, Any], config: Any, lib_path: str | None
 ) -> None:
@@ -720,7 +748,7 @@ def callgrind_child(
 
     streams = workload(per_user, seed)
     lib.kvfence_cg_start()
-    run = drive(kind, streams, quotas, config, Toggle())  # type: ignore[arg-type]
+    run = drive(kind, streams, quotas, config, Toggle(), stats_every=CALLGRIND_STATS_EVERY)  # type: ignore[arg-type]
     lib.kvfence_cg_stop()
     print(json.dumps({"steps": len(run.step_ns), "fingerprint": run.fingerprint}))
 
@@ -812,7 +840,7 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
                 for kind in KINDS
             ]
             table(
-                f"Scheduler step = schedule() + update_from_output() (+ add_request), under callgrind: "
+                f"Scheduler step = add_request() + schedule() + update_from_output(), under callgrind: "
                 f"counts per step, last-level cache simulated as {CALLGRIND_LL} (size, ways, line); vLLM "
                 f"{vllm.__version__}",
                 [

@@ -37,5 +37,7 @@ def record_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         from kvfence.vllm import records
 
         monkeypatch.setattr(sched_mod, "Record", records.PyRecord)
+        monkeypatch.setattr(sched_mod, "pack", None)
         monkeypatch.setattr(fence_mod, "equal", records.py_equal)
+        monkeypatch.setattr(fence_mod, "verify_chain", records.py_verify_chain)
     yield request.param

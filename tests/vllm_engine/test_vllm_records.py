@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -53,6 +54,108 @@ def test_compiled_and_pure_python_records_agree(
     assert records.py_equal(py.tokens, recorded, min(start, len(recorded)))
     # Two records of the same tokens compare equal, in either implementation.
     assert _records.Record(c, recorded, start, stop, None).tokens == c.tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(INT64, max_size=40), st.integers(0, 45), st.integers(0, 45))
+def test_records_copied_from_a_packed_prompt_are_the_records_of_the_list(
+    tokens: list[int], start: int, stop: int
+) -> None:
+    from kvfence.vllm import _records
+
+    packed = _records.pack(tokens)
+    assert packed == b"".join(t.to_bytes(8, sys.byteorder, signed=True) for t in tokens)  # native int64
+    from_list = _records.Record(None, tokens, start, stop, None)
+    from_packed = _records.Record(None, packed, start, stop, None)
+    assert from_packed.tokens == from_list.tokens  # slicing clamps alike
+    assert _records.equal(from_packed.tokens, tokens, min(start, len(tokens)))
+
+
+BS = 4  # block size of the verify_chain property test
+
+
+@st.composite
+def hit_chains(draw: st.DrawFn) -> tuple[list[int], int, list[tuple[str, int]], str]:
+    """A request's tokens, the prefix of it packed on arrival, and how each of a hit's blocks was
+    recorded: ("same", i) the request's own block i, ("tokens", i) block i with one token changed,
+    ("dup", i) a copy of block i whose parent is a duplicate of the previous record (the very record
+    only at block 0), ("ns", i) at block 0 a root in the other namespace (elsewhere the same as "same"),
+    ("none", i) no record, ("short", i) a record of fewer tokens; and the namespace the request asks
+    for."""
+    n = draw(st.integers(0, 6))
+    tokens = draw(st.lists(st.integers(0, 50), min_size=n * BS, max_size=n * BS + 6))
+    kinds = st.sampled_from(["same", "same", "same", "tokens", "dup", "ns", "none", "short"])
+    plan = [(draw(kinds), i) for i in range(n)]
+    packed_upto = draw(st.integers(0, len(tokens)))
+    asked = draw(st.sampled_from(["ns-a", "ns-b"]))
+    return tokens, packed_upto, plan, asked
+
+
+@settings(max_examples=500, deadline=None)
+@given(hit_chains())
+def test_the_compiled_verification_walk_gives_the_pure_python_answer(
+    case: tuple[list[int], int, list[tuple[str, int]], str],
+) -> None:
+    # verify_chain is TenantFence.verify's fast path: the same answer from either implementation, for
+    # chains that break anywhere in any way, whether the request's packed prompt covers a block or not.
+    from kvfence.vllm import _records
+
+    tokens, packed_upto, plan, asked = case
+    answers = []
+    for make, walk, packed in (
+        (_records.Record, _records.verify_chain, _records.pack(tokens[:packed_upto])),
+        (records.PyRecord, records.py_verify_chain, None),
+    ):
+        store: list[Any] = [None]  # block 0 is vLLM's null block
+        ids: list[int] = []
+        parent: Any = None
+        for kind, i in plan:
+            lo = i * BS
+            ns = (("ns-a", None) if kind != "ns" else ("ns-b", None)) if i == 0 else None
+            if kind == "none":
+                rec = None
+            elif kind == "tokens":
+                changed = [*tokens[:lo], tokens[lo] + 1, *tokens[lo + 1 :]]
+                rec = make(parent, changed, lo, lo + BS, ns)
+            elif kind == "short":
+                rec = make(parent, tokens, lo, lo + BS - 1, ns)
+            elif kind == "dup" and parent is not None:
+                copy = make(parent.parent, tokens, lo - BS, lo, parent.namespace, parent.root)
+                rec = make(copy, tokens, lo, lo + BS, ns)
+            else:
+                rec = make(parent, tokens, lo, lo + BS, ns)
+            store.append(rec)
+            ids.append(len(store) - 1)
+            parent = rec
+        answers.append(walk(store, ids, tokens, packed, (asked, None), BS))
+    assert answers[0] == answers[1]
+    # And the answer is what the plan says: the blocks before the first one recorded otherwise.
+    want = 0
+    for kind, i in plan:
+        if kind in ("none", "tokens", "short") or (kind == "dup" and i > 0):
+            break
+        if i == 0 and (kind == "ns") != (asked == "ns-b"):
+            break
+        want += 1
+    assert answers[0] == want
+
+
+def test_verify_chain_refuses_what_it_cannot_read() -> None:
+    from kvfence.vllm import _records
+
+    rec = _records.Record(None, [1, 2], 0, 2, ("n", None))
+    with pytest.raises(TypeError):
+        _records.verify_chain([None, rec], (1,), [1, 2], None, ("n", None), 2)  # ids are a list
+    with pytest.raises(TypeError):
+        _records.verify_chain([None, rec], [1], [1, 2], b"\x00" * 7, ("n", None), 2)  # not packed ids
+    with pytest.raises(IndexError):
+        _records.verify_chain([None, rec], [5], [1, 2], None, ("n", None), 2)
+    with pytest.raises(ValueError):
+        _records.verify_chain([None, rec], [1], [1, 2], None, ("n", None), 0)
+    with pytest.raises(TypeError):
+        _records.pack((1, 2))
+    assert _records.verify_chain([None, rec], [1], [1, 2], None, ("n", None), 2) == 1
+    assert _records.verify_chain([None, rec], [1], [1, 2], _records.pack([1, 2]), ("n", None), 2) == 1
 
 
 @pytest.mark.parametrize("impl", ["compiled", "pure Python"])

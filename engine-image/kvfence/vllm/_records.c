@@ -7,8 +7,19 @@
  *       (a Record or None), the cache namespace (roots) or extra keys (None for plain text), and
  *       whether the request's namespace enters the chain here (always when parent is None).
  *       Read-only attributes: parent, tokens, namespace, root.
+ *       ``tokens`` may also be bytes from pack(): then start and stop count tokens in it and the
+ *       record copies them (no int object is read).
  *   equal(packed, tokens, start) -> bool
  *       whether a record's packed tokens are exactly tokens[start:start + n] of a token list.
+ *   pack(tokens) -> bytes
+ *       a whole token list packed as a record packs it (the scheduler packs each prompt once, when
+ *       the request arrives and its token ids were just read by vLLM's block hasher).
+ *   verify_chain(records, block_ids, tokens, packed, namespace, block_size) -> int
+ *       how many leading blocks of a prefix hit verify by the plain-text rule (TenantFence.verify's
+ *       fast path): block i's record holds tokens[i*block_size:(i+1)*block_size]; block 0's is a
+ *       root without parent whose namespace == namespace; every later one has no namespace and the
+ *       previous block's record, the very object, as parent. ``packed`` (bytes from pack(), or None)
+ *       holds the first tokens of ``tokens``: where it reaches, blocks compare with memcmp.
  *
  * Why (docs/engine.md, "What the plugin costs inside vLLM"): vLLM's scheduler thread runs Python's
  * cyclic garbage collector every 700 net allocations of container objects, and each young collection
@@ -90,6 +101,28 @@ pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
     return out;
 }
 
+/* tokens[start:stop] of bytes from pack(), in tokens (clamped as slicing does). */
+static PyObject *
+slice_packed(PyObject *packed, Py_ssize_t start, Py_ssize_t stop)
+{
+    if (start < 0 || stop < 0) {
+        PyErr_SetString(PyExc_ValueError, "Record: start and stop must not be negative");
+        return NULL;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(packed);
+    if (size % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_SetString(PyExc_ValueError, "Record: packed tokens are not a whole number of int64 token ids");
+        return NULL;
+    }
+    Py_ssize_t len = size / (Py_ssize_t)sizeof(int64_t);
+    if (stop > len)
+        stop = len;
+    if (start > stop)
+        start = stop;
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(packed) + start * (Py_ssize_t)sizeof(int64_t),
+                                     (stop - start) * (Py_ssize_t)sizeof(int64_t));
+}
+
 static PyObject *
 record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -104,7 +137,7 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Record: parent must be a Record or None");
         return NULL;
     }
-    PyObject *tokens = pack(list, start, stop);
+    PyObject *tokens = PyBytes_Check(list) ? slice_packed(list, start, stop) : pack(list, start, stop);
     if (tokens == NULL)
         return NULL;
     RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
@@ -229,9 +262,112 @@ records_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+static PyObject *
+records_pack(PyObject *self, PyObject *list)
+{
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "pack: tokens must be a list");
+        return NULL;
+    }
+    return pack(list, 0, PyList_GET_SIZE(list));
+}
+
+/* Whether record r's tokens are tokens[lo:lo + n], n its token count: from packed where it reaches
+ * (memcmp), else from the list. 1 equal, 0 not, -1 error. */
+static int
+record_holds(RecordObject *r, PyObject *list, const char *packed, Py_ssize_t npacked, Py_ssize_t lo)
+{
+    Py_ssize_t size = PyBytes_GET_SIZE(r->tokens);
+    Py_ssize_t n = size / (Py_ssize_t)sizeof(int64_t), len = PyList_GET_SIZE(list);
+    if (lo > len || n > len - lo)
+        return 0;
+    const char *buf = PyBytes_AS_STRING(r->tokens);
+    if (packed != NULL && lo + n <= npacked)
+        return memcmp(buf, packed + lo * (Py_ssize_t)sizeof(int64_t), (size_t)size) == 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t v, want;
+        if (token_at(list, lo + k, &v) < 0)
+            return -1;
+        memcpy(&want, buf + k * sizeof(int64_t), sizeof want);
+        if (v != want)
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "verify_chain(records, block_ids, tokens, packed, namespace, block_size)");
+        return NULL;
+    }
+    PyObject *records = args[0], *ids = args[1], *list = args[2], *packed_obj = args[3], *ns = args[4];
+    if (!PyList_Check(records) || !PyList_Check(ids) || !PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "verify_chain: records, block_ids and tokens must be lists");
+        return NULL;
+    }
+    const char *packed = NULL;
+    Py_ssize_t npacked = 0;
+    if (packed_obj != Py_None) {
+        if (!PyBytes_Check(packed_obj) || PyBytes_GET_SIZE(packed_obj) % (Py_ssize_t)sizeof(int64_t) != 0) {
+            PyErr_SetString(PyExc_TypeError, "verify_chain: packed must be bytes from pack() or None");
+            return NULL;
+        }
+        packed = PyBytes_AS_STRING(packed_obj);
+        npacked = PyBytes_GET_SIZE(packed_obj) / (Py_ssize_t)sizeof(int64_t);
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    if (bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "verify_chain: block_size must be positive");
+        return NULL;
+    }
+    Py_ssize_t nids = PyList_GET_SIZE(ids), nrec = PyList_GET_SIZE(records), i;
+    PyObject *parent = Py_None;
+    for (i = 0; i < nids; i++) {
+        Py_ssize_t bid = PyLong_AsSsize_t(PyList_GET_ITEM(ids, i));
+        if (bid == -1 && PyErr_Occurred())
+            return NULL;
+        if (bid < 0 || bid >= nrec) {
+            PyErr_Format(PyExc_IndexError, "verify_chain: block id %zd has no record slot", bid);
+            return NULL;
+        }
+        PyObject *o = PyList_GET_ITEM(records, bid);
+        if (!Py_IS_TYPE(o, &RecordType))
+            break; /* None (no record) or not a compiled record: not verified here */
+        RecordObject *r = (RecordObject *)o;
+        if (r->parent != parent || PyBytes_GET_SIZE(r->tokens) != bs * (Py_ssize_t)sizeof(int64_t))
+            break;
+        if (i == 0) {
+            if (!r->root)
+                break;
+            int same = PyObject_RichCompareBool(r->namespace, ns, Py_EQ);
+            if (same < 0)
+                return NULL;
+            if (!same)
+                break;
+        } else if (r->namespace != Py_None) {
+            break;
+        }
+        int held = record_holds(r, list, packed, npacked, i * bs);
+        if (held < 0)
+            return NULL;
+        if (!held)
+            break;
+        parent = o;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"equal", (PyCFunction)(void (*)(void))records_equal, METH_FASTCALL,
      "equal(packed, tokens, start) -> bool: whether packed holds exactly tokens[start:start + n]"},
+    {"pack", (PyCFunction)records_pack, METH_O, "pack(tokens) -> bytes: a token list packed as int64"},
+    {"verify_chain", (PyCFunction)(void (*)(void))records_verify_chain, METH_FASTCALL,
+     "verify_chain(records, block_ids, tokens, packed, namespace, block_size) -> int: the leading blocks "
+     "of a hit that verify by the plain-text rule"},
     {NULL, NULL, 0, NULL},
 };
 

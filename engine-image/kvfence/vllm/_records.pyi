@@ -14,7 +14,7 @@ class Record:
     def __init__(
         self,
         parent: Record | None,
-        tokens: list[int],
+        tokens: list[int] | bytes,
         start: int,
         stop: int,
         namespace: Any,
@@ -22,3 +22,13 @@ class Record:
     ) -> None: ...
 
 def equal(packed: Any, tokens: list[int], start: int, /) -> bool: ...
+def pack(tokens: list[int], /) -> bytes: ...
+def verify_chain(
+    records: list[Any],
+    block_ids: list[int],
+    tokens: list[int],
+    packed: bytes | None,
+    namespace: Any,
+    block_size: int,
+    /,
+) -> int: ...

@@ -50,7 +50,7 @@ from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.blocks import BlockState, KVBlock
 from kvfence.engine.eviction import plan_allocation, take_cold
 from kvfence.engine.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
-from kvfence.vllm.records import Record, equal
+from kvfence.vllm.records import Record, equal, verify_chain
 
 #: The account of blocks allocated outside any request's context (vLLM internals); never expected.
 UNATTRIBUTED = ""
@@ -536,39 +536,29 @@ class TenantFence:
         tenant_ns: Namespace,
         extras: Sequence[Any] | None = None,
         shared: Sequence[Record] = (),
+        packed: bytes | None = None,
     ) -> tuple[int, str]:
         """How many leading blocks of a hit chain hold exactly ``tokens`` (a list, as records hold
         them) under ``tenant_ns``.
 
         ``extras``: per-block extra keys (multimodal requests), None for text. ``shared``: the records
         of the declared shared prefix the request begins with (its first blocks must be exactly those
-        pinned blocks; the request's own namespace enters after them). The first failing block ends
-        the hit and is counted: as a cross-namespace access if its chain starts in another namespace,
-        otherwise as a hash collision.
+        pinned blocks; the request's own namespace enters after them). ``packed``: the request's first
+        tokens packed by :data:`kvfence.vllm.records.pack` (compared from there where they reach). The
+        first failing block ends the hit and is counted: as a cross-namespace access if its chain starts
+        in another namespace, otherwise as a hash collision.
         """
         bs = self.block_size
         records = self.records
-        parent: Record | None = None
         if not shared and extras is None:
-            # Plain text, no shared prefix (the common case): the walk below, specialised. It returns
-            # when every block verifies; at the first block that does not, the walk below decides.
-            lo = 0
-            for bid in block_ids:
-                rec = records[bid]
-                if rec is None or not equal(rec.tokens, tokens, lo):
-                    break
-                if lo == 0:
-                    if not (rec.root and rec.parent is None and rec.namespace == (tenant_ns, None)):
-                        break
-                elif rec.namespace is not None or (
-                    rec.parent is not parent and not same_chain(rec.parent, parent)
-                ):
-                    break
-                parent = rec
-                lo += bs
-            else:
-                return len(block_ids), Verdict.OK
-            parent = None
+            # Plain text, no shared prefix (the common case): verify_chain, the walk below specialised
+            # (in C where compiled). When every block verifies, that is the answer; at the first block
+            # that does not (or a parent that is a duplicate copy, not the very record), the walk
+            # below decides.
+            ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+            if verify_chain(records, ids, tokens, packed, (tenant_ns, None), bs) == len(ids):
+                return len(ids), Verdict.OK
+        parent: Record | None = None
         start = len(shared)
         for i, bid in enumerate(block_ids):
             rec = records[bid]

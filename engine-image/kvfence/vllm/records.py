@@ -14,9 +14,17 @@ Two implementations of the same interface, chosen at import (:data:`COMPILED` sa
   request's slice (what the plugin did before the compiled records).
 
 ``Record(parent, tokens, start, stop, namespace, root=False)`` records ``tokens[start:stop]``; the fence
-never looks inside ``record.tokens`` except through :func:`equal` (and compares two records' tokens
-with ``==``, which both implementations support). ``tests/vllm_engine/test_vllm_records.py`` checks that
-both give the same answers and runs the fence's verification with each.
+never looks inside ``record.tokens`` except through :func:`equal` and :func:`verify_chain` (and compares
+two records' tokens with ``==``, which both implementations support).
+``tests/vllm_engine/test_vllm_records.py`` checks that both give the same answers and runs the fence's
+verification with each.
+
+:data:`pack` (compiled only; None in pure Python) packs a request's whole token list once, when it
+arrives: vLLM's block hasher has just read those int objects, and a prefix hit verified later (the
+request may wait many steps in a saturated engine, its int objects long out of the CPU's caches) then
+compares packed bytes with ``memcmp``; records of prompt blocks are copied from it too. The packed copy
+is the request's own prompt, which never changes, so a comparison with it is a comparison with the
+request's tokens. :func:`verify_chain` is the fence's plain-text verification walk (see its docstring).
 """
 
 from __future__ import annotations
@@ -55,17 +63,42 @@ def py_equal(packed: Any, tokens: list[int], start: int) -> bool:
     return start <= len(tokens) and packed == tokens[start : start + len(packed)]
 
 
+def py_verify_chain(
+    records: list[Any], block_ids: list[int], tokens: list[int], packed: Any, namespace: Any, block_size: int
+) -> int:
+    """How many leading blocks of a prefix hit verify by the plain-text rule: block ``i``'s record holds
+    ``tokens[i * block_size:(i + 1) * block_size]``; block 0's is a root without parent whose namespace
+    is ``namespace``; every later one has no namespace and the previous block's record (the very
+    object) as parent. ``packed`` is ignored (pure-Python records compare list slices). The compiled
+    ``verify_chain`` gives the same answer, comparing from ``packed`` where it reaches."""
+    parent = None
+    lo = 0
+    for i, bid in enumerate(block_ids):
+        rec = records[bid]
+        if rec is None or rec.parent is not parent or len(rec.tokens) != block_size:
+            return i
+        in_namespace = (rec.root and rec.namespace == namespace) if i == 0 else rec.namespace is None
+        if not in_namespace or not py_equal(rec.tokens, tokens, lo):
+            return i
+        parent = rec
+        lo += block_size
+    return len(block_ids)
+
+
 if TYPE_CHECKING:
-    from kvfence.vllm._records import Record, equal
+    from collections.abc import Callable
+
+    from kvfence.vllm._records import Record, equal, verify_chain
 
     COMPILED: bool
+    pack: Callable[[list[int]], bytes] | None
 else:
     try:
-        from kvfence.vllm._records import Record, equal
+        from kvfence.vllm._records import Record, equal, pack, verify_chain
 
         COMPILED = True
     except ImportError:  # a pure-Python install (KVFENCE_PURE_PYTHON=1)
-        Record, equal = PyRecord, py_equal
+        Record, equal, verify_chain, pack = PyRecord, py_equal, py_verify_chain, None
         COMPILED = False
 
-__all__ = ["COMPILED", "PyRecord", "Record", "equal", "py_equal"]
+__all__ = ["COMPILED", "PyRecord", "Record", "equal", "pack", "py_equal", "py_verify_chain", "verify_chain"]

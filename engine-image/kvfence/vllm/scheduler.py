@@ -69,6 +69,7 @@ from kvfence.vllm.fence import (
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
 from kvfence.vllm.records import COMPILED as records_compiled
+from kvfence.vllm.records import pack
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
@@ -127,6 +128,8 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     tenant_of: dict[str, str]
     #: request id -> blocks of the declared shared prefix it begins with (requests that begin with one)
     shared_of: dict[str, int]
+    #: request id -> its prompt packed when it arrived (kvfence.vllm.records.pack; compiled records only)
+    packed_of: dict[str, bytes]
 
     def get_num_free_blocks(self) -> int:
         free: int = self.free_block_queue.num_free_blocks
@@ -254,6 +257,10 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
             return
         records = self.fence.records
         tokens = request._all_token_ids  # the list behind all_token_ids (its slices cost no Python call)
+        # Prompt blocks are copied from the prompt packed on arrival (kvfence.vllm.records.pack), the
+        # rest packed from the token list.
+        packed = self.packed_of.get(request.request_id)
+        npacked = len(packed) >> 3 if packed is not None else 0
         plain = not request.mm_features and getattr(request, "prompt_embeds", None) is None
         extras = None if plain else extra_keys_of(request, num_full_blocks, block_size)
         # Where the request's namespace enters its chain: block 0, or the first block after the
@@ -272,17 +279,18 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 records[block.block_id] = parent = None
                 continue
             lo = i * block_size  # the record takes tokens[lo:lo + block_size] (kvfence.vllm.records)
+            src: Any = packed if lo + block_size <= npacked else tokens
             # Only the root, and blocks with extra keys, store a namespace (block_namespace's rule,
             # without a call for every plain block on this hot path).
             if i == root:
                 ns = namespace_of(request)
                 namespace = TenantFence.block_namespace(0, ns, None if extras is None else extras[i:])
-                rec = Record(parent, tokens, lo, lo + block_size, namespace, True)
+                rec = Record(parent, src, lo, lo + block_size, namespace, True)
                 records[block.block_id] = parent = rec
                 continue
             # (i > root >= 0 here: block_namespace ignores the request's namespace for such a block)
             namespace = TenantFence.block_namespace(i, (), extras) if extras is not None else None
-            records[block.block_id] = parent = Record(parent, tokens, lo, lo + block_size, namespace)
+            records[block.block_id] = parent = Record(parent, src, lo, lo + block_size, namespace)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
         super().move_block_hashes(src_block, dst_block)
@@ -361,6 +369,8 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
     reach_of: dict[str, int]
     #: request id -> its verified prefix hit at lookup: (the hit's blocks, their ids, fence.moves then)
     lookups: dict[str, tuple[list[Any], list[int], int]]
+    #: the pool's dict: request id -> its prompt packed on arrival
+    packed_of: dict[str, bytes]
     fence_block_size: int
     #: request id -> the pinned prefix it begins with (the scheduler's dict)
     shared_pin_of: dict[str, SharedPin]
@@ -379,7 +389,9 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         extras = extra_keys_of(request, len(ids), self.fence_block_size)
         pin = self.shared_pin_of.get(rid)
         shared = pin.records[: min(pin.num_blocks, len(ids))] if pin is not None else ()
-        ok, verdict = fence.verify(ids, request._all_token_ids, namespace_of(request), extras, shared)
+        ok, verdict = fence.verify(
+            ids, request._all_token_ids, namespace_of(request), extras, shared, self.packed_of.get(rid)
+        )
         if pin is not None and ok >= pin.num_blocks:
             fence.counters.shared_hit_tokens += pin.num_blocks * self.fence_block_size
         if ok < len(ids):
@@ -620,6 +632,8 @@ class FenceMixin:
         tenant_of: dict[str, str] = {}
         shared_of: dict[str, int] = {}
         pool.fence, pool.rid, pool.tenant_of, pool.shared_of = self.fence, "", tenant_of, shared_of
+        self._packed_of: dict[str, bytes] = {}
+        pool.packed_of = mgr.packed_of = self._packed_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
         mgr.admitted = self.fence.admitted
         mgr.tenant_of, mgr.reach_of, mgr.lookups = tenant_of, {}, {}
@@ -685,6 +699,9 @@ class FenceMixin:
             super().add_request(request)  # type: ignore[misc]
             return
         self._tenant_of[rid] = tenant
+        if pack is not None and not request.mm_features and request.prompt_embeds is None:
+            # While vLLM's block hasher has just read these int objects (see kvfence.vllm.records).
+            self._packed_of[rid] = pack(request._all_token_ids)
         shared_tokens = self._shared_start(request) * self.block_size  # not charged to the tenant
         self._fit_to_quota(request, tenant, shared_tokens)
         super().add_request(request)  # type: ignore[misc]
@@ -967,6 +984,7 @@ class FenceMixin:
         self._reach_of.pop(rid, None)
         self._shared_of.pop(rid, None)
         self._shared_pin_of.pop(rid, None)
+        self._packed_of.pop(rid, None)
         return out
 
     def shutdown(self) -> None:
