@@ -49,11 +49,26 @@ typedef struct {
 
 static PyTypeObject RecordType;
 
-/* One token id as int64; -1 with an exception set on error. */
+/* One token id as int64; -1 with an exception set on error. Token ids are small ints: those are read
+ * from the int object directly (one machine word, no call), anything else the general way. */
 static inline int
 token_at(PyObject *list, Py_ssize_t i, int64_t *out)
 {
     PyObject *o = PyList_GET_ITEM(list, i);
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+        return 0;
+    }
+#else
+    if (PyLong_CheckExact(o)) {
+        Py_ssize_t size = Py_SIZE(o); /* digits, signed: 0 for zero, +-1 below 2**30 */
+        if (size == 0 || size == 1 || size == -1) {
+            *out = (int64_t)size * (int64_t)((PyLongObject *)o)->ob_digit[0];
+            return 0;
+        }
+    }
+#endif
     if (!PyLong_Check(o)) {
         PyErr_Format(PyExc_TypeError, "token %zd is %.100s, not an int", i, Py_TYPE(o)->tp_name);
         return -1;
