@@ -85,6 +85,53 @@ token_at(PyObject *list, Py_ssize_t i, int64_t *out)
     return 0;
 }
 
+/* start and stop (tokens) of a slice of len tokens, clamped as slicing does; -1 with ValueError set if
+ * either is negative. */
+static int
+clamp_slice(Py_ssize_t *start, Py_ssize_t *stop, Py_ssize_t len)
+{
+    if (*start < 0 || *stop < 0) {
+        PyErr_SetString(PyExc_ValueError, "Record: start and stop must not be negative");
+        return -1;
+    }
+    if (*stop > len)
+        *stop = len;
+    if (*start > *stop)
+        *start = *stop;
+    return 0;
+}
+
+/* The number of int64 token ids in packed bytes; -1 with ValueError set if it is not a whole number. */
+static Py_ssize_t
+packed_count(PyObject *packed, const char *who)
+{
+    Py_ssize_t size = PyBytes_GET_SIZE(packed);
+    if (size % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: packed tokens are not a whole number of int64 token ids", who);
+        return -1;
+    }
+    return size / (Py_ssize_t)sizeof(int64_t);
+}
+
+/* Whether the n packed tokens at buf are exactly list[start:start + n] (False where the list ends
+ * first, as comparing with a shorter slice gives). 1 equal, 0 not, -1 error. */
+static int
+list_holds(const char *buf, Py_ssize_t n, PyObject *list, Py_ssize_t start)
+{
+    Py_ssize_t len = PyList_GET_SIZE(list);
+    if (start > len || n > len - start)
+        return 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t v, want;
+        if (token_at(list, start + k, &v) < 0)
+            return -1;
+        memcpy(&want, buf + k * sizeof(int64_t), sizeof want);
+        if (v != want)
+            return 0;
+    }
+    return 1;
+}
+
 static PyObject *
 pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
 {
@@ -92,15 +139,8 @@ pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
         PyErr_SetString(PyExc_TypeError, "Record: tokens must be a list");
         return NULL;
     }
-    if (start < 0 || stop < 0) {
-        PyErr_SetString(PyExc_ValueError, "Record: start and stop must not be negative");
+    if (clamp_slice(&start, &stop, PyList_GET_SIZE(list)) < 0)
         return NULL;
-    }
-    Py_ssize_t len = PyList_GET_SIZE(list);
-    if (stop > len)
-        stop = len;
-    if (start > stop)
-        start = stop;
     PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * (Py_ssize_t)sizeof(int64_t));
     if (out == NULL)
         return NULL;
@@ -120,20 +160,9 @@ pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
 static PyObject *
 slice_packed(PyObject *packed, Py_ssize_t start, Py_ssize_t stop)
 {
-    if (start < 0 || stop < 0) {
-        PyErr_SetString(PyExc_ValueError, "Record: start and stop must not be negative");
+    Py_ssize_t len = packed_count(packed, "Record");
+    if (len < 0 || clamp_slice(&start, &stop, len) < 0)
         return NULL;
-    }
-    Py_ssize_t size = PyBytes_GET_SIZE(packed);
-    if (size % (Py_ssize_t)sizeof(int64_t) != 0) {
-        PyErr_SetString(PyExc_ValueError, "Record: packed tokens are not a whole number of int64 token ids");
-        return NULL;
-    }
-    Py_ssize_t len = size / (Py_ssize_t)sizeof(int64_t);
-    if (stop > len)
-        stop = len;
-    if (start > stop)
-        start = stop;
     return PyBytes_FromStringAndSize(PyBytes_AS_STRING(packed) + start * (Py_ssize_t)sizeof(int64_t),
                                      (stop - start) * (Py_ssize_t)sizeof(int64_t));
 }
@@ -257,24 +286,13 @@ records_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "equal: start must not be negative");
         return NULL;
     }
-    Py_ssize_t size = PyBytes_GET_SIZE(packed);
-    if (size % (Py_ssize_t)sizeof(int64_t) != 0) {
-        PyErr_SetString(PyExc_ValueError, "equal: packed is not a whole number of int64 token ids");
+    Py_ssize_t n = packed_count(packed, "equal");
+    if (n < 0)
         return NULL;
-    }
-    Py_ssize_t n = size / (Py_ssize_t)sizeof(int64_t), len = PyList_GET_SIZE(list);
-    if (start > len || n > len - start)
-        Py_RETURN_FALSE; /* the list ends first: what comparing with a shorter slice gives */
-    const char *buf = PyBytes_AS_STRING(packed);
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t v, want;
-        if (token_at(list, start + k, &v) < 0)
-            return NULL;
-        memcpy(&want, buf + k * sizeof(int64_t), sizeof want);
-        if (v != want)
-            Py_RETURN_FALSE;
-    }
-    Py_RETURN_TRUE;
+    int held = list_holds(PyBytes_AS_STRING(packed), n, list, start);
+    if (held < 0)
+        return NULL;
+    return PyBool_FromLong(held);
 }
 
 static PyObject *
@@ -294,20 +312,10 @@ record_holds(RecordObject *r, PyObject *list, const char *packed, Py_ssize_t npa
 {
     Py_ssize_t size = PyBytes_GET_SIZE(r->tokens);
     Py_ssize_t n = size / (Py_ssize_t)sizeof(int64_t), len = PyList_GET_SIZE(list);
-    if (lo > len || n > len - lo)
-        return 0;
     const char *buf = PyBytes_AS_STRING(r->tokens);
-    if (packed != NULL && lo + n <= npacked)
+    if (packed != NULL && lo <= len && n <= len - lo && lo + n <= npacked)
         return memcmp(buf, packed + lo * (Py_ssize_t)sizeof(int64_t), (size_t)size) == 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t v, want;
-        if (token_at(list, lo + k, &v) < 0)
-            return -1;
-        memcpy(&want, buf + k * sizeof(int64_t), sizeof want);
-        if (v != want)
-            return 0;
-    }
-    return 1;
+    return list_holds(buf, n, list, lo);
 }
 
 static PyObject *
