@@ -256,18 +256,6 @@ def test_an_unmoved_lookup_is_taken_without_a_stale_count(tmp_path: Path) -> Non
     h.check()
 
 
-def test_allocate_slots_takes_vllms_own_parameters() -> None:
-    # The fenced manager spells vLLM's parameters out (no **kwargs on its hot path): they must stay
-    # vLLM's, names, order and defaults.
-    import inspect
-
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    ours = inspect.signature(FencedKVCacheManager.allocate_slots).parameters
-    theirs = inspect.signature(KVCacheManager.allocate_slots).parameters
-    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
-
-
 def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
     # vLLM's doubly linked free queue is replaced by a count; a vLLM path the fence does not cover
     # (one that would move blocks in that queue) fails, naming itself, instead of running unfenced.
@@ -288,6 +276,41 @@ def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
     h.pool._reuse_watchers.clear()
     h.run()
     assert h.pool.get_num_free_blocks() == 63
+    # Every method of vLLM's queue is refused by name (a vLLM that grows one fails this test).
+    import inspect
+
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    methods = [
+        n for n, _ in inspect.getmembers(FreeKVCacheBlockQueue, inspect.isfunction) if not n.startswith("_")
+    ]
+    assert methods
+    for name in methods:
+        with pytest.raises(FenceError, match=name):
+            getattr(h.pool.free_block_queue, name)()
+    with pytest.raises(AttributeError):
+        h.pool.free_block_queue.fake_free_list_head  # noqa: B018 - anything else is plainly absent
+
+
+def test_a_maximum_set_on_an_unlimited_engine_applies_at_once(tmp_path: Path) -> None:
+    # Without quotas the pool answers vLLM's free count without asking the fence; the first maximum
+    # written turns that off at the next reload.
+    h = Harness(tmp_path)
+    assert h.pool.unlimited and h.pool.get_num_free_blocks() == 63
+    time.sleep(0.01)
+    h.write_quotas({"alice": {"maxBlocks": 6}})
+    h.sched._next_reload = 0
+    h.step()
+    assert not h.pool.unlimited
+    h.add("alice", [*PROMPT, *PROMPT, 1])  # 9 blocks: more than alice may now hold
+    h.add("bob", [*PROMPT, *PROMPT, 1])  # no maximum
+    h.run()
+    assert h.fence.counters.quota_rejected == {"alice": 1}
+    h.write_quotas({})
+    time.sleep(0.01)
+    h.sched._next_reload = 0
+    h.step()
+    assert h.pool.unlimited
 
 
 def test_quota_changes_apply_without_a_restart(tmp_path: Path) -> None:

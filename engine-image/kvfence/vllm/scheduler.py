@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import vllm.v1.core.kv_cache_coordinator as _coord_mod
 import vllm.v1.core.sched.scheduler as _sched_mod
@@ -68,6 +68,7 @@ from kvfence.vllm.fence import (
 )
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
+from kvfence.vllm.prologue import with_prologue
 from kvfence.vllm.records import COMPILED as records_compiled
 from kvfence.vllm.records import pack
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox
@@ -97,18 +98,44 @@ REASON_BAD_TAG = "BadTenantTag"
 class FenceFreeCount:
     """Stands in for vLLM's free block queue: the fence owns the free blocks (clean ones in its free
     stack, cached ones in their owners' cold lists), so vLLM's doubly linked list is not kept as well;
-    this only counts them, for vLLM's own readers of ``num_free_blocks``. Any other use of the queue
-    is a vLLM path the fence does not cover: it fails, naming it, rather than run unfenced."""
+    this only counts them, for vLLM's own readers of ``num_free_blocks``. vLLM's queue methods fail,
+    naming themselves: a vLLM path that would move blocks in the queue is one the fence does not cover,
+    and must not run unfenced (any other attribute is plainly absent). No ``__getattr__`` catches the
+    rest: a class with one cannot have its attribute reads specialised by CPython, and
+    ``num_free_blocks`` is read for every scheduled request of every step."""
 
     __slots__ = ("num_free_blocks",)
 
     def __init__(self, num_free_blocks: int) -> None:
         self.num_free_blocks = num_free_blocks
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):  # protocol lookups (copy, pickle, ...): plainly absent
-            raise AttributeError(name)
+    def _unfenced(self, name: str) -> NoReturn:
         raise FenceError(f"vLLM's free block queue is kept by the kvfence fence; {name!r} is not fenced")
+
+    # vLLM 0.32's FreeKVCacheBlockQueue (tests/vllm_engine/test_vllm_fence.py checks the list is whole).
+    def popleft(self, *args: Any) -> NoReturn:
+        self._unfenced("popleft")
+
+    def popleft_n(self, *args: Any) -> NoReturn:
+        self._unfenced("popleft_n")
+
+    def remove(self, *args: Any) -> NoReturn:
+        self._unfenced("remove")
+
+    def append(self, *args: Any) -> NoReturn:
+        self._unfenced("append")
+
+    def prepend_n(self, *args: Any) -> NoReturn:
+        self._unfenced("prepend_n")
+
+    def append_n(self, *args: Any) -> NoReturn:
+        self._unfenced("append_n")
+
+    def get_all_free_blocks(self, *args: Any) -> NoReturn:
+        self._unfenced("get_all_free_blocks")
+
+    def iter_blocks_after(self, *args: Any) -> NoReturn:
+        self._unfenced("iter_blocks_after")
 
 
 #: vLLM's own method, called directly (cheaper than super() on a path taken for every block filled)
@@ -124,6 +151,10 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     :class:`FenceFreeCount`: the free blocks are the fence's."""
 
     fence: TenantFence
+    free_block_queue: FenceFreeCount
+    #: the fence's ``unlimited`` (no tenant has a maximum or a guarantee), kept here by the scheduler
+    #: whenever quotas change: asked for every scheduled request of every step
+    unlimited: bool
     rid: str
     tenant_of: dict[str, str]
     #: request id -> blocks of the declared shared prefix it begins with (requests that begin with one)
@@ -132,11 +163,11 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     packed_of: dict[str, bytes]
 
     def get_num_free_blocks(self) -> int:
-        free: int = self.free_block_queue.num_free_blocks
-        fence = self.fence
-        if fence.unlimited:
-            return free  # what obtainable() would answer, without looking up the tenant
-        return fence.obtainable(self.tenant_of.get(self.rid, UNATTRIBUTED), free)
+        if self.unlimited:  # what obtainable() would answer, without looking up the tenant
+            return self.free_block_queue.num_free_blocks
+        return self.fence.obtainable(
+            self.tenant_of.get(self.rid, UNATTRIBUTED), self.free_block_queue.num_free_blocks
+        )
 
     def get_usage(self) -> float:
         total = self.num_gpu_blocks - 1
@@ -409,64 +440,26 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         self.lookups[rid] = (hit, ids, fence.moves)
         return blocks, num_tokens, boundary
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True,
-        skip_zeroing_group_ids: tuple[int, ...] = (),
-    ) -> Any:
-        # vLLM's own parameters and defaults, spelled out (no **kwargs: no dict per call, on a path
-        # taken for every request of every step) and passed on by position;
-        # tests/vllm_engine/test_vllm_fence.py checks they are still vLLM's.
-        rid = request.request_id
-        self.fenced_pool.rid = rid
-        if rid not in self.admitted:
-            return self._admit(
-                request,
-                num_new_tokens,
-                num_new_computed_tokens,
-                new_computed_blocks,
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                delay_cache_blocks,
-                num_encoder_tokens,
-                full_sequence_must_fit,
-                reserved_blocks,
-                has_scheduled_reqs,
-                skip_zeroing_group_ids,
-            )
-        # A running request growing: the pool charges its tenant.
-        return _vllm_allocate_slots(
-            self,
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-            skip_zeroing_group_ids,
-        )
+    #: vLLM's own allocate_slots, compiled again with these statements first (kvfence.vllm.prologue:
+    #: one frame, not an override forwarding twelve parameters on every request of every step): the
+    #: pool learns which request it allocates for, and a request the fence has not admitted yet goes
+    #: to _admit ({args}: vLLM's parameters after self, in order).
+    allocate_slots = with_prologue(
+        KVCacheManager.allocate_slots,
+        """
+        _kvfence_rid = request.request_id
+        self.fenced_pool.rid = _kvfence_rid
+        if _kvfence_rid not in self.admitted:
+            return self._admit(request, new_computed_blocks, ({args},))
+        """,
+        "FencedKVCacheManager.allocate_slots",
+    )
 
-    def _admit(self, request: Request, *args: Any) -> Any:
+    def _admit(self, request: Request, new_computed: KVCacheBlocks | None, args: tuple[Any, ...]) -> Any:
         """A request's first allocation (or after a preemption): its prefix hit still unmoved since
         lookup, and room under its tenant's maximum for all it can reach. ``args``: vLLM's
-        allocate_slots parameters after the request, in its order."""
+        allocate_slots parameters after self, in its order, ``request`` first."""
         rid = request.request_id
-        new_computed: KVCacheBlocks | None = args[2]
         fence = self.fence
         tenant = self.tenant_of.get(rid, UNATTRIBUTED)
         looked_up = self.lookups.pop(rid, None)
@@ -483,7 +476,7 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
         if need is None:
             return None
-        out = _vllm_allocate_slots(self, request, *args)
+        out = _vllm_allocate_slots(self, *args)
         if out is not None:
             fence.admit(rid, tenant, need)
         return out
@@ -632,6 +625,7 @@ class FenceMixin:
         tenant_of: dict[str, str] = {}
         shared_of: dict[str, int] = {}
         pool.fence, pool.rid, pool.tenant_of, pool.shared_of = self.fence, "", tenant_of, shared_of
+        pool.unlimited = self.fence.unlimited
         self._packed_of: dict[str, bytes] = {}
         pool.packed_of = mgr.packed_of = self._packed_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
@@ -1029,6 +1023,7 @@ class FenceMixin:
                     except FenceError as e:
                         log.warning("kvfence: quotas not applied: %s", e)
                         return
+                    self.kv_cache_manager.block_pool.unlimited = self.fence.unlimited
                     log.info("kvfence: KV quotas reloaded (%d tenants listed)", len(quotas.tenants))
                     if cfg.prefix_cache.shared_prefixes != self._shared_decls:
                         self._redeclare(cfg.prefix_cache.shared_prefixes)
