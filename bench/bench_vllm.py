@@ -184,10 +184,15 @@ def drive(
     config: Any,
     prof: cProfile.Profile | None = None,
     stats_every: int = 0,
+    reload_every: int = 0,
+    pace: Callable[[], None] | None = None,
 ) -> Run:
     """Runs the whole workload through a fresh scheduler of ``kind`` (stock or fenced). ``stats_every``:
     instead of the plugin's stats thread (a snapshot every 0.25 s of wall time), its write is made on
-    the scheduler's thread every that many steps, inside the timed calls (see :func:`callgrind`)."""
+    the scheduler's thread every that many steps, inside the timed calls. ``reload_every``: the
+    plugin's check of its key and config files (every second of wall time) is made at the first
+    call of every that many steps instead, counted (see :func:`callgrind`). ``pace``: called before
+    each step (its arriving requests included), outside the timed calls (see :func:`lockstep`)."""
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-vllm-") as tmp:
         h = Harness(
             Path(tmp),
@@ -203,6 +208,8 @@ def drive(
         writer = getattr(sched, "stats", None) if stats_every else None
         if writer is not None:
             writer.stop()  # its thread ends; write() is called below instead
+        # The fenced scheduler checks its files when its clock passes _next_reload (FenceMixin._maybe_reload).
+        reloader: Any = sched if reload_every and hasattr(sched, "_next_reload") else None
         nxt = dict.fromkeys(TENANTS, 0)
         users = dict(zip(TENANTS, CONCURRENCY, strict=True))
         open_ = dict.fromkeys(TENANTS, 0)
@@ -220,6 +227,10 @@ def drive(
         add_step = add_cpu = 0  # add_request time since the last step
         try:
             while True:
+                if pace is not None:
+                    pace()
+                if reloader is not None:  # due at this step's first call, or not before the next such step
+                    reloader._next_reload = 0.0 if len(run.step_ns) % reload_every == 0 else float("inf")
                 for t in TENANTS:  # every user with nothing outstanding sends its next request
                     stream = streams[t]
                     while open_[t] < users[t] and nxt[t] < len(stream):
@@ -343,6 +354,60 @@ def isolated(fn: Callable[[], Run]) -> Run:
         raise RuntimeError(f"benchmark run failed in its process: {value}")
     run: Run = value
     return run
+
+
+def lockstep(
+    streams: dict[str, list[Spec]], warm: dict[str, list[Spec]], quotas: dict[str, Any], config: Any
+) -> dict[str, Run]:
+    """One round of both schedulers in lockstep: each in a process forked for it (after a warm-up of
+    its kind there), the two stepped in turn, one step each, the order swapped every step, so that a
+    step of one and the same step of the other are milliseconds apart and see the same machine. Only
+    one of them runs at any time (the other waits on its pipe). Rounds minutes apart on a shared VM
+    saw the same code's ratio move by 20%; this pairs every step instead."""
+    ctx = multiprocessing.get_context("fork")
+    conns: dict[str, Any] = {}
+    procs: dict[str, Any] = {}
+    for kind in KINDS:
+        parent, child = ctx.Pipe()
+
+        def target(kind: str = kind, conn: Any = child) -> None:
+            try:
+                drive(kind, warm, quotas, config)  # warm-up of this kind, not counted
+
+                def pace() -> None:
+                    conn.send(None)  # the previous step is done (or: ready for the first)
+                    conn.recv()
+
+                conn.send(("ok", drive(kind, streams, quotas, config, pace=pace)))
+            except BaseException as e:  # reported to the parent, which raises it
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+
+        procs[kind] = ctx.Process(target=target)
+        procs[kind].start()
+        conns[kind] = parent
+    done: dict[str, Any] = {}
+    for kind in KINDS:  # each one's first message: ready for its first step (or its failure)
+        msg = conns[kind].recv()
+        if msg is not None:
+            done[kind] = msg
+    step = 0
+    while len(done) < len(KINDS):
+        for kind in KINDS if step % 2 == 0 else KINDS[::-1]:
+            if kind in done:
+                continue
+            conns[kind].send(True)  # go: one step
+            msg = conns[kind].recv()  # None once it is done, ready for the next; its result at the end
+            if msg is not None:
+                done[kind] = msg
+        step += 1
+    for proc in procs.values():
+        proc.join()
+    runs: dict[str, Run] = {}
+    for kind, (status, value) in done.items():
+        if status != "ok":
+            raise RuntimeError(f"benchmark run of {kind} failed in its process: {value}")
+        runs[kind] = value
+    return runs
 
 
 def cost_model(stock: list[Run], fenced: list[Run]) -> dict[str, float]:
@@ -726,6 +791,10 @@ CALLGRIND_EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 #: load. Instead the write is made every this many steps, on the scheduler's thread, counted: the steps in
 #: 0.25 s at about 1.5 ms per step (the stock scheduler's mean on this workload, docs/engine.md).
 CALLGRIND_STATS_EVERY = 166
+#: Likewise the plugin's check of its key and config files, every second of wall time: under callgrind a
+#: step takes about a second, so it ran at almost every step (three file stats through pathlib, about
+#: 0.5% of a step's instructions). It is made every this many steps instead: 1 s at 1.5 ms per step.
+CALLGRIND_RELOAD_EVERY = 666
 
 
 def callgrind_child(
@@ -748,7 +817,15 @@ def callgrind_child(
 
     streams = workload(per_user, seed)
     lib.kvfence_cg_start()
-    run = drive(kind, streams, quotas, config, Toggle(), stats_every=CALLGRIND_STATS_EVERY)  # type: ignore[arg-type]
+    run = drive(
+        kind,
+        streams,
+        quotas,
+        config,
+        Toggle(),  # type: ignore[arg-type]
+        stats_every=CALLGRIND_STATS_EVERY,
+        reload_every=CALLGRIND_RELOAD_EVERY,
+    )
     lib.kvfence_cg_stop()
     print(json.dumps({"steps": len(run.step_ns), "fingerprint": run.fingerprint}))
 
@@ -811,6 +888,9 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
                     elif line.startswith("totals:"):
                         totals = [int(x) for x in line.split()[1:]]
                 assert events is not None and totals is not None, f"no totals in {out}"
+                if a.callgrind_keep:  # for callgrind_annotate / KCachegrind
+                    Path(a.callgrind_keep).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(out, Path(a.callgrind_keep) / f"callgrind.{label.replace(' ', '-')}.{kind}")
                 counts = dict(zip(events, totals, strict=True))
                 counts["LLm"] = counts["ILmr"] + counts["DLmr"] + counts["DLmw"]
                 counts["L1m"] = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
@@ -892,6 +972,11 @@ def main() -> None:
         action="store_true",
         help="run each round in a forked process of its own (default: all in this process; see above)",
     )
+    ap.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="run each round's two schedulers in lockstep, a forked process each (see above)",
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument(
         "--async-scheduling",
@@ -902,6 +987,9 @@ def main() -> None:
         "--callgrind",
         action="store_true",
         help="instead of timing: count instructions and simulated cache misses under valgrind (see above)",
+    )
+    ap.add_argument(
+        "--callgrind-keep", metavar="DIR", help="with --callgrind: keep callgrind's output files here"
     )
     ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
@@ -941,6 +1029,13 @@ def main() -> None:
         return
     streams = workload(per_user, a.seed)
     n_req = sum(len(s) for s in streams.values())
+    mode = (
+        "in lockstep, a forked process each"
+        if a.lockstep
+        else "a forked process per run"
+        if a.process_per_run
+        else "all in this process"
+    )
     load_before = os.getloadavg()[0]
     print(
         f"kvfence vLLM scheduler benchmark - vLLM {vllm.__version__}, Python {platform.python_version()}, "
@@ -948,20 +1043,23 @@ def main() -> None:
         f"{sc.max_num_seqs}, max_num_batched_tokens {sc.max_num_batched_tokens}, chunked prefill "
         f"{sc.enable_chunked_prefill}, async scheduling {sc.async_scheduling}; {n_req} requests from "
         f"{len(TENANTS)} tenants ({sum(CONCURRENCY)} concurrent users); {rounds} rounds, "
-        f"{'a forked process per run' if a.process_per_run else 'all in this process'}",
+        f"{mode}",
         file=sys.stderr,
     )
     results: dict[str, Any] = {}
     for label in chosen:
         quotas = VARIANTS[label]
         warm = workload(1, a.seed + 1)
-        if not a.process_per_run:
+        if not a.process_per_run and not a.lockstep:
             for kind in KINDS:  # warm-up (imports, caches), not counted
                 drive(kind, warm, quotas, config)
         got: dict[str, list[Run]] = {k: [] for k in KINDS}
         for rnd in range(rounds):
+            paired = lockstep(streams, warm, quotas, config) if a.lockstep else {}
             for kind in KINDS:
-                if not a.process_per_run:
+                if a.lockstep:
+                    r = paired[kind]
+                elif not a.process_per_run:
                     r = drive(kind, streams, quotas, config)
                 else:
 
@@ -1008,6 +1106,7 @@ def main() -> None:
         "async_scheduling": sc.async_scheduling,
         "target_ratio": TARGET,
         "process_per_run": a.process_per_run,
+        "lockstep": a.lockstep,
     }
     path = write_results("vllm", {"setup": setup, "variants": results, "profiles": profiles})
     print(f"\nwritten to {path}")
