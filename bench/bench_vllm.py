@@ -1,8 +1,8 @@
 """What the kvfence scheduler plugin costs inside vLLM, next to stock vLLM (a benchmark, not a test).
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
-        [--quick] [--rounds 5] [--profile] [--process-per-run] [--async-scheduling]
-        [--variants "no quotas,quotas"] [--hit-rate] [--callgrind]
+        [--quick] [--rounds 5] [--profile] [--process-per-run | --lockstep] [--async-scheduling]
+        [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -44,18 +44,24 @@ own code (``Scheduler.schedule``, ``KVCacheManager.allocate_slots``, ...) with o
 classes, and in one process CPython's adaptive specialisation of those shared call sites sees both,
 which no real engine (one scheduler per process) does. Measured on 2026-12-01 it made no difference
 (per-step minima 1.103 in one process, 1.107 with a process per run), so one process stays the
-default. Step times are wall clock; the same steps in the thread's CPU time ("CPU") are shown too, as a
-check that preemption of the benchmark by other work on the machine did not make the ratio. When fenced/stock
-of the mean step time exceeds 1.05 (or with ``--profile``), one more run of each is made under
-cProfile (enabled only around the timed calls) and the plugin's top costs are printed. The result
-goes to bench/results/vllm-<time>.json.
+default. ``--lockstep`` runs each round's two schedulers at once, in two forked processes (each after
+its own warm-up) stepped in turn, one step each, the order swapped every step, only one running at any
+time: a step of one and the same step of the other are then milliseconds apart, so a change in the
+machine's other load hits both alike (on the shared 2-core VM of 2026-12-02 rounds minutes apart gave the
+same code 1.011 and 1.224). Step times are wall clock; the same steps in the thread's CPU time ("CPU")
+are shown too, as a check that preemption of the benchmark by other work on the machine did not make
+the ratio. When fenced/stock of the mean step time exceeds 1.05 (or with ``--profile``), one more run
+of each is made under cProfile (enabled only around the timed calls) and the plugin's top costs are
+printed. The result goes to bench/results/vllm-<time>.json.
 
 ``--callgrind`` counts instead of timing (for machines whose other load makes a 5% difference
 untimeable): one run of each scheduler under valgrind's callgrind, both at once, collection on only
 inside the calls the timed runs time (``add_request`` included), the last-level cache simulated as
 this machine kind's per-core L2 (the plugin's stats snapshot written every 166 steps on the scheduler's
 thread, what its thread's 0.25 s interval is in real time, rather than as often as valgrind's slowness
-lets it); it reports instructions, L1 and last-level misses per step and
+lets it, and its once-a-second check of its key and config files every 666 steps: under valgrind a step
+takes about a second, so the check ran at nearly every step, about 100k instructions a step that no
+real engine spends); it reports instructions, L1 and last-level misses per step and
 callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) for each, and their
 fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind and gcc (a two-line
 client-request library is compiled on the fly).
