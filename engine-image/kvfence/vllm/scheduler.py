@@ -39,7 +39,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, NoReturn
@@ -109,33 +109,31 @@ class FenceFreeCount:
     def __init__(self, num_free_blocks: int) -> None:
         self.num_free_blocks = num_free_blocks
 
-    def _unfenced(self, name: str) -> NoReturn:
+
+#: vLLM 0.32's FreeKVCacheBlockQueue methods: on FenceFreeCount each raises a FenceError naming itself
+#: (tests/vllm_engine/test_vllm_fence.py checks the list is vLLM's whole list)
+VLLM_FREE_QUEUE_METHODS = (
+    "append",
+    "append_n",
+    "get_all_free_blocks",
+    "iter_blocks_after",
+    "popleft",
+    "popleft_n",
+    "prepend_n",
+    "remove",
+)
+
+
+def _unfenced(name: str) -> Callable[..., NoReturn]:
+    def refuse(self: FenceFreeCount, *args: Any) -> NoReturn:
         raise FenceError(f"vLLM's free block queue is kept by the kvfence fence; {name!r} is not fenced")
 
-    # vLLM 0.32's FreeKVCacheBlockQueue (tests/vllm_engine/test_vllm_fence.py checks the list is whole).
-    def popleft(self, *args: Any) -> NoReturn:
-        self._unfenced("popleft")
+    refuse.__name__, refuse.__qualname__ = name, f"FenceFreeCount.{name}"
+    return refuse
 
-    def popleft_n(self, *args: Any) -> NoReturn:
-        self._unfenced("popleft_n")
 
-    def remove(self, *args: Any) -> NoReturn:
-        self._unfenced("remove")
-
-    def append(self, *args: Any) -> NoReturn:
-        self._unfenced("append")
-
-    def prepend_n(self, *args: Any) -> NoReturn:
-        self._unfenced("prepend_n")
-
-    def append_n(self, *args: Any) -> NoReturn:
-        self._unfenced("append_n")
-
-    def get_all_free_blocks(self, *args: Any) -> NoReturn:
-        self._unfenced("get_all_free_blocks")
-
-    def iter_blocks_after(self, *args: Any) -> NoReturn:
-        self._unfenced("iter_blocks_after")
+for _name in VLLM_FREE_QUEUE_METHODS:
+    setattr(FenceFreeCount, _name, _unfenced(_name))
 
 
 #: vLLM's own method, called directly (cheaper than super() on a path taken for every block filled)
