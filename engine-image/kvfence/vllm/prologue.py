@@ -3,10 +3,10 @@
 The fence has to see some calls that vLLM makes on its hottest paths (``allocate_slots``: every scheduled
 request of every step). A Python override that forwards to vLLM's method costs a second frame and a
 call that passes every parameter on: on CPython 3.11, for ``allocate_slots``' twelve parameters, about
-1,070 instructions a call against 870 for vLLM's method called directly (callgrind, docs/engine.md), so
-more than the method itself; a C forwarder is no cheaper (calling a Python function from C enters a new
-interpreter loop). :func:`with_prologue` instead compiles vLLM's function again from vLLM's own source,
-with the prologue's statements first in its body: the same code in the same globals, under vLLM's file
+1,070 instructions a call on top of the 870 of vLLM's method itself (callgrind, docs/engine.md); a C
+forwarder saves only about 100 of them (calling a Python function from C enters a new interpreter loop).
+:func:`with_prologue` instead compiles vLLM's function again from vLLM's own source, with the
+prologue's statements first in its body: the same code in the same globals, under vLLM's file
 name and line numbers (tracebacks point at vLLM's source), plus the prologue.
 
 The prologue may write ``{args}``: the function's parameters after the first (a method's ``self``), in
