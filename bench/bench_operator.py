@@ -6,6 +6,7 @@ baseline that server-side-applies the same rendered objects directly with one cl
     .venv/bin/python bench/bench_operator.py --scale issue   # 200/2,000
     .venv/bin/python bench/bench_operator.py --scale large   # 1,000/10,000
     .venv/bin/python bench/bench_operator.py --classes 50 --bindings 500
+    .venv/bin/python bench/bench_operator.py --scale issue --tracemalloc /tmp/op-heap.txt  # where memory goes
 
 The cluster is the project's own (tests/cluster/localcluster.py, kwok nodes, extra CPU nodes added so
 every engine pod fits). The operator runs as a process with admin credentials here (RBAC is the
@@ -233,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classes", type=int, help="override N")
     ap.add_argument("--bindings", type=int, help="override M")
     ap.add_argument("--steady-seconds", type=float, default=30.0, help="window for the steady-state rate")
+    ap.add_argument(
+        "--tracemalloc",
+        metavar="FILE",
+        help="run the operator under tracemalloc and write its largest allocation sites at its peak to FILE "
+        "(tracing slows it down: such a run's times are not comparable)",
+    )
     args = ap.parse_args(argv)
     n, m = SCALES[args.scale]
     n = args.classes or n
@@ -279,8 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         # them: the baseline renders and applies from memory, the operator starts to a full cluster
         # and its clock runs from its process start (interpreter start-up included) to convergence.
         start = time.monotonic()
+        launch = (
+            [sys.executable, str(ROOT / "bench" / "tracemalloc_run.py"), args.tracemalloc, "kvfence.operator"]
+            if args.tracemalloc
+            else [sys.executable, "-m", "kvfence.operator"]
+        )
         op = subprocess.Popen(
-            [sys.executable, "-m", "kvfence.operator", "--kubeconfig", str(cluster.kubeconfig),
+            [*launch, "--kubeconfig", str(cluster.kubeconfig),
              "--health-host", "127.0.0.1", "--health-port", str(port), "--no-leader-elect",
              "--resync-seconds", "100000", "--log-format", "json"],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,

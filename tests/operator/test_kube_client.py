@@ -41,3 +41,14 @@ def test_list_reads_every_page_and_drops_managed_fields(cluster: Any) -> None:
     assert live is not None and live["metadata"]["managedFields"]
     odd = kube.list("v1", "ConfigMap", ns, label_selector="odd=1", page=1)
     assert [o["metadata"]["name"] for o in odd] == ["cm-01", "cm-03", "cm-05"]
+    # each() maps every object of every page as it arrives: what the list returns is what it kept
+    seen: list[str] = []
+
+    def keep_name(o: dict[str, Any]) -> dict[str, Any]:
+        seen.append(o["metadata"]["name"])
+        assert "managedFields" not in o["metadata"]
+        return {"name": o["metadata"]["name"]}
+
+    kept = kube.list("v1", "ConfigMap", ns, page=3, each=keep_name)
+    assert [k["name"] for k in kept if k["name"].startswith("cm-")] == names
+    assert [k["name"] for k in kept] == seen

@@ -19,7 +19,7 @@ from kvfence.api.common import API_VERSION
 from kvfence.contract.routing import ROUTING_SECRET_KEY, decode_table_bytes
 from kvfence.operator import builders
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey
-from kvfence.operator.reconciler import Event, Reconciler, Requeue
+from kvfence.operator.reconciler import Event, Reconciler, Requeue, child_digest
 
 Obj = dict[str, Any]
 
@@ -64,14 +64,20 @@ class FakeKube:
         return copy.deepcopy(self.objs.get(self._key(api, kind, namespace, name)))
 
     def list(
-        self, api: str, kind: str, namespace: str | None = None, label_selector: str | None = None
+        self,
+        api: str,
+        kind: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        *,
+        each: Callable[[Obj], Obj] | None = None,
     ) -> list[Obj]:
         out = [
             copy.deepcopy(o)
             for (a, k, ns, _), o in sorted(self.objs.items())
             if a == api and k == kind and (namespace is None or ns == namespace)
         ]
-        return out
+        return out if each is None else [each(o) for o in out]
 
     def apply(self, obj: Obj, *, field_manager: str = "", subresource: str = "") -> Obj:
         m = obj["metadata"]
@@ -350,6 +356,67 @@ def test_a_child_seen_as_desired_is_not_read_again_until_its_watch_reports_anoth
     assert {"ConfigMap", "Service", "NetworkPolicy", "PodDisruptionBudget"} <= set(kube.reads)
 
 
+def test_a_child_change_only_where_the_operator_never_looks_is_no_news_and_needs_no_read(
+    world: Any,
+) -> None:
+    """A PodDisruptionBudget's status (its disruption controller's) or a Deployment's condition
+    timestamps change nothing the operator reads: their events queue no reconcile, and the next
+    reconcile does not read the PodDisruptionBudget. Anything it reads is still news."""
+    kube, rec, _ = world
+    kube.put(trust_class())
+    first_pass(rec)
+    rec.reconcile(ClassKey("gold"))
+    pdb_ref = ("policy/v1", "PodDisruptionBudget", builders.ENGINE_NAME, "kvf-gold")
+    pdb = kube.get(*pdb_ref)
+
+    def event(obj: Obj) -> bool:
+        m = obj["metadata"]
+        return rec.child_event(
+            obj["kind"], m["namespace"], m["name"], m["resourceVersion"], child_digest(obj)
+        )
+
+    assert event(pdb) is False  # its own write coming back
+    pdb["status"] = {"currentHealthy": 1, "desiredHealthy": 1, "expectedPods": 1}
+    kube.put(pdb)
+    assert event(pdb) is False  # only its status: not news ...
+    kube.reads.clear()
+    rec.reconcile(ClassKey("gold"))
+    assert "PodDisruptionBudget" not in kube.reads  # ... and known as desired still
+    pdb["metadata"]["labels"] = {**pdb["metadata"]["labels"], "edited": "yes"}
+    kube.put(pdb)
+    assert event(pdb) is True  # its metadata is read: news
+    kube.writes.clear()
+    rec.reconcile(ClassKey("gold"))  # read and seen as desired (a label added is not drift)
+    pdb = kube.get(*pdb_ref)
+    assert event(pdb) is False
+    pdb["spec"] = {**pdb["spec"], "maxUnavailable": 5}
+    kube.put(pdb)
+    assert event(pdb) is True  # its spec: news, and put back
+    rec.reconcile(ClassKey("gold"))
+    assert kube.get(*pdb_ref)["spec"]["maxUnavailable"] != 5
+
+    dep = kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold")
+    assert event(dep) is False
+    progressing = {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}
+    dep["status"] = {"conditions": [{**progressing, "lastUpdateTime": "2026-12-02T00:00:00Z"}]}
+    kube.put(dep)
+    assert event(dep) is True  # a status the class's status is computed from changed
+    kube.put(dep)  # the same status again, a new version
+    dep = kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold")
+    assert event(dep) is True  # the last event was not a version the operator saw as desired
+    rec.reconcile(ClassKey("gold"))
+    dep = kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold")
+    assert event(dep) is False
+    dep["status"]["conditions"][0]["lastUpdateTime"] = "2026-12-02T00:00:09Z"
+    dep["status"]["unavailableReplicas"] = 0
+    kube.put(dep)
+    assert event(dep) is False  # nothing the class status reads
+    dep["status"]["availableReplicas"] = 1
+    kube.put(dep)
+    assert event(dep) is True
+    assert rec.child_event("PodDisruptionBudget", "kvf-gold", builders.ENGINE_NAME, "") is True  # deleted
+
+
 def test_what_was_remembered_of_a_deleted_class_children_goes_with_it(world: Any) -> None:
     """The versions seen and watched are per child: a deleted class (and the deletion events of its
     children that garbage collection sends afterwards) leaves none of them behind."""
@@ -358,13 +425,14 @@ def test_what_was_remembered_of_a_deleted_class_children_goes_with_it(world: Any
     first_pass(rec)
     rec.reconcile(ClassKey("gold"))
     for kind, name in (("ConfigMap", builders.CONFIG_NAME), ("Service", builders.ENGINE_NAME)):
-        rec.child_event(kind, "kvf-gold", name, "12345")  # versions the watches reported
+        rec.child_event(kind, "kvf-gold", name, "12345", "digest")  # versions the watches reported
     assert any(ref[1] == "kvf-gold" for ref in rec.state.seen)
     kube.delete(API_VERSION, "TrustClass", "gold")
     rec.reconcile(ClassKey("gold"))
     for kind, name in (("ConfigMap", builders.CONFIG_NAME), ("Deployment", builders.ENGINE_NAME)):
         assert rec.child_event(kind, "kvf-gold", name, "") is True  # garbage collection, afterwards
-    leftover = [ref for memo in (rec.state.seen, rec.state.watched) for ref in memo if "kvf-gold" in ref]
+    memos = (rec.state.seen, rec.state.watched, rec.state.digests)
+    leftover = [ref for memo in memos for ref in memo if "kvf-gold" in ref]
     assert leftover == []
 
 

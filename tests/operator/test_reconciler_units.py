@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 
+from kvfence.api.common import API_VERSION
+from kvfence.api.tenantbinding import TenantBinding
 from kvfence.operator.apply import _resource_of, is_subset, path_for
 from kvfence.operator.leader import _parse
-from kvfence.operator.reconciler import needs_apply, with_spec_hash
+from kvfence.operator.reconciler import binding_view, decision_input, needs_apply, with_spec_hash
 from kvfence.operator.status import set_condition, status_differs
 
 
@@ -95,3 +97,46 @@ def test_liveness_flag_sets_the_health_endpoint() -> None:
     assert (a.health_host, a.health_port) == ("127.0.0.1", 9999)
     b = parse_args([])
     assert b.health_port == 8080 and b.leader_elect and b.log_format == "json"
+
+
+def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
+    """The decision holds a view of every binding (10,000 of them at scale), not its whole body: its
+    identity and versions (status writes, Events), its age (the decision's order), spec and status."""
+    spec = {"tenantId": "t", "trustClassName": "gold", "apiKeySecretRef": {"name": "k"}}
+    accepted = {**spec, "quotas": {"maxKVBlocks": 10}}
+    cond = {"type": "Bound", "status": "True", "reason": "Bound", "message": "", "lastTransitionTime": "x"}
+    body = {
+        "apiVersion": API_VERSION,
+        "kind": "TenantBinding",
+        "metadata": {
+            "name": "b",
+            "namespace": "ns",
+            "uid": "u-1",
+            "generation": 3,
+            "resourceVersion": "77",
+            "creationTimestamp": "2026-12-01T00:00:00Z",
+            "labels": {"team": "x" * 200},
+            "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}" * 100},
+            "ownerReferences": [{"kind": "App", "name": "a"}],
+            "managedFields": [{"manager": "kubectl"}],
+        },
+        "spec": spec,
+        "status": {"conditions": [cond], "acceptedSpec": accepted, "acceptedGeneration": 2, "apiKeys": 1},
+    }
+    view = binding_view(body)
+    assert view["metadata"] == {
+        "name": "b",
+        "namespace": "ns",
+        "uid": "u-1",
+        "generation": 3,
+        "resourceVersion": "77",
+        "creationTimestamp": "2026-12-01T00:00:00Z",
+    }
+    assert view["spec"] == spec and view["status"] == body["status"]  # the write needs the conditions
+    model = TenantBinding.model_validate(decision_input(view))
+    assert model.key == "ns/b" and model.metadata["creationTimestamp"] == "2026-12-01T00:00:00Z"
+    assert model.status.conditions == []  # not held as models for every binding
+    accepted_spec = model.accepted_spec()
+    assert accepted_spec is not None and accepted_spec.quotas.max_kv_blocks == 10
+    assert model.status.accepted_generation == 2
+    assert binding_view({"metadata": {"name": "n"}, "spec": spec})["status"] == {}

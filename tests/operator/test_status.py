@@ -8,6 +8,7 @@ from kvfence.api import conditions as C
 from kvfence.api.trustclass import TrustClass
 from kvfence.operator.status import (
     ACCEPTED_SPEC,
+    deployment_status_read,
     rolled_out,
     status_differs,
     status_patch,
@@ -43,6 +44,12 @@ def deployment(*, gen: int = 5, observed: int = 5, replicas: int = 2, updated: i
     }
 
 
+def untimed(status: dict[str, Any]) -> dict[str, Any]:
+    """A status without its conditions' transition times (new ones are stamped with the clock)."""
+    conds = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status["conditions"]]
+    return {**status, "conditions": conds}
+
+
 def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next(c for c in status["conditions"] if c["type"] == ctype)
 
@@ -55,6 +62,35 @@ def test_rolled_out_is_one_predicate_over_the_deployment() -> None:
     assert not rolled_out(deployment(available=1), 2)
     assert not rolled_out(None, 1)
     assert rolled_out(None, 0)  # nothing asked for, nothing to roll out
+
+
+def test_a_class_status_reads_of_the_deployment_status_only_what_deployment_status_read_keeps() -> None:
+    """The operator skips Deployment events that change none of it (handlers, child_digest): a class
+    status computed from two Deployments with the same read is the same; each field it keeps matters."""
+    tc = TrustClass.model_validate(body())
+    deadline = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": "m",
+    }
+    for dep in (deployment(), deployment(updated=1, available=1), deployment(conditions=[deadline])):
+        other = {**dep, "status": {**dep["status"], "unavailableReplicas": 7, "collisionCount": 2}}
+        other["status"]["conditions"] = [
+            {**c, "lastUpdateTime": "2026-12-02T00:00:09Z", "lastTransitionTime": "2026-12-02T00:00:08Z"}
+            for c in dep["status"]["conditions"]
+        ]
+        assert deployment_status_read(other) == deployment_status_read(dep)
+        a, b = (trust_class_status(body(), tc, deployment=d) for d in (other, dep))
+        assert untimed(a.status) == untimed(b.status) and a.rolled_out == b.rolled_out
+        assert (a.ready_flipped is None) == (b.ready_flipped is None)
+    base = deployment(conditions=[deadline])
+    for field in ("observedGeneration", "replicas", "readyReplicas", "availableReplicas", "updatedReplicas"):
+        changed = {**base, "status": {**base["status"], field: 9}}
+        assert deployment_status_read(changed) != deployment_status_read(base), field
+    for key in ("type", "status", "reason", "message"):
+        changed = {**base, "status": {**base["status"], "conditions": [{**deadline, key: "Other"}]}}
+        assert deployment_status_read(changed) != deployment_status_read(base), key
 
 
 def test_a_rolled_out_class_is_ready_and_its_spec_is_in_force() -> None:

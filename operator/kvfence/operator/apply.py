@@ -167,11 +167,13 @@ class Kube:
         label_selector: str | None = None,
         *,
         page: int = LIST_PAGE,
+        each: Callable[[Obj], Obj] | None = None,
     ) -> list[Obj]:
         """Every object, read ``page`` at a time (``limit``/``continue``: one consistent snapshot, as
         one LIST would be) and without ``metadata.managedFields``, which the operator never reads and
         which are the largest part of an object written by server-side apply: a list of 10,000
-        bindings never holds the whole answer at once."""
+        bindings never holds the whole answer at once. ``each`` maps every object as its page
+        arrives (to the part the caller keeps), so the whole objects are never all held either."""
         path = path_for(api_version, kind, namespace)
         items: list[Obj] = []
         cont = ""
@@ -191,8 +193,9 @@ class Kube:
                 raise
             for item in out.get("items", []):
                 (item.get("metadata") or {}).pop("managedFields", None)
-                items.append(item)
+                items.append(item if each is None else each(item))
             cont = (out.get("metadata") or {}).get("continue") or ""
+            del out  # this page's objects (what each() kept of them stays)
             if not cont:
                 return items
 

@@ -32,7 +32,7 @@ from kvfence.operator.builders import (
 )
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key
-from kvfence.operator.reconciler import Reconciler, Requeue
+from kvfence.operator.reconciler import Reconciler, Requeue, child_digest
 from kvfence.operator.secretwatch import (
     DELETED,
     SIGNING_SECRET_FIELD_SELECTOR,
@@ -361,10 +361,20 @@ async def namespace_event(
         c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
 
-def _news(c: Controller, kind: str, namespace: str, name: str, type: str | None, meta: kopf.Meta) -> bool:
-    """Whether an event of an object the operator applies is news (not its own write coming back)."""
+def _news(
+    c: Controller,
+    kind: str,
+    namespace: str,
+    name: str,
+    type: str | None,
+    meta: kopf.Meta,
+    body: kopf.Body | None = None,
+) -> bool:
+    """Whether an event of an object the operator applies is news (not its own write coming back, nor a
+    change only where the operator never looks: ``body`` given, see :func:`child_digest`)."""
     version = DELETED if type == "DELETED" else str(meta.get("resourceVersion") or "")
-    return c.reconciler.child_event(kind, namespace, name, version)
+    digest = None if body is None or type == "DELETED" else child_digest(dict(body))
+    return c.reconciler.child_event(kind, namespace, name, version, digest)
 
 
 def _child_handler(group: str, version: str, plural: str, kind: str) -> Callable[..., Any]:
@@ -375,12 +385,13 @@ def _child_handler(group: str, version: str, plural: str, kind: str) -> Callable
         type: str | None,
         meta: kopf.Meta,
         labels: kopf.Labels,
+        body: kopf.Body,
         memo: Any,
         **_: Any,
     ) -> None:
         owner = labels.get(LABEL_TRUST_CLASS)
         c = _controller(memo)
-        if owner and _news(c, kind, namespace or "", name, type, meta):
+        if owner and _news(c, kind, namespace or "", name, type, meta, body):
             c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
     return child_event

@@ -41,6 +41,7 @@ from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecr
 from kvfence.operator.status import (
     ACCEPTED_GENERATION,
     ACCEPTED_SPEC,
+    deployment_status_read,
     kstatus_conditions,
     object_condition,
     set_condition,
@@ -102,6 +103,61 @@ def accepted_trust_class(body: Obj) -> TrustClass | None:
         return None
 
 
+#: The metadata a routing decision reads of a binding: its identity, versions and age (the decision's
+#: order), and what its status write and Events name.
+BINDING_VIEW_METADATA = ("name", "namespace", "uid", "generation", "resourceVersion", "creationTimestamp")
+
+
+def binding_view(body: Obj) -> Obj:
+    """What a routing decision keeps of a listed TenantBinding: its spec, its status (the write keeps
+    its conditions' transition times) and :data:`BINDING_VIEW_METADATA`. Made as each page arrives,
+    so a decision over 10,000 bindings never holds their whole bodies (labels, annotations, owner
+    references)."""
+    meta = body.get("metadata") or {}
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {k: meta[k] for k in BINDING_VIEW_METADATA if k in meta},
+        "spec": body.get("spec"),
+        "status": body.get("status") or {},
+    }
+
+
+def decision_input(view: Obj) -> Obj:
+    """A binding view as :class:`TenantBinding` validates it for a decision: the status reduced to the
+    accepted spec, the only part of it a decision reads (its conditions are not validated into models
+    it would hold for every binding)."""
+    status = view["status"]
+    return {
+        **view,
+        "status": {k: status[k] for k in (ACCEPTED_SPEC, ACCEPTED_GENERATION) if k in status},
+    }
+
+
+#: Children whose status the operator never reads: a change of their status alone is no news.
+STATUS_NOT_READ = frozenset({"ConfigMap", "NetworkPolicy", "PodDisruptionBudget", "Service"})
+
+
+def child_digest(body: Obj) -> str:
+    """A digest of what the operator reads of a child it applies: the whole object but its
+    resourceVersion and managed fields, and of its status only what it reads (a Deployment's
+    :func:`~kvfence.operator.status.deployment_status_read`; nothing of the kinds in
+    :data:`STATUS_NOT_READ`; all of any other's). Two versions with one digest differ only where the
+    operator never looks (a PodDisruptionBudget's status, written by the disruption controller as pods
+    come and go)."""
+    meta = {
+        k: v for k, v in (body.get("metadata") or {}).items() if k not in ("resourceVersion", "managedFields")
+    }
+    kind = body.get("kind")
+    rest = {k: v for k, v in body.items() if k not in ("metadata", "status")}
+    if kind == "Deployment":
+        rest["status"] = deployment_status_read(body)
+    elif kind not in STATUS_NOT_READ:
+        rest["status"] = body.get("status")
+    blob = json.dumps([meta, rest], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 @dataclass
 class Event:
     obj: Obj
@@ -146,6 +202,8 @@ class State:
     seen: dict[ChildRef, tuple[str, str]] = field(default_factory=dict)
     #: the latest resourceVersion the watches reported for those objects (``secretwatch.DELETED`` once gone)
     watched: dict[ChildRef, str] = field(default_factory=dict)
+    #: the :func:`child_digest` of the latest watch event of each of those objects
+    digests: dict[ChildRef, str] = field(default_factory=dict)
 
 
 class Reconciler:
@@ -538,15 +596,38 @@ class Reconciler:
             seen is not None and seen[1] == spec_hash(obj) and self.state.watched.get(ref, seen[0]) == seen[0]
         )
 
-    def child_event(self, kind: str, namespace: str, name: str, resource_version: str) -> bool:
-        """A watch saw this version of an object the operator applies (``secretwatch.DELETED``: deleted).
-        Returns whether it is news: not the version the operator last applied or read as desired
-        (its own write coming back needs no reconcile)."""
+    def child_event(
+        self, kind: str, namespace: str, name: str, resource_version: str, digest: str | None = None
+    ) -> bool:
+        """A watch saw this version of an object the operator applies (``secretwatch.DELETED``: deleted),
+        whose :func:`child_digest` is ``digest`` (None: not known). Returns whether it is news: not
+        the version the operator last applied or read as desired (its own write coming back needs no
+        reconcile), nor a later one that differs from it only where the operator never looks (same
+        digest as that version's event): that one is then remembered as seen, so the class's next
+        reconcile does not read it either."""
         ref = (kind, namespace, name)
         seen = self.state.seen.get(ref)
-        if resource_version == secretwatch.DELETED and seen is None:
-            self.state.watched.pop(ref, None)  # nothing remembered of it: nothing to keep
-            return True
+        if resource_version == secretwatch.DELETED:
+            self.state.digests.pop(ref, None)
+            if seen is None:
+                self.state.watched.pop(ref, None)  # nothing remembered of it: nothing to keep
+                return True
+        previous = self.state.digests.get(ref)
+        if digest is None:
+            self.state.digests.pop(ref, None)
+        elif resource_version != secretwatch.DELETED:
+            self.state.digests[ref] = digest
+        if (
+            seen is not None
+            and digest is not None
+            and previous == digest
+            and self.state.watched.get(ref) == seen[0]
+            and resource_version != secretwatch.DELETED
+        ):
+            # The last event was the seen version, with this digest: nothing read has changed.
+            self.state.seen[ref] = (resource_version, seen[1])
+            self.state.watched[ref] = resource_version
+            return False
         self.state.watched[ref] = resource_version
         return seen is None or seen[0] != resource_version
 
@@ -605,7 +686,7 @@ class Reconciler:
         if ns is not None:
             self.state.keyed_namespaces.discard(ns)
             # What was remembered of the class's children (and of its namespace) goes with it.
-            for memo in (self.state.seen, self.state.watched):
+            for memo in (self.state.seen, self.state.watched, self.state.digests):
                 for ref in [r for r in memo if r[1] == ns or r == ("Namespace", "", ns)]:
                     del memo[ref]
         self.state.signing.pop(name, None)
@@ -673,7 +754,7 @@ class Reconciler:
         # tried, so a class tried by now whose key this decision does not find truly has none.
         tried = set(self.state.class_tried)
         tc_bodies = self.kube.list(API_VERSION, "TrustClass")
-        tb_bodies = self.kube.list(API_VERSION, "TenantBinding")
+        tb_views = self.kube.list(API_VERSION, "TenantBinding", each=binding_view)
         namespaces = {
             n["metadata"]["name"]: dict(n["metadata"].get("labels") or {})
             for n in self.kube.list("v1", "Namespace")
@@ -692,13 +773,14 @@ class Reconciler:
             classes[tc.name] = ClassState(tc, keys, deleting)
         bindings: list[TenantBinding] = []
         raw: dict[str, Obj] = {}
-        for body in tb_bodies:
+        for view in tb_views:
             try:
-                b = TenantBinding.model_validate(body)
+                b = TenantBinding.model_validate(decision_input(view))
             except ValidationError:
                 continue
             bindings.append(b)
-            raw[b.key] = body
+            raw[b.key] = view
+        del tb_views
         lookups = dict(
             zip(
                 [b.key for b in bindings],

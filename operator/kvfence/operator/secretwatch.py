@@ -202,10 +202,12 @@ class MetadataWatchClient:
         if resp.status >= 300:
             raise RuntimeError(f"{resp.status}: {(await resp.text())[:300]}")
 
-    async def list(self, namespace: str) -> tuple[list[Obj], str]:
-        """Every Secret's metadata in ``namespace``, and the list's resourceVersion."""
+    async def list(self, namespace: str) -> tuple[dict[str, str], str]:
+        """Every Secret's name in ``namespace`` with its resourceVersion, and the list's resourceVersion.
+        Only those two strings of each are kept, page by page (a tenant namespace may hold thousands of
+        Secrets, and their metadata carries their managed fields)."""
         path = f"/api/v1/namespaces/{namespace}/secrets"
-        items: list[Obj] = []
+        listed: dict[str, str] = {}
         params = {"limit": "500"}
         while True:
             async with self._session_().get(
@@ -216,10 +218,13 @@ class MetadataWatchClient:
             ) as resp:
                 await self._check(resp)
                 body: Obj = await resp.json()
-            items += body.get("items") or []
+            for it in body.get("items") or ():
+                it_meta = it.get("metadata") or {}
+                listed[str(it_meta.get("name"))] = str(it_meta.get("resourceVersion", ""))
             meta = body.get("metadata") or {}
+            del body
             if not meta.get("continue"):
-                return items, str(meta.get("resourceVersion", ""))
+                return listed, str(meta.get("resourceVersion", ""))
             params = {"limit": "500", "continue": meta["continue"]}
 
     async def watch(self, namespace: str, resource_version: str) -> AsyncIterator[tuple[str, Obj]]:
@@ -306,11 +311,7 @@ class NamespaceSecretWatches:
         while True:
             try:
                 if rv is None:
-                    items, rv = await self.client.list(ns)
-                    listed = {}
-                    for it in items:
-                        meta = it.get("metadata") or {}
-                        listed[str(meta.get("name"))] = str(meta.get("resourceVersion", ""))
+                    listed, rv = await self.client.list(ns)
                     if ns in self.forbidden:
                         self.forbidden.discard(ns)
                         self._gauge()

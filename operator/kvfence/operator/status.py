@@ -134,6 +134,31 @@ def observed_replicas(deployment: Obj | None) -> tuple[int, int]:
     return int(dstat.get("replicas", 0) or 0), int(dstat.get("readyReplicas", 0) or 0)
 
 
+def deployment_status_read(deployment: Obj) -> Obj:
+    """The part of an engine Deployment's status that a TrustClass's status is computed from
+    (:func:`observed_replicas`, :func:`rolled_out`, :func:`trust_class_status`): a change anywhere
+    else in it (a condition's ``lastUpdateTime``, ``unavailableReplicas``) changes no class status,
+    and its watch event needs no reconcile."""
+    dstat: Obj = deployment.get("status") or {}
+    read: Obj = {k: dstat.get(k) for k in DEPLOYMENT_STATUS_FIELDS}
+    conds = dstat.get("conditions") or ()
+    read["conditions"] = sorted(
+        [str(c.get(k)) for k in ("type", "status", "reason", "message")] for c in conds
+    )
+    return read
+
+
+#: The Deployment status fields :func:`deployment_status_read` keeps (besides its conditions' type,
+#: status, reason and message: all but their timestamps)
+DEPLOYMENT_STATUS_FIELDS = (
+    "observedGeneration",
+    "replicas",
+    "readyReplicas",
+    "availableReplicas",
+    "updatedReplicas",
+)
+
+
 def rolled_out(deployment: Obj | None, want: int) -> bool:
     """Whether the engine Deployment runs ``want`` replicas of its current template, all available
     (always, for 0 replicas): the one "rolled out" predicate of the operator."""
