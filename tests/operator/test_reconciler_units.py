@@ -105,16 +105,19 @@ def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
     spec = {"tenantId": "t", "trustClassName": "gold", "apiKeySecretRef": {"name": "k"}}
     accepted = {**spec, "quotas": {"maxKVBlocks": 10}}
     cond = {"type": "Bound", "status": "True", "reason": "Bound", "message": "", "lastTransitionTime": "x"}
+    identity = {
+        "name": "b",
+        "namespace": "ns",
+        "uid": "u-1",
+        "generation": 3,
+        "resourceVersion": "77",
+        "creationTimestamp": "2026-12-01T00:00:00Z",
+    }
     body = {
         "apiVersion": API_VERSION,
         "kind": "TenantBinding",
         "metadata": {
-            "name": "b",
-            "namespace": "ns",
-            "uid": "u-1",
-            "generation": 3,
-            "resourceVersion": "77",
-            "creationTimestamp": "2026-12-01T00:00:00Z",
+            **identity,
             "labels": {"team": "x" * 200},
             "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}" * 100},
             "ownerReferences": [{"kind": "App", "name": "a"}],
@@ -124,14 +127,7 @@ def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
         "status": {"conditions": [cond], "acceptedSpec": accepted, "acceptedGeneration": 2, "apiKeys": 1},
     }
     view = binding_view(body)
-    assert view["metadata"] == {
-        "name": "b",
-        "namespace": "ns",
-        "uid": "u-1",
-        "generation": 3,
-        "resourceVersion": "77",
-        "creationTimestamp": "2026-12-01T00:00:00Z",
-    }
+    assert view["metadata"] == identity
     assert view["spec"] == spec and view["status"] == body["status"]  # the write needs the conditions
     model = TenantBinding.model_validate(decision_input(view))
     assert model.key == "ns/b" and model.metadata["creationTimestamp"] == "2026-12-01T00:00:00Z"
