@@ -154,8 +154,7 @@ def child_digest(body: Obj) -> str:
         rest["status"] = deployment_status_read(body)
     elif kind not in STATUS_NOT_READ:
         rest["status"] = body.get("status")
-    blob = json.dumps([meta, rest], sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return spec_hash({**rest, "metadata": meta})
 
 
 @dataclass
@@ -607,27 +606,18 @@ class Reconciler:
         reconcile does not read it either."""
         ref = (kind, namespace, name)
         seen = self.state.seen.get(ref)
+        previous = self.state.digests.pop(ref, None)
         if resource_version == secretwatch.DELETED:
-            self.state.digests.pop(ref, None)
             if seen is None:
                 self.state.watched.pop(ref, None)  # nothing remembered of it: nothing to keep
                 return True
-        previous = self.state.digests.get(ref)
-        if digest is None:
-            self.state.digests.pop(ref, None)
-        elif resource_version != secretwatch.DELETED:
+        elif digest is not None:
             self.state.digests[ref] = digest
-        if (
-            seen is not None
-            and digest is not None
-            and previous == digest
-            and self.state.watched.get(ref) == seen[0]
-            and resource_version != secretwatch.DELETED
-        ):
-            # The last event was the seen version, with this digest: nothing read has changed.
-            self.state.seen[ref] = (resource_version, seen[1])
-            self.state.watched[ref] = resource_version
-            return False
+            if seen is not None and previous == digest and self.state.watched.get(ref) == seen[0]:
+                # The last event was the seen version, with this digest: nothing read has changed.
+                self.state.seen[ref] = (resource_version, seen[1])
+                self.state.watched[ref] = resource_version
+                return False
         self.state.watched[ref] = resource_version
         return seen is None or seen[0] != resource_version
 
@@ -780,7 +770,6 @@ class Reconciler:
                 continue
             bindings.append(b)
             raw[b.key] = view
-        del tb_views
         lookups = dict(
             zip(
                 [b.key for b in bindings],
