@@ -1,12 +1,15 @@
-"""The operator's API client on the real API server: paginated lists."""
+"""The operator's API client on the real API server: paginated lists, reads from the watch cache."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import pytest
 
 from kvfence.operator.apply import Kube, load_api_client
+from kvfence.operator.builders import SIGNING_SECRET_NAME
+from kvfence.operator.watchcache import WatchCache
 
 pytestmark = pytest.mark.cluster
 
@@ -52,3 +55,48 @@ def test_list_reads_every_page_and_drops_managed_fields(cluster: Any) -> None:
     kept = kube.list("v1", "ConfigMap", ns, page=3, each=keep_name)
     assert [k["name"] for k in kept if k["name"].startswith("cm-")] == names
     assert [k["name"] for k in kept] == seen
+
+
+def test_get_reads_the_watch_cache_only_once_it_holds_what_the_client_has_seen(cluster: Any) -> None:
+    """With a watch cache, a GET of a held object is answered from memory once the watch delivered
+    the version the client's own requests returned; a write the watch has not delivered yet, and any
+    object the cache does not hold, is read from the API server."""
+    cache = WatchCache()
+    kube = Kube(load_api_client(str(cluster.kubeconfig)), cache=cache)
+    ns = "kube-client-cache"
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+
+    def secret(value: str, name: str = SIGNING_SECRET_NAME) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": ns},
+            "data": {"k": base64.b64encode(value.encode()).decode()},
+        }
+
+    def gets() -> int:
+        return kube.requests["GET"]
+
+    first = kube.apply(secret("one"))
+    before = gets()
+    assert kube.get("v1", "Secret", SIGNING_SECRET_NAME, ns) is not None
+    assert gets() == before + 1  # nothing delivered yet: read from the API server
+    cache.event(("Secret", ns, SIGNING_SECRET_NAME), first)  # the watch delivers the apply
+    got = kube.get("v1", "Secret", SIGNING_SECRET_NAME, ns)
+    assert gets() == before + 1  # from memory
+    assert got is not None and got["data"] == first["data"]
+    assert "managedFields" not in got["metadata"]
+    assert got["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+    second = kube.apply(secret("two"))  # the client's own write: the cached body is older now
+    got = kube.get("v1", "Secret", SIGNING_SECRET_NAME, ns)
+    assert gets() == before + 2
+    assert got is not None and got["data"] == second["data"]
+    cache.event(("Secret", ns, SIGNING_SECRET_NAME), second)
+    assert kube.get("v1", "Secret", SIGNING_SECRET_NAME, ns) is not None
+    assert gets() == before + 2
+
+    other = kube.apply(secret("key", name="acme-keys"))  # an API key: never held
+    cache.event(("Secret", ns, "acme-keys"), other)
+    assert kube.get("v1", "Secret", "acme-keys", ns) is not None
+    assert gets() == before + 3

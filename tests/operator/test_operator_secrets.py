@@ -29,6 +29,7 @@ from cluster.manifests import (
 
 from kvfence import contract
 from kvfence.operator import rbac
+from kvfence.operator.reconciler import API_KEYS_LIST_MIN
 
 pytestmark = pytest.mark.cluster
 
@@ -383,6 +384,77 @@ def test_engines_admit_the_configured_metrics_scraper_on_the_metrics_port_only(
         60,
         dump=operator.tail,
     )
+
+
+def test_a_class_reconcile_reads_its_class_engine_and_signing_key_from_the_watches(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    """The reconcile a drift repair causes reads the TrustClass, its engine Deployment and its
+    signing-key Secret as their watches delivered them (no GET; the resync, which empties that
+    cache, is an hour away here): only the deleted Service is read from the API server, and put
+    back."""
+    cleanup.append("cached")
+    assert kv.apply(tc("cached")).returncode == 0
+    ns = "kvf-cached"
+    engine = ("get", "deployment", "kvfence-engine", "-n", ns)
+    wait(lambda: kv.json(*engine), "the engine", 120, dump=operator.tail)
+    quiet(operator, wait, ("class", "routing"))
+
+    def gets(resource: str) -> float:
+        return operator.counter("kvfence_operator_api_requests_total", verb="GET", resource=resource)
+
+    def cached(resource: str) -> float:
+        return operator.counter("kvfence_operator_watch_cache_reads_total", resource=resource)
+
+    resources = ("trustclasses", "deployments", "secrets", "services")
+    before = {r: (gets(r), cached(r)) for r in resources}
+    reconciles = operator.reconciles("class")
+    kv("delete", "service", "kvfence-engine", "-n", ns)
+    prompt(kv, wait, operator, lambda: kv.json("get", "service", "kvfence-engine", "-n", ns), "service back")
+    quiet(operator, wait, ("class", "routing"))
+    assert operator.reconciles("class") > reconciles
+    after = {r: (gets(r), cached(r)) for r in resources}
+    for r in ("trustclasses", "deployments", "secrets"):
+        assert after[r][0] == before[r][0], (r, before, after)
+        assert after[r][1] > before[r][1], (r, before, after)
+    assert after["services"][0] > before["services"][0]  # the deleted one: read, then applied
+
+
+def test_a_namespace_granting_access_later_to_many_bindings_has_their_keys_read_by_one_list(
+    operator: Any, kv: Any, wait: Any, cleanup: list[str]
+) -> None:
+    """Many bindings whose Secrets the operator could not read: once their namespace grants access,
+    the decision reads their API keys with one paged LIST of the namespace's Secrets (a few GETs of
+    Secrets in all, not one per binding), and every tenant is routed with its own key."""
+    n = 2 * API_KEYS_LIST_MIN
+    cleanup += ["watch-many", "ns/wl-many"]
+    objs: list[dict[str, Any]] = [tc("watch-many"), *tenant_namespace("wl-many", grant=False)]
+    for i in range(n):
+        objs += [
+            secret(f"many-{i}-keys", "wl-many", k0=f"sk-many-{i}"),
+            tenant_binding(f"many-{i}", "wl-many", f"t-many-{i}", "watch-many"),
+        ]
+    assert kv.apply(*objs).returncode == 0
+
+    def denied() -> int:
+        items = (kv.json("get", "tenantbindings", "-n", "wl-many") or {}).get("items", [])
+        return sum(condition(b, "Denied").get("reason") == "ApiKeySecretForbidden" for b in items)
+
+    wait(lambda: denied() == n, "every binding Denied: ApiKeySecretForbidden", 120, dump=operator.tail)
+    quiet(operator, wait, ("routing", "binding"))
+    gets = operator.counter("kvfence_operator_api_requests_total", verb="GET", resource="secrets")
+    assert kv.apply(rbac.tenant_secrets_binding("wl-many", "kvfence-system")).returncode == 0
+    prompt(
+        kv,
+        wait,
+        operator,
+        lambda: all(hashes(kv, f"t-many-{i}") == [sha(f"sk-many-{i}")] for i in range(n)),
+        "every tenant routed",
+    )
+    quiet(operator, wait, ("routing", "binding"))
+    # the LIST's pages and the routing Secret of each decision: far fewer than one GET per binding
+    read = operator.counter("kvfence_operator_api_requests_total", verb="GET", resource="secrets") - gets
+    assert read < n / 2, (read, operator.tail())
 
 
 def test_a_namespace_granting_access_later_binds_its_tenant_within_seconds(

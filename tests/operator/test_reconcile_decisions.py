@@ -16,8 +16,9 @@ from support.argocd import argocd_health
 
 from kvfence.api import conditions
 from kvfence.api.common import API_VERSION
-from kvfence.contract.routing import ROUTING_SECRET_KEY, decode_table_bytes
-from kvfence.operator import builders
+from kvfence.contract.routing import ROUTING_SECRET_KEY, decode_table_bytes, hash_api_key
+from kvfence.operator import builders, reconciler
+from kvfence.operator.apply import KubeError
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey
 from kvfence.operator.reconciler import Event, Reconciler, Requeue, child_digest
 
@@ -39,6 +40,8 @@ class FakeKube:
     """The part of :class:`kvfence.operator.apply.Kube` the reconciler uses, in memory: apply replaces
     what it names (one field manager, so server-side apply's merge is a replacement here)."""
 
+    cache = None  # no watch cache: every read is a GET
+
     def __init__(self) -> None:
         self.objs: dict[tuple[str, str, str, str], Obj] = {}
         self.writes: list[tuple[str, str, str]] = []
@@ -59,7 +62,9 @@ class FakeKube:
         m["resourceVersion"] = str(self._version)
         self.objs[self._key(obj["apiVersion"], obj["kind"], m.get("namespace"), m["name"])] = obj
 
-    def get(self, api: str, kind: str, name: str, namespace: str | None = None) -> Obj | None:
+    def get(
+        self, api: str, kind: str, name: str, namespace: str | None = None, *, cached: bool = True
+    ) -> Obj | None:
         self.reads.append(kind)
         return copy.deepcopy(self.objs.get(self._key(api, kind, namespace, name)))
 
@@ -589,3 +594,45 @@ def test_a_class_edit_under_a_bound_tenant_clamps_it_and_says_so_once(world: Any
 def decode(kube: FakeKube) -> Any:
     s = kube.get("v1", "Secret", "kvfence-routing", "kvfence-system")
     return json.loads(decode_table_bytes(base64.b64decode(s["data"][ROUTING_SECRET_KEY])))
+
+
+def test_a_namespace_full_of_new_bindings_has_its_api_keys_read_by_one_list(world: Any) -> None:
+    """The first decision over many bindings of one namespace reads their API-key Secrets with one
+    paged LIST, not a GET each; the keys are those a GET would have given (each tenant routed with
+    its own key's hash), a Secret that is missing still denies its binding, and a Secret that no
+    binding names is not kept. A namespace that refuses the LIST has its keys read one by one."""
+    kube, rec, _ = world
+    kube.put(trust_class(namespaceSelector={}))
+    n = reconciler.API_KEYS_LIST_MIN + 4
+    for i in range(n):
+        tenant(kube, f"t{i}")
+    kube.objs.pop(("v1", "Secret", "team-a", "t3-keys"))
+    unrelated = {"name": "app-db-password", "namespace": "team-a"}
+    kube.put({"apiVersion": "v1", "kind": "Secret", "metadata": unrelated, "data": {"pw": "c2VjcmV0"}})
+    first_pass(rec)
+    # the routing Secret, and the missing one (a LIST's absence is not cached: a Secret created later
+    # is read): no other Secret is read by GET
+    assert kube.reads.count("Secret") == 2
+    tenants = decode(kube)["tenants"]
+    assert len(tenants) == n - 1
+    for tid, t in tenants.items():
+        assert t["apiKeyHashes"] == [hash_api_key(f"sk-{tid}")]
+    denied = condition(kube.get(API_VERSION, "TenantBinding", "t3", "team-a"), conditions.DENIED)
+    assert denied["reason"] == conditions.REASON_SECRET_NOT_FOUND
+    assert sorted(cached[0][0] for cached in rec.state.keys.values()) == sorted(
+        f"t{i}-keys" for i in range(n) if i != 3
+    )
+
+    class NoList(FakeKube):
+        def list(self, api: str, kind: str, *args: Any, **kw: Any) -> list[Obj]:
+            if kind == "Secret":
+                raise KubeError(403, "Forbidden", "{}")
+            return super().list(api, kind, *args, **kw)
+
+    kube2 = NoList()
+    kube2.objs = copy.deepcopy(kube.objs)
+    rec2 = Reconciler(kube2, builders.OperatorOptions(), new_key=lambda: bytes(range(32)))  # type: ignore[arg-type]
+    rec2.reconcile(ROUTING)
+    # each API key by GET (the missing one too), the signing key (a new process), the routing Secret
+    assert kube2.reads.count("Secret") == n + 2
+    assert decode(kube2)["tenants"] == tenants

@@ -136,3 +136,11 @@ def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
     assert accepted_spec is not None and accepted_spec.quotas.max_kv_blocks == 10
     assert model.status.accepted_generation == 2
     assert binding_view({"metadata": {"name": "n"}, "spec": spec})["status"] == {}
+
+
+def test_freed_memory_is_given_back_on_glibc() -> None:
+    """After a routing decision the operator hands the C heap's free pages back (glibc's
+    malloc_trim); this machine's Python runs on glibc, so the call is made."""
+    from kvfence.operator import memory
+
+    assert memory.release_free_memory() is True

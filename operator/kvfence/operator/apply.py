@@ -23,6 +23,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from kvfence.operator.builders import FIELD_MANAGER
+from kvfence.operator.watchcache import WatchCache
 
 log = logging.getLogger("kvfence.operator.apply")
 
@@ -109,9 +110,22 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
 
 
 class Kube:
-    def __init__(self, api: k8s.ApiClient, on_request: Callable[[str, str], None] | None = None) -> None:
+    """With ``cache``, :meth:`get` reads what the cache holds (the objects whose watches carry their
+    bodies, see :mod:`kvfence.operator.watchcache`) instead of sending a request, and every object a
+    request answers with tells the cache which version the operator has seen."""
+
+    def __init__(
+        self,
+        api: k8s.ApiClient,
+        on_request: Callable[[str, str], None] | None = None,
+        *,
+        cache: WatchCache | None = None,
+        on_cache_read: Callable[[str], None] | None = None,
+    ) -> None:
         self.api = api
         self._on_request = on_request
+        self.cache = cache
+        self._on_cache_read = on_cache_read
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()  # verb -> count
 
@@ -143,14 +157,27 @@ class Kube:
             raise KubeError(
                 resp.status, str(resp.reason), data.decode() if isinstance(data, bytes) else str(data)
             )
-        return json.loads(data) if data else None
+        out = json.loads(data) if data else None
+        if self.cache is not None and isinstance(out, dict) and "kind" in out and method != "DELETE":
+            self.cache.learnt(out)
+        return out
 
     def writes(self) -> int:
         with self._lock:
             return sum(n for verb, n in self.requests.items() if verb in WRITE_VERBS)
 
     # --- reads ----------------------------------------------------------------------------------
-    def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> Obj | None:
+    def get(
+        self, api_version: str, kind: str, name: str, namespace: str | None = None, *, cached: bool = True
+    ) -> Obj | None:
+        """The object, or None if it does not exist. From the watch cache when it holds it (and
+        ``cached``): without ``metadata.managedFields`` then; ``cached=False`` reads the API server."""
+        if self.cache is not None and cached:
+            held = self.cache.read((kind, namespace or "", name))
+            if held is not None:
+                if self._on_cache_read is not None:
+                    self._on_cache_read(RESOURCES[(api_version, kind)].plural)
+                return held
         try:
             obj: Obj = self.request("GET", path_for(api_version, kind, namespace, name))
             return obj

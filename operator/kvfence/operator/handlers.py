@@ -146,6 +146,13 @@ class Controller:
         if self.secret_watches is not None:
             await self.secret_watches.stop()
 
+    def watched_body(self, ref: tuple[str, str, str], type: str | None, body: Mapping[str, Any]) -> None:
+        """A watch event carried ``body``: the reconciler's reads of it come from memory
+        (:mod:`kvfence.operator.watchcache`)."""
+        cache = self.reconciler.kube.cache
+        if cache is not None:
+            cache.event(ref, None if type == "DELETED" else dict(body))
+
     # --- API-key Secrets ------------------------------------------------------------------------
     def track_binding(self, binding: str, namespace: str, secret_name: str | None) -> None:
         """Record which Secret a binding reads (``None``: the binding is gone); start or stop the
@@ -281,8 +288,11 @@ async def shutdown(memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, "trustclasses")
-async def trustclass_event(name: str, type: str | None, meta: kopf.Meta, memo: Any, **_: Any) -> None:
+async def trustclass_event(
+    name: str, type: str | None, meta: kopf.Meta, body: kopf.Body, memo: Any, **_: Any
+) -> None:
     c = _controller(memo)
+    c.watched_body(("TrustClass", "", name), type, body)
     if type == "DELETED":
         c.known_classes.discard(name)
         c.class_signatures.pop(name, None)
@@ -391,6 +401,7 @@ def _child_handler(group: str, version: str, plural: str, kind: str) -> Callable
     ) -> None:
         owner = labels.get(LABEL_TRUST_CLASS)
         c = _controller(memo)
+        c.watched_body((kind, namespace or "", name), type, body)
         if owner and _news(c, kind, namespace or "", name, type, meta, body):
             c.enqueue(ClassKey(owner), COALESCE_SECONDS)
 
@@ -420,6 +431,7 @@ async def signing_key_secret_event(
     if owner is None:
         metrics.SECRET_EVENTS.labels("signing-key", "ignored").inc()
         return
+    c.watched_body(("Secret", namespace or "", name), type, body)
     secret = {"data": dict(body.get("data") or {}), "metadata": dict(body.get("metadata") or {})}
     if type != "DELETED" and c.reconciler.signing_secret_is_current(owner, secret):
         metrics.SECRET_EVENTS.labels("signing-key", "current").inc()

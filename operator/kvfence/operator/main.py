@@ -41,6 +41,7 @@ from kvfence.operator.builders import (
 )
 from kvfence.operator.leader import LeaderElector
 from kvfence.operator.reconciler import Event, Reconciler
+from kvfence.operator.watchcache import WatchCache
 
 log = logging.getLogger("kvfence.operator")
 HEARTBEAT_STALE_SECONDS = 60.0
@@ -248,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _handlers.LOGIN["kubeconfig"] = args.kubeconfig
     api = load_api_client(args.kubeconfig)
-    kube = Kube(api, on_request=metrics.count_request)
+    kube = Kube(
+        api, on_request=metrics.count_request, cache=WatchCache(), on_cache_read=metrics.count_cache_read
+    )
     lease_kube = Kube(
         load_api_client(args.kubeconfig), on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc()
     )

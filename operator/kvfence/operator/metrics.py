@@ -31,6 +31,12 @@ API_REQUESTS = Counter(
     ["verb", "resource"],
     registry=REGISTRY,
 )
+CACHE_READS = Counter(
+    "kvfence_operator_watch_cache_reads",
+    "Objects a reconcile read from the watches' cache instead of GETting them, by resource.",
+    ["resource"],
+    registry=REGISTRY,
+)
 LEASE_REQUESTS = Counter(
     "kvfence_operator_lease_requests",
     "Requests sent for leader election, by HTTP verb.",
@@ -57,3 +63,7 @@ LEADER = Gauge("kvfence_operator_leader", "1 while this replica holds the leader
 
 def count_request(verb: str, resource: str) -> None:
     API_REQUESTS.labels(verb=verb, resource=resource).inc()
+
+
+def count_cache_read(resource: str) -> None:
+    CACHE_READS.labels(resource=resource).inc()

@@ -26,7 +26,7 @@ from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id, new_signing_key
 from kvfence.contract.routing import ROUTING_SECRET_NAME, hash_api_key
-from kvfence.operator import builders, modelcache, secretwatch
+from kvfence.operator import builders, memory, modelcache, secretwatch
 from kvfence.operator.apply import Kube, KubeError, is_subset, manages, now_rfc3339
 from kvfence.operator.bindings import (
     ClassState,
@@ -59,6 +59,9 @@ FINALIZER = "kvfence.dev/cleanup"
 FINALIZER_MANAGER = "kvfence-operator-finalizer"
 #: Requests the routing decision has in flight at once for its per-binding reads and writes.
 ROUTING_CONCURRENCY = 8
+#: A namespace with at least this many API-key Secrets to read (the first routing decision after a
+#: start, a namespace full of new bindings) has them read by one paged LIST instead of a GET each.
+API_KEYS_LIST_MIN = 16
 #: How often a class waiting for its model token Secret (missing, or not readable) looks again.
 TOKEN_RETRY_SECONDS = 3.0
 
@@ -498,6 +501,10 @@ class Reconciler:
         field manager applies the live count first, so that dropping them from the operator's apply
         keeps the count (server-side apply would otherwise remove the field: back to 1 replica) until
         the autoscaler writes its own through /scale."""
+        if live is not None and "managedFields" not in live["metadata"]:
+            # read from the watch cache, which keeps no managed fields: who owns the replicas is there
+            meta = live["metadata"]
+            live = self.kube.get("apps/v1", "Deployment", meta["name"], meta["namespace"], cached=False)
         if live is None or not manages(live, builders.FIELD_MANAGER, "spec", "replicas"):
             return
         meta = live["metadata"]
@@ -623,8 +630,10 @@ class Reconciler:
 
     def forget_children(self) -> None:
         """Read every child again at its class's next reconcile (the resync: a change a watch missed
-        while it was down is seen then)."""
+        while it was down is seen then), the TrustClass, engine and signing key included."""
         self.state.seen.clear()
+        if self.kube.cache is not None:
+            self.kube.cache.clear()
 
     def _set_finalizer(self, body: Obj, *, present: bool) -> None:
         patch = {
@@ -737,7 +746,11 @@ class Reconciler:
     # --- routing ---------------------------------------------------------------------------------
     def reconcile_routing(self) -> set[Key]:
         with self._routing_lock:
-            return self._reconcile_routing()
+            try:
+                return self._reconcile_routing()
+            finally:
+                # the decision's every binding, listed and validated at once, is garbage now
+                memory.release_free_memory()
 
     def _reconcile_routing(self) -> set[Key]:
         # Taken before any key is read: a class reconcile stores its new key before it counts as
@@ -770,6 +783,7 @@ class Reconciler:
                 continue
             bindings.append(b)
             raw[b.key] = view
+        self._list_api_keys(bindings)
         lookups = dict(
             zip(
                 [b.key for b in bindings],
@@ -877,15 +891,51 @@ class Reconciler:
         cached = self.state.keys.get(binding)
         return None if cached is None else cached[2]
 
+    def _cached_api_keys(self, b: TenantBinding, spec: TenantBindingSpec, cache_key: str) -> KeyLookup | None:
+        ref = spec.api_key_secret_ref
+        cached = self.state.keys.get(cache_key)
+        watched = self.state.secret_versions.get((b.namespace, ref.name))
+        if cached is not None and cached[0][:2] == (ref.name, ref.key) and watched in (None, cached[2]):
+            return cached[1]
+        return None
+
+    def _list_api_keys(self, bindings: list[TenantBinding]) -> None:
+        """Read the API keys of a namespace that has many to read with one paged LIST of its Secrets
+        instead of a GET each (the routing decision's reads then find them cached). Only the Secrets
+        its bindings name are kept (their keys hashed, as a GET would give them); every other Secret
+        of the page is dropped as the page is read. A namespace that lets the operator read its
+        Secrets one by one only (``get``, an older role) answers 403: its keys are read by GET."""
+        wanted: dict[str, dict[str, list[TenantBinding]]] = {}
+        for b in bindings:
+            if self._cached_api_keys(b, b.spec, b.key) is None:
+                wanted.setdefault(b.namespace, {}).setdefault(b.spec.api_key_secret_ref.name, []).append(b)
+        for ns, names in wanted.items():
+            if len(names) < API_KEYS_LIST_MIN:
+                continue
+
+            def keep(secret: Obj, names: dict[str, list[TenantBinding]] = names) -> Obj:
+                meta = secret.get("metadata") or {}
+                if meta.get("name") not in names:
+                    return {}
+                return {"metadata": meta, "data": secret.get("data") or {}}
+
+            try:
+                listed = self.kube.list("v1", "Secret", ns, each=keep)
+            except KubeError as e:
+                if e.forbidden:
+                    continue
+                raise
+            for secret in listed:
+                for b in names.get(str((secret.get("metadata") or {}).get("name")), ()):
+                    self._store_api_keys(b, b.spec, b.key, secret)
+
     def _api_keys(self, b: TenantBinding, spec: TenantBindingSpec, cache_key: str) -> KeyLookup:
         """The API keys of ``spec``'s Secret (cached under ``cache_key``: the binding's key, or
         :func:`bindings.accepted_key` of it for the Secret of its last accepted spec)."""
+        cached = self._cached_api_keys(b, spec, cache_key)
+        if cached is not None:
+            return cached
         ref = spec.api_key_secret_ref
-        ident = (ref.name, ref.key, str(b.metadata.get("resourceVersion", "")))
-        cached = self.state.keys.get(cache_key)
-        watched = self.state.secret_versions.get((b.namespace, ref.name))
-        if cached is not None and cached[0][:2] == ident[:2] and watched in (None, cached[2]):
-            return cached[1]
         try:
             secret = self.kube.get("v1", "Secret", ref.name, b.namespace)
         except KubeError as e:
@@ -897,6 +947,15 @@ class Reconciler:
                 )
                 return lookup  # not cached: a RoleBinding granted later is seen at the next reconcile
             raise
+        return self._store_api_keys(b, spec, cache_key, secret)
+
+    def _store_api_keys(
+        self, b: TenantBinding, spec: TenantBindingSpec, cache_key: str, secret: Obj | None
+    ) -> KeyLookup:
+        """The lookup of the API-key Secret ``secret`` (as read; None: not found), cached unless it
+        is an error."""
+        ref = spec.api_key_secret_ref
+        ident = (ref.name, ref.key, str(b.metadata.get("resourceVersion", "")))
         if secret is None:
             lookup = KeyLookup(
                 error=conditions.REASON_SECRET_NOT_FOUND, message=f"Secret {b.namespace}/{ref.name} not found"
