@@ -14,12 +14,16 @@ tests' concern, not the benchmark's). The result goes to bench/results/operator-
 
 What is compared: the operator's wall time from its process start to "every TrustClass Ready and every
 TenantBinding Bound" (so it includes start-up, listing, API-key reads, routing decisions, status writes
-and Events), against the baseline's wall time to apply the same namespaces and children (the routing
-Secret included), write the statuses any controller must write (every binding Bound, every class Ready
-once its Deployment is available: one server-side apply of the status subresource each), and see every
-engine Deployment available. Creating the inputs is counted on neither
-side: the TrustClasses, TenantBindings and API-key Secrets are created before the operator starts
-(``create_seconds`` reports how long that took). ``ratio`` is operator / baseline.
+and Events), against the baseline's wall time to produce the same objects with one client: read every
+binding's API-key Secret (one paged LIST per tenant namespace, as the operator reads a namespace with
+many to read; ``baseline_phases`` reports when it was done), decide
+the bindings with the operator's own function, apply the same namespaces and children (the engine
+configs with the tenants' quotas) and the routing Secret (every tenant's key hashes), write the
+statuses any controller must write (every binding Bound, every class Ready once its Deployment is
+available: one server-side apply of the status subresource each), and see every engine Deployment
+available. Creating the inputs is counted on neither side: the TrustClasses, TenantBindings and
+API-key Secrets are created before each side's clock starts (``create_seconds`` reports how long the
+operator's took). ``ratio`` is operator / baseline.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ from cluster.localcluster import default_bin_dir as bin_dir  # noqa: E402
 from support import prom  # noqa: E402
 
 from kvfence.api import conditions as C  # noqa: E402
+from kvfence.api.tenantbinding import TenantBinding  # noqa: E402
 from kvfence.api.trustclass import TrustClass  # noqa: E402
 from kvfence.contract import new_signing_key  # noqa: E402
+from kvfence.contract.routing import hash_api_key  # noqa: E402
 from kvfence.operator import bindings as R  # noqa: E402
 from kvfence.operator import builders as B  # noqa: E402
 from kvfence.operator.apply import Kube, load_api_client  # noqa: E402
@@ -108,6 +114,12 @@ def api_requests(port: int) -> float:
     return sum(v for k, v in metrics(port).items() if k.startswith("kvfence_operator_api_requests_total"))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -142,12 +154,27 @@ def status_apply(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]
     return {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta, "status": status}
 
 
-def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions) -> float:
-    """One client: server-side apply of the rendered objects, then the statuses any controller must
-    write (every binding ``Bound``, every class ``Ready`` once its Deployment is available), each
-    one server-side apply of the status subresource, until every Deployment is available and every
-    status written. Its TrustClasses and TenantBindings are created before its clock starts and
-    deleted after it stops (so the operator never sees them)."""
+def api_key_secret(name: str, namespace: str, key: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "data": {"key": base64.b64encode(key.encode()).decode()},
+    }
+
+
+def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions) -> dict[str, float]:
+    """One client doing what the operator's output needs: it reads every binding's API-key Secret
+    (the routing table holds the tenants' key hashes), decides the bindings with the
+    operator's own function (the engine configs hold the tenants' quotas), server-side applies the
+    rendered objects and the routing Secret, then writes the statuses any controller must write
+    (every binding ``Bound``, every class ``Ready`` once its Deployment is available), each one
+    server-side apply of the status subresource, until every Deployment is available and every
+    status written. Its TrustClasses, TenantBindings and their Secrets are created before its clock
+    starts; the classes and bindings are deleted after it stops (so the operator never sees them).
+    Returns its time (``seconds``), when it had read the API keys, applied every object and written
+    every binding status (seconds from its start), and the CPU time its process used meanwhile (its
+    requests and its polling for the Deployments' status; kubectl's apart)."""
     kube = Kube(load_api_client(str(cluster.kubeconfig)))
     tcs = [tc_body(f"base-{i}") for i in range(n)]
     tbs = [binding_body(f"b{j}", f"bench-base-t{j % TENANT_NAMESPACES}", f"base-{j % n}") for j in range(m)]
@@ -157,6 +184,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": f"bench-base-t{k}"}}
             for k in range(TENANT_NAMESPACES)
         ]
+        + [api_key_secret(f"b{j}-keys", f"bench-base-t{j % TENANT_NAMESPACES}", f"sk-b{j}") for j in range(m)]
         + tcs
         + tbs,
     )
@@ -164,24 +192,44 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
     live_tbs = list_json(cluster, "tenantbindings", "-A")
     assert len(live_tcs) == n and len(live_tbs) == m, (len(live_tcs), len(live_tbs))
 
-    start = time.monotonic()
+    start, cpu0 = time.monotonic(), cpu_seconds(os.getpid())
+    models = [TenantBinding.model_validate(b) for b in live_tbs]
+    # one paged LIST of each tenant namespace's Secrets, as the operator reads a namespace with many
+    secrets = {
+        (ns, s["metadata"]["name"]): s
+        for ns in sorted({b.namespace for b in models})
+        for s in kube.list("v1", "Secret", ns)
+    }
+    lookups: dict[str, R.KeyLookup] = {}
+    for b in models:
+        ref = b.spec.api_key_secret_ref
+        keys = R.api_keys_from_secret(secrets[(b.namespace, ref.name)], ref.key)
+        lookups[b.key] = R.KeyLookup(hashes=tuple(sorted({hash_api_key(k) for k in keys})))
+    keys_s = time.monotonic() - start
+    listed = kube.list("v1", "Namespace")
+    namespaces = {ns["metadata"]["name"]: ns["metadata"].get("labels") or {} for ns in listed}
     classes: dict[str, R.ClassState] = {}
     for _, body in sorted(live_tcs.items()):
         tc = TrustClass.model_validate(body)
-        key = new_signing_key()
+        classes[tc.name] = R.ClassState(tc, (new_signing_key(),))
+    out = R.decide(classes, models, namespaces, lookups, opts)
+    assert all(d.bound for d in out.decisions.values()), "every baseline binding binds"
+    for name, cs in classes.items():
         # No owner references: deleting the baseline's TrustClasses after it stops must not have the
         # garbage collector delete its objects while the operator runs.
-        kube.apply(B.namespace(tc, opts))
-        for obj in B.children(tc, signing=B.SigningKeys(key), tenant_quotas=None, opts=opts, owner=None):
+        kube.apply(B.namespace(cs.tc, opts))
+        quotas = out.tenant_quotas.get(name)
+        signing = B.SigningKeys(cs.signing_keys[0])
+        for obj in B.children(cs.tc, signing=signing, tenant_quotas=quotas, opts=opts, owner=None):
             kube.apply(obj)
-        classes[tc.name] = R.ClassState(tc, (key,))
-    out = R.decide(classes, [], {}, {}, opts)
     kube.apply(R.routing_secret(out.table, opts))
+    applied_s = time.monotonic() - start
     bound: dict[str, int] = {}
     for b in live_tbs:
         cname = b["spec"]["trustClassName"]
         kube.apply(status_apply(b, binding_status(b, cname)), subresource="status")
         bound[cname] = bound.get(cname, 0) + 1
+    statuses_s = time.monotonic() - start
     ready: set[str] = set()
 
     def available() -> bool:
@@ -204,7 +252,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
         return len(ready) == n
 
     wait_until(available, "baseline deployments available", 3600)
-    elapsed = time.monotonic() - start
+    elapsed, cpu = time.monotonic() - start, cpu_seconds(os.getpid()) - cpu0
     cluster.kubectl("delete", "tenantbindings", "--all", "-A", "--wait=false", timeout=600)
     cluster.kubectl("delete", "trustclasses", "--all", "--wait=false", timeout=600)
     wait_until(
@@ -212,7 +260,13 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
         "the baseline's TrustClasses and TenantBindings deleted",
         600,
     )
-    return elapsed
+    return {
+        "seconds": elapsed,
+        "api_keys_read_at": keys_s,
+        "objects_applied_at": applied_s,
+        "binding_statuses_written_at": statuses_s,
+        "cpu_seconds": cpu,
+    }
 
 
 def binding_body(name: str, namespace: str, trust_class: str) -> dict[str, Any]:
@@ -256,23 +310,21 @@ def main(argv: list[str] | None = None) -> int:
         cluster.kubectl("create", "namespace", "kvfence-system")
         opts = B.OperatorOptions()
 
-        baseline_s = run_baseline(cluster, n, m, opts)
-        print(f"baseline: {n} classes applied and available in {baseline_s:.1f}s", flush=True)
+        baseline = run_baseline(cluster, n, m, opts)
+        baseline_s = baseline["seconds"]
+        print(
+            f"baseline: {n} classes applied and available in {baseline_s:.1f}s (API keys read at "
+            f"{baseline['api_keys_read_at']:.1f}s, objects applied at {baseline['objects_applied_at']:.1f}s, "
+            f"binding statuses written at {baseline['binding_statuses_written_at']:.1f}s)",
+            flush=True,
+        )
 
         tenant_ns = [f"bench-t{i}" for i in range(TENANT_NAMESPACES)]
         setup: list[dict[str, Any]] = [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in tenant_ns
         ]
         for j in range(m):
-            ns = tenant_ns[j % TENANT_NAMESPACES]
-            setup.append(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {"name": f"t{j}-keys", "namespace": ns},
-                    "data": {"key": base64.b64encode(f"sk-bench-{j}".encode()).decode()},
-                }
-            )
+            setup.append(api_key_secret(f"t{j}-keys", tenant_ns[j % TENANT_NAMESPACES], f"sk-t{j}"))
         kubectl_apply(cluster, setup)
         created = time.monotonic()
         classes = [tc_body(f"op-{i}") for i in range(n)]
@@ -311,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 
         wait_until(converged, "all Ready and Bound", 7200)
         operator_s = time.monotonic() - start
+        operator_cpu = cpu_seconds(op.pid)
         print(f"operator: {n} classes Ready and {m} bindings Bound in {operator_s:.1f}s", flush=True)
 
         wait_until(lambda: metrics(port).get("kvfence_operator_queue_depth", 1) == 0, "queue drained", 600)
@@ -337,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
             "create_seconds": round(created_s, 2),
             "operator_seconds": round(operator_s, 2),
             "baseline_seconds": round(baseline_s, 2),
+            "baseline_phases": {k: round(v, 2) for k, v in baseline.items() if k != "seconds"},
             "ratio_operator_over_baseline": round(operator_s / baseline_s, 3),
             "operator_peak_rss_mib": round(rss, 1),
+            "operator_cpu_seconds": round(operator_cpu, 1),
             "operator_api_requests_total": total_requests,
             "operator_api_requests": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "operator_reconciles": reconciles,
