@@ -29,7 +29,6 @@ operator's took). ``ratio`` is operator / baseline.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import signal
@@ -46,6 +45,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "operator"), str(ROOT / "engine-
 
 from cluster.localcluster import DEFAULT_NODES, FakeNode, LocalCluster  # noqa: E402
 from cluster.localcluster import default_bin_dir as bin_dir  # noqa: E402
+from cluster.manifests import secret  # noqa: E402
 from support import prom  # noqa: E402
 
 from kvfence.api import conditions as C  # noqa: E402
@@ -154,15 +154,6 @@ def status_apply(body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]
     return {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta, "status": status}
 
 
-def api_key_secret(name: str, namespace: str, key: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": name, "namespace": namespace},
-        "data": {"key": base64.b64encode(key.encode()).decode()},
-    }
-
-
 def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions) -> dict[str, float]:
     """One client doing what the operator's output needs: it reads every binding's API-key Secret
     (the routing table holds the tenants' key hashes), decides the bindings with the
@@ -184,7 +175,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": f"bench-base-t{k}"}}
             for k in range(TENANT_NAMESPACES)
         ]
-        + [api_key_secret(f"b{j}-keys", f"bench-base-t{j % TENANT_NAMESPACES}", f"sk-b{j}") for j in range(m)]
+        + [secret(f"b{j}-keys", f"bench-base-t{j % TENANT_NAMESPACES}", key=f"sk-b{j}") for j in range(m)]
         + tcs
         + tbs,
     )
@@ -324,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}} for ns in tenant_ns
         ]
         for j in range(m):
-            setup.append(api_key_secret(f"t{j}-keys", tenant_ns[j % TENANT_NAMESPACES], f"sk-t{j}"))
+            setup.append(secret(f"t{j}-keys", tenant_ns[j % TENANT_NAMESPACES], key=f"sk-t{j}"))
         kubectl_apply(cluster, setup)
         created = time.monotonic()
         classes = [tc_body(f"op-{i}") for i in range(n)]
