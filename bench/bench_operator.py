@@ -7,6 +7,7 @@ baseline that server-side-applies the same rendered objects directly with one cl
     .venv/bin/python bench/bench_operator.py --scale large   # 1,000/10,000
     .venv/bin/python bench/bench_operator.py --classes 50 --bindings 500
     .venv/bin/python bench/bench_operator.py --scale issue --tracemalloc /tmp/op-heap.txt  # where memory goes
+    .venv/bin/python bench/bench_operator.py --scale issue --profile /tmp/op.folded  # where CPU goes (py-spy)
 
 The cluster is the project's own (tests/cluster/localcluster.py, kwok nodes, extra CPU nodes added so
 every engine pod fits). The operator runs as a process with admin credentials here (RBAC is the
@@ -285,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run the operator under tracemalloc and write its largest allocation sites at its peak to FILE "
         "(tracing slows it down: such a run's times are not comparable)",
     )
+    ap.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="sample the operator with py-spy (on PATH or in this venv; not a dependency) from its start to "
+        "convergence and write its folded stacks to FILE (one line per stack and sample count, every "
+        "thread; sampling costs the operator a little CPU)",
+    )
     args = ap.parse_args(argv)
     n, m = SCALES[args.scale]
     n = args.classes or n
@@ -294,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalCluster(work / "cluster", bin_dir(), nodes=(*DEFAULT_NODES, *extra))
     cluster.start()
     op: subprocess.Popen[bytes] | None = None
+    spy: subprocess.Popen[bytes] | None = None
     try:
         cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
         for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
@@ -340,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
              "--resync-seconds", "100000", "--log-format", "json"],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         )  # fmt: skip
+        if args.profile:
+            spy = start_profiler(op.pid, args.profile)
         wait_until(lambda: _ok(port), "operator ready", 3600)
 
         def converged() -> bool:
@@ -355,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(converged, "all Ready and Bound", 7200)
         operator_s = time.monotonic() - start
         operator_cpu = cpu_seconds(op.pid)
+        if spy is not None:
+            stop_profiler(spy)
+            spy = None
         print(f"operator: {n} classes Ready and {m} bindings Bound in {operator_s:.1f}s", flush=True)
 
         wait_until(lambda: metrics(port).get("kvfence_operator_queue_depth", 1) == 0, "queue drained", 600)
@@ -399,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"written to {path}")
         return 0
     finally:
+        if spy is not None:
+            stop_profiler(spy)
         if op is not None and op.poll() is None:
             op.send_signal(signal.SIGTERM)
             try:
@@ -406,6 +422,25 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 op.kill()
         cluster.stop()
+
+
+def start_profiler(pid: int, out: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` (every thread, idle ones not counted) until :func:`stop_profiler`."""
+    exe = Path(sys.executable).with_name("py-spy")
+    spy = str(exe) if exe.exists() else "py-spy"
+    return subprocess.Popen(
+        [spy, "record", "--pid", str(pid), "--format", "raw", "--output", out, "--rate", "50",
+         "--nonblocking"]
+    )  # fmt: skip
+
+
+def stop_profiler(spy: subprocess.Popen[bytes]) -> None:
+    """py-spy writes its stacks when interrupted (as on Ctrl-C)."""
+    spy.send_signal(signal.SIGINT)
+    try:
+        spy.wait(60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
 
 
 def _ok(port: int) -> bool:
