@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -94,6 +95,9 @@ class Controller:
         self._failures: dict[Key, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # One thread per worker: asyncio's default executor has min(32, CPUs + 4) threads, fewer
+        # than ``workers`` on a small node, and is shared with anything else that uses it.
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="kvfence-reconcile")
 
     # --- queue ---------------------------------------------------------------------------------
     def enqueue(self, key: Key, delay: float = 0.0) -> None:
@@ -137,12 +141,18 @@ class Controller:
         for f, delay in self.reconciler.take_later().items():
             self.enqueue(f, delay)
 
+    def _loop_or_fail(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("controller not started")
+        return self._loop
+
     async def stop(self) -> None:
         if self._on_stop is not None:
             self._on_stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
         if self.secret_watches is not None:
             await self.secret_watches.stop()
 
@@ -200,7 +210,9 @@ class Controller:
             started = time.monotonic()
             follow: set[Key] = set()
             try:
-                follow = await asyncio.to_thread(self.reconciler.reconcile, key)
+                follow = await self._loop_or_fail().run_in_executor(
+                    self._threads, self.reconciler.reconcile, key
+                )
                 self._failures.pop(key, None)
                 metrics.RECONCILES.labels(kind=kind, result="ok").inc()
             except Requeue as r:
