@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import kopf
@@ -36,3 +37,44 @@ def test_no_diff_base_is_copied_or_stored() -> None:
     patch = kopf.Patch()
     storage.store(body=body, patch=patch, essence=kopf.BodyEssence(spec={"replicas": 2}))
     assert not patch  # nothing written onto the object
+
+
+class _Reconciler:
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+        self.kube: Any = None
+
+    def forget_api_keys(self, binding: str | None = None) -> None:
+        assert binding is not None
+        self.forgotten.append(binding)
+
+    def secret_untracked(self, secret: tuple[str, str]) -> None:
+        pass
+
+
+async def _binding_event(c: handlers.Controller, type: str | None, generation: int) -> None:
+    spec = {"tenantId": "t", "trustClassName": "c", "apiKeySecretRef": {"name": "t-keys"}}
+    await handlers.tenantbinding_event(
+        namespace="ns",
+        name="b",
+        type=type,
+        meta={"generation": generation},
+        spec=spec,
+        status={},
+        memo=kopf.Memo(controller=c),
+    )
+
+
+def test_a_bindings_api_keys_are_read_again_when_its_spec_changes_not_on_its_first_event() -> None:
+    async def run() -> list[str]:
+        r = _Reconciler()
+        c = handlers.Controller(r)  # type: ignore[arg-type]
+        c._loop, c._queue = asyncio.get_running_loop(), asyncio.Queue()
+        await _binding_event(c, None, 1)  # first sight: the decision that listed it read its keys
+        await _binding_event(c, "MODIFIED", 1)  # its status written: same spec
+        assert r.forgotten == []
+        await _binding_event(c, "MODIFIED", 2)  # the spec changed
+        await _binding_event(c, "DELETED", 2)
+        return r.forgotten
+
+    assert asyncio.run(run()) == ["ns/b", "ns/b"]

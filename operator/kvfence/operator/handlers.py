@@ -379,8 +379,13 @@ async def tenantbinding_event(
     c = _controller(memo)
     key = f"{namespace}/{name}"
     generation = meta.get("generation")
-    if type == "DELETED" or c.binding_generations.get(key) != generation:
-        # The spec changed (or the binding is new/gone): its API keys are read again.
+    seen = c.binding_generations.get(key)
+    if type == "DELETED" or (seen is not None and seen != generation):
+        # The spec changed (or the binding is gone): its API keys are read again. Not on a binding's
+        # first event: whatever is cached for it was read, moments ago, by a decision that listed it
+        # (the first events of 10,000 bindings arrive while the first decision reads their keys, and
+        # would have it read most of them a second time, one GET each), and the Secret's own watch
+        # still invalidates a cached read of an older version.
         c.reconciler.forget_api_keys(key)
     if type == "DELETED":
         c.binding_generations.pop(key, None)
