@@ -38,6 +38,7 @@ def record_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 
         monkeypatch.setattr(sched_mod, "Record", records.PyRecord)
         monkeypatch.setattr(sched_mod, "pack", None)
+        monkeypatch.setattr(sched_mod, "record_chain", records.py_record_chain)
         monkeypatch.setattr(fence_mod, "equal", records.py_equal)
         monkeypatch.setattr(fence_mod, "verify_chain", records.py_verify_chain)
     yield request.param

@@ -140,6 +140,119 @@ def test_the_compiled_verification_walk_gives_the_pure_python_answer(
     assert answers[0] == want
 
 
+class FakeBlock:
+    """What record_chain reads of vLLM's KVCacheBlock."""
+
+    def __init__(self, block_id: int, is_null: bool = False, block_hash: Any = b"h") -> None:
+        self.block_id, self.is_null, self.block_hash = block_id, is_null, block_hash
+
+
+def per_block_records(
+    make: Any,
+    blocks: list[FakeBlock],
+    start: int,
+    stop: int,
+    parent: Any,
+    tokens: list[int],
+    root: int,
+    ns: Any,
+) -> dict[int, Any]:
+    """The loop record_chain replaces (the scheduler's cache_full_blocks before it), one Record call per
+    block: what each block id ends up holding."""
+    out: dict[int, Any] = {}
+    for i in range(start, stop):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            parent = None
+            continue
+        if i < root or (i > 0 and parent is None):
+            out[block.block_id] = parent = None
+            continue
+        rec = make(parent, tokens, i * BS, (i + 1) * BS, ns if i == root else None, i == root)
+        out[block.block_id] = parent = rec
+    return out
+
+
+def chain_view(rec: Any, depth: int = 8) -> Any:
+    """A record and its ancestors as plain values (tokens as a list of ints)."""
+    out = []
+    while rec is not None and depth:
+        toks = rec.tokens
+        if isinstance(toks, bytes):
+            toks = [
+                int.from_bytes(toks[k : k + 8], sys.byteorder, signed=True) for k in range(0, len(toks), 8)
+            ]
+        out.append((toks, rec.namespace, rec.root))
+        rec, depth = rec.parent, depth - 1
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.integers(0, 6),
+    st.data(),
+)
+def test_the_recording_call_builds_the_records_the_per_block_loop_built(n: int, data: st.DataObject) -> None:
+    # record_chain (compiled) and py_record_chain (the GPU image's pure Python) build, for any run of
+    # blocks (null ones, unhashed ones, a root after declared shared blocks, packed prompts covering any
+    # prefix), the records one Record call per block built, under the same block ids, chained alike.
+    from kvfence.vllm import _records
+
+    tokens = data.draw(st.lists(st.integers(0, 2**40), min_size=n * BS, max_size=n * BS + 5))
+    kinds = data.draw(
+        st.lists(st.sampled_from(["ok", "ok", "ok", "null", "unhashed"]), min_size=n, max_size=n)
+    )
+    start = data.draw(st.integers(0, n))
+    root = data.draw(st.integers(0, n))
+    packed_upto = data.draw(st.integers(0, len(tokens)))
+    ids = data.draw(st.permutations(range(1, n + 1)))
+    with_parent = start > 0 and data.draw(st.booleans())  # blocks[start - 1] has a record
+    blocks = [
+        FakeBlock(bid, is_null=kind == "null", block_hash=None if kind == "unhashed" else b"h")
+        for bid, kind in zip(ids, kinds, strict=True)
+    ]
+    ns = (("salt", None), None)
+    want_by_impl = {}
+    for make, chain, packed in (
+        (_records.Record, _records.record_chain, _records.pack(tokens[:packed_upto])),
+        (records.PyRecord, records.py_record_chain, None),
+    ):
+        parent = make(None, [7] * BS, 0, BS, ns, True) if with_parent else None
+        store: list[Any] = ["old"] * (n + 1)
+        chain(store, blocks, start, n, parent, tokens, packed, BS, root, ns)
+        want = per_block_records(make, blocks, start, n, parent, tokens, root, ns)
+        for bid in range(n + 1):
+            if bid in want:
+                assert chain_view(store[bid]) == chain_view(want[bid]), bid
+                assert type(store[bid]) is type(want[bid])
+            else:  # a block the call did not record keeps what it held
+                assert store[bid] == "old"
+        want_by_impl[make] = {bid: chain_view(r) for bid, r in want.items()}
+    # Both implementations record the same tokens, namespaces and roots.
+    assert want_by_impl[_records.Record] == want_by_impl[records.PyRecord]
+
+
+def test_the_recording_call_refuses_what_it_cannot_read() -> None:
+    from kvfence.vllm import _records
+
+    store: list[Any] = [None, None]
+    ok = [FakeBlock(1)]
+    _records.record_chain(store, ok, 0, 1, None, [1, 2], None, 2, 0, ("n", None))
+    assert store[1] is not None and store[1].namespace == ("n", None) and store[1].root
+    with pytest.raises(TypeError):
+        _records.record_chain(store, ok, 0, 1, object(), [1, 2], None, 2, 0, None)  # parent not a record
+    with pytest.raises(TypeError):
+        _records.record_chain(store, tuple(ok), 0, 1, None, [1, 2], None, 2, 0, None)  # blocks a list
+    with pytest.raises(ValueError):
+        _records.record_chain(store, ok, 0, 2, None, [1, 2], None, 2, 0, None)  # past the blocks
+    with pytest.raises(ValueError):
+        _records.record_chain(store, ok, 0, 1, None, [1, 2], b"\x00" * 7, 2, 0, None)  # not packed ids
+    with pytest.raises(IndexError):
+        _records.record_chain(store, [FakeBlock(5)], 0, 1, None, [1, 2], None, 2, 0, None)  # no slot
+    with pytest.raises(AttributeError):
+        _records.record_chain(store, [object()], 0, 1, None, [1, 2], None, 2, 0, None)  # not a block
+
+
 def test_verify_chain_refuses_what_it_cannot_read() -> None:
     from kvfence.vllm import _records
 

@@ -20,6 +20,10 @@
  *       root without parent whose namespace == namespace; every later one has no namespace and the
  *       previous block's record, the very object, as parent. ``packed`` (bytes from pack(), or None)
  *       holds the first tokens of ``tokens``: where it reaches, blocks compare with memcmp.
+ *   record_chain(records, blocks, start, stop, parent, tokens, packed, block_size, root, namespace)
+ *       the records of vLLM blocks[start:stop] a request just filled, in one call (the scheduler's
+ *       cache_full_blocks for plain text; kvfence.vllm.records.py_record_chain is the same loop in
+ *       Python): see records_record_chain below.
  *
  * Why (docs/engine.md, "What the plugin costs inside vLLM"): vLLM's scheduler thread runs Python's
  * cyclic garbage collector every 700 net allocations of container objects, and each young collection
@@ -167,6 +171,24 @@ slice_packed(PyObject *packed, Py_ssize_t start, Py_ssize_t stop)
                                      (stop - start) * (Py_ssize_t)sizeof(int64_t));
 }
 
+/* A new record of packed tokens (the reference is taken over, also on failure). */
+static PyObject *
+record_make(PyTypeObject *type, PyObject *parent, PyObject *tokens, PyObject *namespace, int root)
+{
+    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        Py_DECREF(tokens);
+        return NULL;
+    }
+    Py_INCREF(parent);
+    self->parent = parent;
+    self->tokens = tokens;
+    Py_INCREF(namespace);
+    self->namespace = namespace;
+    self->root = (char)(root || parent == Py_None);
+    return (PyObject *)self;
+}
+
 static PyObject *
 record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -184,18 +206,7 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     PyObject *tokens = PyBytes_Check(list) ? slice_packed(list, start, stop) : pack(list, start, stop);
     if (tokens == NULL)
         return NULL;
-    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
-        Py_DECREF(tokens);
-        return NULL;
-    }
-    Py_INCREF(parent);
-    self->parent = parent;
-    self->tokens = tokens;
-    Py_INCREF(namespace);
-    self->namespace = namespace;
-    self->root = (char)(root || parent == Py_None);
-    return (PyObject *)self;
+    return record_make(type, parent, tokens, namespace, root);
 }
 
 static void
@@ -384,6 +395,112 @@ records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(i);
 }
 
+/* A block attribute read for record_chain: 1 true, 0 false, -1 error. */
+static int
+attr_is_true(PyObject *block, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(block, name);
+    if (v == NULL)
+        return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+static PyObject *str_is_null, *str_block_hash, *str_block_id;
+
+/* record_chain(records, blocks, start, stop, parent, tokens, packed, block_size, root, namespace)
+ *
+ * The plain-text loop of the scheduler's cache_full_blocks (FencedBlockPool), in one call: for i in
+ * [start, stop), vLLM's block blocks[i] (just cached by vLLM):
+ *   - a null block, or one without a block hash, records nothing and ends the chain (parent None);
+ *   - block i < root (a declared shared block computed again), or one whose parent has no record
+ *     (i > 0), gets no record: records[block_id] = None, which never verifies;
+ *   - otherwise records[block_id] = Record(parent, tokens, i*bs, (i+1)*bs, namespace if i == root
+ *     else None, root=i == root), its tokens copied from packed where packed holds the whole block.
+ * parent: the record of blocks[start - 1] (None at 0). Errors only for inputs that are a bug. */
+static PyObject *
+records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "record_chain(records, blocks, start, stop, parent, tokens, packed, "
+                                         "block_size, root, namespace)");
+        return NULL;
+    }
+    PyObject *records = args[0], *blocks = args[1], *parent = args[4], *list = args[5];
+    PyObject *packed_obj = args[6], *ns = args[9];
+    if (!PyList_Check(records) || !PyList_Check(blocks) || !PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "record_chain: records, blocks and tokens must be lists");
+        return NULL;
+    }
+    if (parent != Py_None && !Py_IS_TYPE(parent, &RecordType)) {
+        PyErr_SetString(PyExc_TypeError, "record_chain: parent must be a Record or None");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), stop = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[7]), root = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (start < 0 || bs <= 0 || stop > PyList_GET_SIZE(blocks)) {
+        PyErr_SetString(PyExc_ValueError, "record_chain: start, stop or block_size out of range");
+        return NULL;
+    }
+    Py_ssize_t npacked = 0;
+    if (packed_obj != Py_None) {
+        if (!PyBytes_Check(packed_obj) || (npacked = packed_count(packed_obj, "record_chain")) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "record_chain: packed must be bytes from pack() or None");
+            return NULL;
+        }
+    }
+    Py_INCREF(parent);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        int null = attr_is_true(block, str_is_null);
+        if (null < 0)
+            goto fail;
+        PyObject *h = null ? NULL : PyObject_GetAttr(block, str_block_hash);
+        if (!null && h == NULL)
+            goto fail;
+        int unhashed = h == Py_None;
+        Py_XDECREF(h);
+        if (null || unhashed) {
+            Py_SETREF(parent, Py_NewRef(Py_None));
+            continue;
+        }
+        PyObject *id_obj = PyObject_GetAttr(block, str_block_id);
+        if (id_obj == NULL)
+            goto fail;
+        Py_ssize_t bid = PyLong_AsSsize_t(id_obj);
+        Py_DECREF(id_obj);
+        if (bid == -1 && PyErr_Occurred())
+            goto fail;
+        if (bid < 0 || bid >= PyList_GET_SIZE(records)) {
+            PyErr_Format(PyExc_IndexError, "record_chain: block id %zd has no record slot", bid);
+            goto fail;
+        }
+        PyObject *rec;
+        if (i < root || (i > 0 && parent == Py_None)) {
+            rec = Py_NewRef(Py_None);
+        } else {
+            Py_ssize_t lo = i * bs;
+            PyObject *tokens = lo + bs <= npacked ? slice_packed(packed_obj, lo, lo + bs) : pack(list, lo, lo + bs);
+            if (tokens == NULL)
+                goto fail;
+            rec = record_make(&RecordType, parent, tokens, i == root ? ns : Py_None, i == root);
+            if (rec == NULL)
+                goto fail;
+        }
+        PyList_SetItem(records, bid, Py_NewRef(rec)); /* steals the new reference; drops the old record */
+        Py_SETREF(parent, rec);
+    }
+    Py_DECREF(parent);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(parent);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"equal", (PyCFunction)(void (*)(void))records_equal, METH_FASTCALL,
      "equal(packed, tokens, start) -> bool: whether packed holds exactly tokens[start:start + n]"},
@@ -391,6 +508,9 @@ static PyMethodDef methods[] = {
     {"verify_chain", (PyCFunction)(void (*)(void))records_verify_chain, METH_FASTCALL,
      "verify_chain(records, block_ids, tokens, packed, namespace, block_size) -> int: the leading blocks "
      "of a hit that verify by the plain-text rule"},
+    {"record_chain", (PyCFunction)(void (*)(void))records_record_chain, METH_FASTCALL,
+     "record_chain(records, blocks, start, stop, parent, tokens, packed, block_size, root, namespace): the "
+     "records of the vLLM blocks[start:stop] a request filled (plain text)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -404,6 +524,11 @@ PyMODINIT_FUNC
 PyInit__records(void)
 {
     if (PyType_Ready(&RecordType) < 0)
+        return NULL;
+    str_is_null = PyUnicode_InternFromString("is_null");
+    str_block_hash = PyUnicode_InternFromString("block_hash");
+    str_block_id = PyUnicode_InternFromString("block_id");
+    if (str_is_null == NULL || str_block_hash == NULL || str_block_id == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

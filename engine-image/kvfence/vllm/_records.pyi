@@ -32,3 +32,16 @@ def verify_chain(
     block_size: int,
     /,
 ) -> int: ...
+def record_chain(
+    records: list[Any],
+    blocks: list[Any],
+    start: int,
+    stop: int,
+    parent: Record | None,
+    tokens: list[int],
+    packed: bytes | None,
+    block_size: int,
+    root: int,
+    namespace: Any,
+    /,
+) -> None: ...

@@ -24,7 +24,9 @@ arrives: vLLM's block hasher has just read those int objects, and a prefix hit v
 request may wait many steps in a saturated engine, its int objects long out of the CPU's caches) then
 compares packed bytes with ``memcmp``; records of prompt blocks are copied from it too. The packed copy
 is the request's own prompt, which never changes, so a comparison with it is a comparison with the
-request's tokens. :func:`verify_chain` is the fence's plain-text verification walk (see its docstring).
+request's tokens. :func:`verify_chain` is the fence's plain-text verification walk (see its docstring),
+:func:`record_chain` the scheduler's plain-text recording loop (one call for the blocks a request
+filled, instead of one ``Record`` call per block).
 """
 
 from __future__ import annotations
@@ -85,20 +87,66 @@ def py_verify_chain(
     return len(block_ids)
 
 
+def py_record_chain(
+    records: list[Any],
+    blocks: list[Any],
+    start: int,
+    stop: int,
+    parent: Any,
+    tokens: list[int],
+    packed: Any,
+    block_size: int,
+    root: int,
+    namespace: Any,
+) -> None:
+    """The records of vLLM's ``blocks[start:stop]``, which a request of plain text just filled and vLLM
+    just cached (the scheduler's ``cache_full_blocks``): block ``i`` gets ``Record(parent, tokens,
+    i * block_size, (i + 1) * block_size, namespace if i == root else None, root=i == root)`` under its
+    block id, chained to the record before it (``parent``: blocks[start - 1]'s, None at 0). A null block
+    or one without a hash records nothing and ends the chain; a block before ``root`` (a declared shared
+    block computed again instead of hit) or after a block without a record gets None (an entry that
+    never verifies). ``packed`` is ignored here (the compiled ``record_chain`` copies a block's tokens
+    from it where it holds the whole block)."""
+    for i in range(start, stop):
+        block = blocks[i]
+        if block.is_null or block.block_hash is None:
+            parent = None
+            continue
+        if i < root or (i > 0 and parent is None):
+            records[block.block_id] = parent = None
+            continue
+        lo = i * block_size
+        records[block.block_id] = parent = PyRecord(
+            parent, tokens, lo, lo + block_size, namespace if i == root else None, i == root
+        )
+
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvfence.vllm._records import Record, equal, verify_chain
+    from kvfence.vllm._records import Record, equal, record_chain, verify_chain
 
     COMPILED: bool
     pack: Callable[[list[int]], bytes] | None
 else:
     try:
-        from kvfence.vllm._records import Record, equal, pack, verify_chain
+        from kvfence.vllm._records import Record, equal, pack, record_chain, verify_chain
 
         COMPILED = True
     except ImportError:  # a pure-Python install (KVFENCE_PURE_PYTHON=1)
         Record, equal, verify_chain, pack = PyRecord, py_equal, py_verify_chain, None
+        record_chain = py_record_chain
         COMPILED = False
 
-__all__ = ["COMPILED", "PyRecord", "Record", "equal", "pack", "py_equal", "py_verify_chain", "verify_chain"]
+__all__ = [
+    "COMPILED",
+    "PyRecord",
+    "Record",
+    "equal",
+    "pack",
+    "py_equal",
+    "py_record_chain",
+    "py_verify_chain",
+    "record_chain",
+    "verify_chain",
+]

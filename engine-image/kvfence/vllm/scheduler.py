@@ -70,7 +70,7 @@ from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
 from kvfence.vllm.prologue import with_prologue
 from kvfence.vllm.records import COMPILED as records_compiled
-from kvfence.vllm.records import pack
+from kvfence.vllm.records import pack, record_chain
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
@@ -289,14 +289,32 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         # Prompt blocks are copied from the prompt packed on arrival (kvfence.vllm.records.pack), the
         # rest packed from the token list.
         packed = self.packed_of.get(request.request_id)
-        npacked = len(packed) >> 3 if packed is not None else 0
-        plain = not request.mm_features and getattr(request, "prompt_embeds", None) is None
-        extras = None if plain else extra_keys_of(request, num_full_blocks, block_size)
         # Where the request's namespace enters its chain: block 0, or the first block after the
         # declared shared prefix it begins with (its blocks before that are the pinned ones).
         shared_of = self.shared_of
         root = shared_of.get(request.request_id, 0) if shared_of else 0
         parent = records[blocks[num_cached_blocks - 1].block_id] if num_cached_blocks > 0 else None
+        if not request.mm_features and getattr(request, "prompt_embeds", None) is None:
+            # Plain text (the common case): the loop below in one call (kvfence.vllm.records), the
+            # root's namespace as block_namespace(0, ns, None) makes it.
+            root_ns = (namespace_of(request), None) if num_cached_blocks <= root < num_full_blocks else None
+            record_chain(
+                records,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                parent,
+                tokens,
+                packed,
+                block_size,
+                root,
+                root_ns,
+            )
+            return
+        # Multimodal inputs or prompt embeddings: the same loop, with vLLM's per-block extra keys.
+        npacked = len(packed) >> 3 if packed is not None else 0
+        extras = extra_keys_of(request, num_full_blocks, block_size)
+        assert extras is not None  # (not plain text)
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is None:
@@ -309,16 +327,13 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 continue
             lo = i * block_size  # the record takes tokens[lo:lo + block_size] (kvfence.vllm.records)
             src: Any = packed if lo + block_size <= npacked else tokens
-            # Only the root, and blocks with extra keys, store a namespace (block_namespace's rule,
-            # without a call for every plain block on this hot path).
             if i == root:
-                ns = namespace_of(request)
-                namespace = TenantFence.block_namespace(0, ns, None if extras is None else extras[i:])
+                namespace = TenantFence.block_namespace(0, namespace_of(request), extras[i:])
                 rec = Record(parent, src, lo, lo + block_size, namespace, True)
                 records[block.block_id] = parent = rec
                 continue
             # (i > root >= 0 here: block_namespace ignores the request's namespace for such a block)
-            namespace = TenantFence.block_namespace(i, (), extras) if extras is not None else None
+            namespace = TenantFence.block_namespace(i, (), extras)
             records[block.block_id] = parent = Record(parent, src, lo, lo + block_size, namespace)
 
     def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
