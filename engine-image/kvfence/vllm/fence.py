@@ -361,26 +361,37 @@ class TenantFence:
         free blocks, then its own cold ones, then others' beyond their guarantee. Cold blocks handed
         out lose their record (the caller takes them out of vLLM's prefix cache). Every block's
         generation moves."""
-        acct = self.account(tenant)
+        acct = self.book.accounts.get(tenant)  # self.account(tenant), inlined (every allocation)
+        if acct is None:
+            acct = self.book.account(tenant)
         free = self.pool.free
-        if (self.unlimited and len(free) >= n) or self.clean_enough(tenant, n):
-            # The common case, what plan_allocation decides too: clean blocks only.
+        if self.unlimited:
+            # No quotas (what plan_allocation decides too, without its helpers): the clean blocks freed
+            # last, then the tenant's own least recently used cold ones.
+            k = len(free)
+            if k >= n:  # the common case: clean blocks only (_pop_free, inlined)
+                out = free[k - n :]
+                del free[k - n :]
+                return self._hand_out(acct, out)
+            if k + len(acct.cold) >= n:
+                # _uncharge for each cold one, inlined: they are the tenant's own, so its usage drops by
+                # ``own`` (and _hand_out charges it ``n``); without guarantees there is no reservation
+                # to keep current.
+                own = n - k
+                out = acct.cold.popleft_n(own)
+                records = self.records
+                for b in out:
+                    b.owner = None
+                    records[b.block_id] = None
+                acct.usage -= own
+                self.counters.evictions_own += own
+                if k:
+                    out.extend(free)
+                    free.clear()
+                return self._hand_out(acct, out)
+        elif self.clean_enough(tenant, n):
+            # The common case with quotas, what plan_allocation decides too: clean blocks only.
             return self._hand_out(acct, self._pop_free(n))
-        if self.unlimited and len(free) + len(acct.cold) >= n:
-            # A full pool without quotas (what plan_allocation decides too): the clean blocks, then the
-            # tenant's own least recently used cold ones; no planner needed.
-            # _uncharge for each, inlined: they are the tenant's own, so its usage drops by ``own`` (and
-            # _hand_out charges it ``n``); without guarantees there is no reservation to keep current.
-            own = n - len(free)
-            out = acct.cold.popleft_n(own)
-            records = self.records
-            for b in out:
-                b.owner = None
-                records[b.block_id] = None
-            acct.usage -= own
-            self.counters.evictions_own += own
-            out.extend(self._pop_free(len(free)))
-            return self._hand_out(acct, out)
         plan = plan_allocation(self.pool, self.book, acct, n)
         if plan.released:
             # Above its maximum (lowered since): the surplus cold blocks become clean free blocks, and
@@ -411,20 +422,24 @@ class TenantFence:
         blocks = self.pool.blocks
         accounts = self.book.accounts
         if cold:
-            by_owner: dict[str, list[KVBlock]] = {}
-            for block_id in cold:
-                b = blocks[block_id]
-                owner = b.owner
-                if b.state is not ACTIVE or owner is None:
-                    raise FenceError(f"block {block_id} released from state {b.state.name}")
+            shadows = list(map(blocks.__getitem__, cold))
+            first = shadows[0].owner
+            one_owner = True
+            for b in shadows:
+                if b.state is not ACTIVE or b.owner is None:
+                    raise FenceError(f"block {b.block_id} released from state {b.state.name}")
                 b.state = COLD
-                got = by_owner.get(owner)
-                if got is None:
-                    by_owner[owner] = [b]
-                else:
-                    got.append(b)
-            for owner, bs in by_owner.items():
-                accounts[owner].cold.extend(bs)
+                if b.owner != first:
+                    one_owner = False
+            by_owner: dict[str, list[KVBlock]] = {}
+            if one_owner and first is not None:  # a request's blocks, its tenant's (the common case)
+                by_owner[first] = shadows
+            else:
+                for b in shadows:
+                    if b.owner is not None:  # (checked above)
+                        by_owner.setdefault(b.owner, []).append(b)
+            for tenant, bs in by_owner.items():
+                accounts[tenant].cold.extend(bs)
         if clean:
             self.moves += 1
             records = self.records
