@@ -65,6 +65,12 @@ real engine spends); it reports instructions, L1 and last-level misses per step 
 callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) for each, and their
 fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind and gcc (a two-line
 client-request library is compiled on the fly).
+
+``--bytecodes`` counts Python bytecodes instead (``sys.settrace`` with opcode events, only inside the
+timed calls, one run of each scheduler in this process, the stats write and file check paced as under
+``--callgrind``): per step, each scheduler's total and, function by function, where the fenced run
+executes more or fewer than the stock one. Deterministic and needs nothing beyond vLLM, but blind to
+work done in C (the compiled records, vLLM's hashing) and to what a bytecode costs.
 """
 
 from __future__ import annotations
@@ -961,6 +967,91 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
     print(f"\nwritten to {path}")
 
 
+class OpcodeCounter:
+    """drive()'s profiler interface: counts the bytecodes each function executes while enabled."""
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, int] = {}
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            self.counts[code] = self.counts.get(code, 0) + 1
+        return self._local
+
+    def _call(self, frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        return self._local
+
+    def enable(self) -> None:
+        sys.settrace(self._call)
+
+    def disable(self) -> None:
+        sys.settrace(None)
+
+
+def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, top: int = 25) -> None:
+    """Bytecodes per step of each scheduler, and the functions where the fenced run differs most."""
+
+    def name(code: Any) -> str:
+        path = code.co_filename
+        for root in ("site-packages/", f"{ROOT}/"):
+            path = path.split(root)[-1]
+        return f"{path}:{code.co_firstlineno}({code.co_qualname})"
+
+    results: dict[str, Any] = {}
+    for label in chosen:
+        quotas = VARIANTS[label]
+        per_step: dict[str, dict[str, float]] = {}
+        totals: dict[str, float] = {}
+        fingerprints = {}
+        for kind in KINDS:
+            drive(kind, workload(1, seed + 1), quotas, config)  # warm-up, not counted
+            counter = OpcodeCounter()
+            run = drive(
+                kind,
+                workload(per_user, seed),
+                quotas,
+                config,
+                counter,  # type: ignore[arg-type]
+                stats_every=CALLGRIND_STATS_EVERY,
+                reload_every=CALLGRIND_RELOAD_EVERY,
+            )
+            steps = len(run.step_ns)
+            funcs: dict[str, float] = {}
+            for c, n in counter.counts.items():  # (two code objects may share a name: summed)
+                funcs[name(c)] = funcs.get(name(c), 0.0) + n / steps
+            per_step[kind] = funcs
+            totals[kind] = sum(counter.counts.values()) / steps
+            fingerprints[kind] = run.fingerprint
+        ratio = totals["fenced"] / totals["stock"]
+        print(
+            f"\n[{label}] bytecodes per step: stock {totals['stock']:,.0f}, fenced {totals['fenced']:,.0f}, "
+            f"fenced/stock {ratio:.4f} (same schedule: {fingerprints['stock'] == fingerprints['fenced']})"
+        )
+        names = set(per_step["stock"]) | set(per_step["fenced"])
+        diff = sorted(
+            ((per_step["fenced"].get(f, 0.0) - per_step["stock"].get(f, 0.0), f) for f in names),
+            key=lambda d: -abs(d[0]),
+        )
+        table(
+            f"[{label}] bytecodes per step, fenced - stock, the {top} largest differences",
+            ["function", "stock", "fenced", "fenced - stock"],
+            [
+                [
+                    f,
+                    f"{per_step['stock'].get(f, 0.0):,.1f}",
+                    f"{per_step['fenced'].get(f, 0.0):,.1f}",
+                    f"{d:+,.1f}",
+                ]
+                for d, f in diff[:top]
+            ],
+        )
+        results[label] = {"per_step": totals, "ratio": ratio, "functions": per_step}
+    path = write_results("vllm-bytecodes", {"variants": results})
+    print(f"\nwritten to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")
@@ -997,6 +1088,11 @@ def main() -> None:
     ap.add_argument(
         "--callgrind-keep", metavar="DIR", help="with --callgrind: keep callgrind's output files here"
     )
+    ap.add_argument(
+        "--bytecodes",
+        action="store_true",
+        help="instead of timing: count the Python bytecodes each function executes (see above)",
+    )
     ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -1020,6 +1116,9 @@ def main() -> None:
         return
     if a.callgrind:
         callgrind(chosen, per_user, a)
+        return
+    if a.bytecodes:
+        bytecodes(chosen, per_user, a.seed, config)
         return
     if a.hit_rate:
         n_rounds = 6 if a.quick else 12
