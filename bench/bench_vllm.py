@@ -66,6 +66,10 @@ callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) for e
 fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind and gcc (a two-line
 client-request library is compiled on the fly).
 
+``--pure-python-records`` runs the fenced scheduler with the pure-Python prefix-cache records
+(``kvfence.vllm.records.PyRecord`` and its functions), what the GPU image installs (its kvfence wheel is
+pure Python: docs/engine.md), instead of the compiled ones this machine built; any mode.
+
 ``--bytecodes`` counts Python bytecodes instead (``sys.settrace`` with opcode events, only inside the
 timed calls, one run of each scheduler in this process, the stats write and file check paced as under
 ``--callgrind``): per step, each scheduler's total and, function by function, where the fenced run
@@ -881,6 +885,7 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
                     str(per_user),
                     "--seed",
                     str(a.seed),
+                    *(["--pure-python-records"] if a.pure_python_records else []),
                 ]
                 procs[kind] = (
                     out,
@@ -962,9 +967,29 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
         "requests_per_user": per_user,
         "seed": a.seed,
         "last_level_cache": CALLGRIND_LL,
+        "records": records_kind(a),
     }
     path = write_results("vllm-callgrind", {"setup": setup, "variants": results})
     print(f"\nwritten to {path}")
+
+
+def records_kind(a: argparse.Namespace) -> str:
+    return "pure-Python" if a.pure_python_records else "compiled"
+
+
+def use_pure_python_records() -> None:
+    """The fenced scheduler with the pure-Python records, as in the GPU image (the same switch as the
+    vLLM lane's ``record_impl`` fixture, tests/vllm_engine/conftest.py)."""
+    import kvfence.vllm.fence as fence_mod
+    import kvfence.vllm.scheduler as sched_mod
+    from kvfence.vllm import records
+
+    sched_mod.Record = records.PyRecord  # type: ignore[misc,assignment]
+    sched_mod.pack = None
+    sched_mod.records_compiled = False  # (its start-up log line says which)
+    sched_mod.record_chain = records.py_record_chain
+    fence_mod.equal = records.py_equal
+    fence_mod.verify_chain = records.py_verify_chain
 
 
 class OpcodeCounter:
@@ -990,7 +1015,7 @@ class OpcodeCounter:
         sys.settrace(None)
 
 
-def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, top: int = 25) -> None:
+def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, records: str, top: int = 25) -> None:
     """Bytecodes per step of each scheduler, and the functions where the fenced run differs most."""
 
     def name(code: Any) -> str:
@@ -1026,7 +1051,8 @@ def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, top: int
             fingerprints[kind] = run.fingerprint
         ratio = totals["fenced"] / totals["stock"]
         print(
-            f"\n[{label}] bytecodes per step: stock {totals['stock']:,.0f}, fenced {totals['fenced']:,.0f}, "
+            f"\n[{label}, {records} records] bytecodes per step: stock {totals['stock']:,.0f}, "
+            f"fenced {totals['fenced']:,.0f}, "
             f"fenced/stock {ratio:.4f} (same schedule: {fingerprints['stock'] == fingerprints['fenced']})"
         )
         names = set(per_step["stock"]) | set(per_step["fenced"])
@@ -1048,7 +1074,7 @@ def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, top: int
             ],
         )
         results[label] = {"per_step": totals, "ratio": ratio, "functions": per_step}
-    path = write_results("vllm-bytecodes", {"variants": results})
+    path = write_results("vllm-bytecodes", {"records": records, "variants": results})
     print(f"\nwritten to {path}")
 
 
@@ -1089,6 +1115,11 @@ def main() -> None:
         "--callgrind-keep", metavar="DIR", help="with --callgrind: keep callgrind's output files here"
     )
     ap.add_argument(
+        "--pure-python-records",
+        action="store_true",
+        help="the fenced scheduler with the pure-Python records the GPU image runs (see above)",
+    )
+    ap.add_argument(
         "--bytecodes",
         action="store_true",
         help="instead of timing: count the Python bytecodes each function executes (see above)",
@@ -1111,6 +1142,8 @@ def main() -> None:
         config.scheduler_config = copy.copy(config.scheduler_config)
         config.scheduler_config.async_scheduling = True
     sc = config.scheduler_config
+    if a.pure_python_records:
+        use_pure_python_records()
     if a.callgrind_child:
         callgrind_child(a.callgrind_child, per_user, a.seed, VARIANTS[a.variants], config, a.callgrind_lib)
         return
@@ -1118,7 +1151,7 @@ def main() -> None:
         callgrind(chosen, per_user, a)
         return
     if a.bytecodes:
-        bytecodes(chosen, per_user, a.seed, config)
+        bytecodes(chosen, per_user, a.seed, config, records_kind(a))
         return
     if a.hit_rate:
         n_rounds = 6 if a.quick else 12
@@ -1148,7 +1181,7 @@ def main() -> None:
         f"{sc.max_num_seqs}, max_num_batched_tokens {sc.max_num_batched_tokens}, chunked prefill "
         f"{sc.enable_chunked_prefill}, async scheduling {sc.async_scheduling}; {n_req} requests from "
         f"{len(TENANTS)} tenants ({sum(CONCURRENCY)} concurrent users); {rounds} rounds, "
-        f"{mode}",
+        f"{mode}; {records_kind(a)} prefix-cache records",
         file=sys.stderr,
     )
     results: dict[str, Any] = {}
@@ -1212,6 +1245,7 @@ def main() -> None:
         "target_ratio": TARGET,
         "process_per_run": a.process_per_run,
         "lockstep": a.lockstep,
+        "records": records_kind(a),
     }
     path = write_results("vllm", {"setup": setup, "variants": results, "profiles": profiles})
     print(f"\nwritten to {path}")
