@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from kvfence.api.common import API_VERSION
 from kvfence.api.tenantbinding import TenantBinding
@@ -144,3 +145,51 @@ def test_freed_memory_is_given_back_on_glibc() -> None:
     from kvfence.operator import memory
 
     assert memory.release_free_memory() is True
+
+
+def test_a_leadership_term_waits_until_the_api_server_serves_the_custom_resources() -> None:
+    """kopf discovers what it watches once per term: a term begun right after an API server restart,
+    before the CRDs' group is served again, would watch nothing. Each term waits for the group first
+    (unreachable, 404, a partial list: all "not yet"), and gives up only when told to stop."""
+    import threading
+
+    from kvfence.operator.apply import KubeError
+    from kvfence.operator.main import WATCHED_CUSTOM, wait_until_served
+
+    assert set(WATCHED_CUSTOM) == {"trustclasses", "tenantbindings"}
+    full = {"resources": [{"name": n} for n in (*WATCHED_CUSTOM, "trustclasses/status")]}
+    answers: list[Any] = [
+        ConnectionRefusedError("connection refused"),
+        KubeError(404, "Not Found", "the server could not find the requested resource"),
+        {"resources": [{"name": "trustclasses"}]},
+        full,
+    ]
+
+    class Discovery:
+        paths: list[str] = []
+
+        def request(self, method: str, path: str) -> Any:
+            assert method == "GET"
+            self.paths.append(path)
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    kube = Discovery()
+    stop = threading.Event()
+    assert wait_until_served(kube, stop, interval=0.0) is True  # type: ignore[arg-type]
+    assert kube.paths == ["/apis/kvfence.dev/v1alpha1"] * 4 and not answers
+
+    calls = 0
+
+    class Never:
+        def request(self, method: str, path: str) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                stop.set()  # SIGTERM, or the lease lost, while waiting
+            return {"resources": []}
+
+    assert wait_until_served(Never(), stop, interval=0.0) is False  # type: ignore[arg-type]
+    assert calls == 3

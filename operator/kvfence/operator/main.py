@@ -29,9 +29,10 @@ from typing import Any
 import kopf
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfence.api.common import API_VERSION
 from kvfence.operator import handlers as _handlers  # registers the kopf handlers
 from kvfence.operator import metrics
-from kvfence.operator.apply import Kube, load_api_client
+from kvfence.operator.apply import RESOURCES, Kube, load_api_client
 from kvfence.operator.builders import (
     DEFAULT_KEY_PROPAGATION_SECONDS,
     FIELD_MANAGER,
@@ -239,6 +240,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+#: the custom resources the handlers watch (the built-in ones are served as soon as the API server is)
+WATCHED_CUSTOM = tuple(r.plural for (av, _), r in RESOURCES.items() if av == API_VERSION)
+
+
+def wait_until_served(kube: Kube, stop: threading.Event, interval: float = 1.0) -> bool:
+    """Until the API server's discovery lists :data:`WATCHED_CUSTOM` (True), or ``stop`` is set (False).
+
+    kopf discovers the resources it watches once per run (``settings.scanning.disabled``: no CRD
+    watch), so a leadership term begun while an API server that has just restarted does not serve the
+    CRDs' group yet would watch nothing for the whole term. Each term waits for them first."""
+    path = f"/apis/{API_VERSION}"
+    told = False
+    while not stop.is_set():
+        try:
+            doc = kube.request("GET", path)
+            served = {r.get("name") for r in (doc or {}).get("resources", [])}
+            missing = sorted(set(WATCHED_CUSTOM) - served)
+            why = f"not yet served: {', '.join(missing)}"
+        except Exception as e:  # unreachable, 404 while the group is not served, ...: wait
+            missing, why = list(WATCHED_CUSTOM), str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        if not missing:
+            if told:
+                log.info("the API server serves %s: reconciling", path)
+            return True
+        if not told:
+            log.info("waiting for the API server to serve %s (%s)", path, why)
+            told = True
+        stop.wait(interval)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps every thread's stack
@@ -341,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             secrets_api=api,
         )
         try:
-            kopf.run(clusterwide=True, standalone=True, stop_flag=stop, memo=kopf.Memo(controller=controller))
+            if wait_until_served(kube, stop):
+                kopf.run(
+                    clusterwide=True, standalone=True, stop_flag=stop, memo=kopf.Memo(controller=controller)
+                )
         finally:
             stop.set()
             metrics.LEADER.set(0)
