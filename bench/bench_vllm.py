@@ -109,7 +109,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import vllm  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm_engine.vllmsched import Harness, base_config  # noqa: E402
+from vllm_engine.vllmsched import Harness, base_config, pure_python_records  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096
@@ -978,18 +978,10 @@ def records_kind(a: argparse.Namespace) -> str:
 
 
 def use_pure_python_records() -> None:
-    """The fenced scheduler with the pure-Python records, as in the GPU image (the same switch as the
-    vLLM lane's ``record_impl`` fixture, tests/vllm_engine/conftest.py)."""
-    import kvfence.vllm.fence as fence_mod
-    import kvfence.vllm.scheduler as sched_mod
-    from kvfence.vllm import records
-
-    sched_mod.Record = records.PyRecord  # type: ignore[misc,assignment]
-    sched_mod.pack = None
-    sched_mod.records_compiled = False  # (its start-up log line says which)
-    sched_mod.record_chain = records.py_record_chain
-    fence_mod.equal = records.py_equal
-    fence_mod.verify_chain = records.py_verify_chain
+    """The fenced scheduler with the pure-Python records, as in the GPU image (the switch the vLLM
+    lane's ``record_impl`` fixture makes for a test)."""
+    for module, name, value in pure_python_records():
+        setattr(module, name, value)
 
 
 class OpcodeCounter:

@@ -32,13 +32,8 @@ def record_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """The fence with each implementation of its prefix-cache records (kvfence.vllm.records): the
     scheduler records, the fence compares."""
     if request.param == "pure Python":
-        import kvfence.vllm.fence as fence_mod
-        import kvfence.vllm.scheduler as sched_mod
-        from kvfence.vllm import records
+        from vllm_engine.vllmsched import pure_python_records
 
-        monkeypatch.setattr(sched_mod, "Record", records.PyRecord)
-        monkeypatch.setattr(sched_mod, "pack", None)
-        monkeypatch.setattr(sched_mod, "record_chain", records.py_record_chain)
-        monkeypatch.setattr(fence_mod, "equal", records.py_equal)
-        monkeypatch.setattr(fence_mod, "verify_chain", records.py_verify_chain)
+        for module, name, value in pure_python_records():
+            monkeypatch.setattr(module, name, value)
     yield request.param

@@ -281,3 +281,20 @@ class Harness:
                 # where the request's namespace entered (after a shared prefix, if any)
                 ns = root_namespace(rec)
                 assert ns is not None and ns[0][0] == req.cache_salt
+
+
+def pure_python_records() -> list[tuple[Any, str, Any]]:
+    """(module, name, value): what makes the fenced scheduler run the pure-Python prefix-cache records
+    (kvfence.vllm.records), as the GPU image does, where this machine built the compiled ones. The
+    vLLM lane's ``record_impl`` fixture sets them for a test, bench/bench_vllm.py for a run."""
+    import kvfence.vllm.fence as fence_mod
+    from kvfence.vllm import records
+
+    return [
+        (fenced_scheduler, "Record", records.PyRecord),
+        (fenced_scheduler, "pack", None),
+        (fenced_scheduler, "record_chain", records.py_record_chain),
+        (fenced_scheduler, "records_compiled", False),  # (its start-up log line says which)
+        (fence_mod, "equal", records.py_equal),
+        (fence_mod, "verify_chain", records.py_verify_chain),
+    ]
