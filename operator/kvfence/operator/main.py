@@ -259,7 +259,7 @@ def wait_until_served(kube: Kube, stop: threading.Event, interval: float = 1.0) 
             missing = sorted(set(WATCHED_CUSTOM) - served)
             why = f"not yet served: {', '.join(missing)}"
         except Exception as e:  # unreachable, 404 while the group is not served, ...: wait
-            missing, why = list(WATCHED_CUSTOM), str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            missing, why = list(WATCHED_CUSTOM), (str(e).splitlines() or [type(e).__name__])[0][:200]
         if not missing:
             if told:
                 log.info("the API server serves %s: reconciling", path)
