@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -126,6 +127,36 @@ def peak_rss_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class RssTimeline:
+    """The operator's RSS every :attr:`INTERVAL` seconds from its start: ``[[seconds, MiB], ...]``
+    (where its memory grows, next to its log's timestamps)."""
+
+    INTERVAL = 5.0
+
+    def __init__(self, pid: int, start: float) -> None:
+        self.pid, self.start = pid, start
+        self.points: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            try:
+                status = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                return
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    mib = int(line.split()[1]) / 1024
+                    self.points.append([round(time.monotonic() - self.start, 1), round(mib, 1)])
+
+    def stop(self) -> list[list[float]]:
+        self._stop.set()
+        self._thread.join()
+        return self.points
 
 
 def binding_status(body: dict[str, Any], trust_class: str) -> dict[str, Any]:
@@ -294,7 +325,22 @@ def main(argv: list[str] | None = None) -> int:
         "thread; sampling costs the operator a little CPU)",
     )
     ap.add_argument("--operator-workers", type=int, help="the operator's --workers (default: its default)")
+    ap.add_argument(
+        "--operator-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the operator's process (repeatable), e.g. PYTHONMALLOC=malloc",
+    )
+    ap.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="measure the operator only (its memory, CPU and requests; no ratio): for memory experiments",
+    )
     args = ap.parse_args(argv)
+    operator_env = dict(kv.split("=", 1) for kv in args.operator_env if "=" in kv)
+    if len(operator_env) != len(args.operator_env):
+        ap.error("--operator-env takes NAME=VALUE")
     n, m = SCALES[args.scale]
     n = args.classes or n
     m = args.bindings or m
@@ -311,14 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         cluster.kubectl("create", "namespace", "kvfence-system")
         opts = B.OperatorOptions()
 
-        baseline = run_baseline(cluster, n, m, opts)
-        baseline_s = baseline["seconds"]
-        print(
-            f"baseline: {n} classes applied and available in {baseline_s:.1f}s (API keys read at "
-            f"{baseline['api_keys_read_at']:.1f}s, objects applied at {baseline['objects_applied_at']:.1f}s, "
-            f"binding statuses written at {baseline['binding_statuses_written_at']:.1f}s)",
-            flush=True,
-        )
+        baseline: dict[str, float] | None = None
+        if not args.no_baseline:
+            baseline = run_baseline(cluster, n, m, opts)
+            print(
+                f"baseline: {n} classes applied and available in {baseline['seconds']:.1f}s (API keys read "
+                f"at {baseline['api_keys_read_at']:.1f}s, objects applied at "
+                f"{baseline['objects_applied_at']:.1f}s, binding statuses written at "
+                f"{baseline['binding_statuses_written_at']:.1f}s)",
+                flush=True,
+            )
 
         tenant_ns = [f"bench-t{i}" for i in range(TENANT_NAMESPACES)]
         setup: list[dict[str, Any]] = [
@@ -349,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
              "--health-host", "127.0.0.1", "--health-port", str(port), "--no-leader-elect",
              "--resync-seconds", "100000", "--log-format", "json",
              *(["--workers", str(args.operator_workers)] if args.operator_workers else [])],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **operator_env},
         )  # fmt: skip
+        timeline = RssTimeline(op.pid, start)
         if args.profile:
             spy = start_profiler(op.pid, args.profile)
         wait_until(lambda: _ok(port), "operator ready", 3600)
@@ -397,10 +446,14 @@ def main(argv: list[str] | None = None) -> int:
             "bindings": m,
             "create_seconds": round(created_s, 2),
             "operator_seconds": round(operator_s, 2),
-            "baseline_seconds": round(baseline_s, 2),
-            "baseline_phases": {k: round(v, 2) for k, v in baseline.items() if k != "seconds"},
-            "ratio_operator_over_baseline": round(operator_s / baseline_s, 3),
+            "baseline_seconds": round(baseline["seconds"], 2) if baseline else None,
+            "baseline_phases": (
+                {k: round(v, 2) for k, v in baseline.items() if k != "seconds"} if baseline else None
+            ),
+            "ratio_operator_over_baseline": round(operator_s / baseline["seconds"], 3) if baseline else None,
+            "operator_env": operator_env,
             "operator_peak_rss_mib": round(rss, 1),
+            "operator_rss_timeline_mib": timeline.stop(),
             "operator_cpu_seconds": round(operator_cpu, 1),
             "operator_api_requests_total": total_requests,
             "operator_api_requests": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),

@@ -5,7 +5,9 @@
 Every second it compares the traced size with the largest seen; at a new peak (2% above it) it takes
 a snapshot, writes its largest allocation sites to OUT.txt (by line, by file, and by call stack of up
 to ``FRAMES`` frames) and dumps the snapshot itself to OUT.snapshot (``tracemalloc.Snapshot.load``),
-so both hold the largest heap the module had, whenever it ends. Used by ``bench/bench_operator.py
+so both hold the largest heap the module had, whenever it ends. Every ``LATEST_S`` seconds it also
+writes the same statistics of the heap as it is then to OUT.latest.txt: at the end, what the module
+holds once it is idle (what stays, rather than what a burst held). Used by ``bench/bench_operator.py
 --tracemalloc``: tracing slows the process down several times, so a traced run measures memory, not
 time.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 FRAMES = 12
 INTERVAL_S = 1.0
+LATEST_S = 20.0
 TOP = 40
 
 
@@ -41,9 +44,13 @@ def _write(out: Path, snap: tracemalloc.Snapshot, size: int) -> None:
 
 def _watch(out: Path) -> None:
     best = 0
+    latest = time.monotonic()
     while True:
         time.sleep(INTERVAL_S)
         size, _ = tracemalloc.get_traced_memory()
+        if time.monotonic() - latest >= LATEST_S:
+            _write(out.with_suffix(".latest.txt"), tracemalloc.take_snapshot(), size)
+            latest = time.monotonic()
         if size > best * 1.02:
             best = size
             snap = tracemalloc.take_snapshot()

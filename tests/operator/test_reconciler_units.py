@@ -9,7 +9,7 @@ from kvfence.api.common import API_VERSION
 from kvfence.api.tenantbinding import TenantBinding
 from kvfence.operator.apply import _resource_of, is_subset, path_for
 from kvfence.operator.leader import _parse
-from kvfence.operator.reconciler import binding_view, decision_input, needs_apply, with_spec_hash
+from kvfence.operator.reconciler import list_binding, needs_apply, with_spec_hash
 from kvfence.operator.status import set_condition, status_differs
 
 
@@ -101,8 +101,10 @@ def test_liveness_flag_sets_the_health_endpoint() -> None:
 
 
 def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
-    """The decision holds a view of every binding (10,000 of them at scale), not its whole body: its
-    identity and versions (status writes, Events), its age (the decision's order), spec and status."""
+    """The decision holds every binding at once (10,000 of them at scale), not its whole body: the
+    model it decides with (identity, versions and age for its order, status writes and Events; the
+    spec; the status reduced to the accepted spec) and the whole status as compact JSON, which only
+    the status write reads."""
     spec = {"tenantId": "t", "trustClassName": "gold", "apiKeySecretRef": {"name": "k"}}
     accepted = {**spec, "quotas": {"maxKVBlocks": 10}}
     cond = {"type": "Bound", "status": "True", "reason": "Bound", "message": "", "lastTransitionTime": "x"}
@@ -114,6 +116,7 @@ def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
         "resourceVersion": "77",
         "creationTimestamp": "2026-12-01T00:00:00Z",
     }
+    status = {"conditions": [cond], "acceptedSpec": accepted, "acceptedGeneration": 2, "apiKeys": 1}
     body = {
         "apiVersion": API_VERSION,
         "kind": "TenantBinding",
@@ -125,18 +128,37 @@ def test_a_routing_decision_keeps_of_a_binding_only_what_it_reads() -> None:
             "managedFields": [{"manager": "kubectl"}],
         },
         "spec": spec,
-        "status": {"conditions": [cond], "acceptedSpec": accepted, "acceptedGeneration": 2, "apiKeys": 1},
+        "status": status,
     }
-    view = binding_view(body)
-    assert view["metadata"] == identity
-    assert view["spec"] == spec and view["status"] == body["status"]  # the write needs the conditions
-    model = TenantBinding.model_validate(decision_input(view))
-    assert model.key == "ns/b" and model.metadata["creationTimestamp"] == "2026-12-01T00:00:00Z"
+    listed = list_binding(body)
+    assert listed is not None
+    model = listed.model
+    assert model.metadata == identity and model.key == "ns/b"
     assert model.status.conditions == []  # not held as models for every binding
     accepted_spec = model.accepted_spec()
     assert accepted_spec is not None and accepted_spec.quotas.max_kv_blocks == 10
     assert model.status.accepted_generation == 2
-    assert binding_view({"metadata": {"name": "n"}, "spec": spec})["status"] == {}
+    # the status write and Events see the binding's identity and its whole status, each call a copy
+    assert listed.status() == status and listed.status() is not listed.status()
+    assert listed.body() == {
+        "apiVersion": API_VERSION,
+        "kind": "TenantBinding",
+        "metadata": identity,
+        "status": status,
+    }
+    assert b" " not in listed.status_json  # compact
+    no_status = list_binding(
+        {"apiVersion": API_VERSION, "kind": "TenantBinding", "metadata": {"name": "n"}, "spec": spec}
+    )
+    assert no_status is not None and no_status.status() == {}
+    # a binding that does not validate is left out of the decision
+    invalid = {
+        "apiVersion": API_VERSION,
+        "kind": "TenantBinding",
+        "metadata": {"name": "n"},
+        "spec": {"tenantId": "t"},
+    }
+    assert list_binding(invalid) is None
 
 
 def test_freed_memory_is_given_back_on_glibc() -> None:

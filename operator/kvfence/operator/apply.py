@@ -17,7 +17,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -28,6 +28,7 @@ from kvfence.operator.watchcache import WatchCache
 log = logging.getLogger("kvfence.operator.apply")
 
 Obj = dict[str, Any]
+T = TypeVar("T")
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -186,6 +187,7 @@ class Kube:
                 return None
             raise
 
+    @overload
     def list(
         self,
         api_version: str,
@@ -194,15 +196,38 @@ class Kube:
         label_selector: str | None = None,
         *,
         page: int = LIST_PAGE,
-        each: Callable[[Obj], Obj] | None = None,
-    ) -> list[Obj]:
+        each: None = None,
+    ) -> list[Obj]: ...
+
+    @overload
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        *,
+        page: int = LIST_PAGE,
+        each: Callable[[Obj], T],
+    ) -> list[T]: ...
+
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        *,
+        page: int = LIST_PAGE,
+        each: Callable[[Obj], Any] | None = None,
+    ) -> list[Any]:
         """Every object, read ``page`` at a time (``limit``/``continue``: one consistent snapshot, as
         one LIST would be) and without ``metadata.managedFields``, which the operator never reads and
         which are the largest part of an object written by server-side apply: a list of 10,000
         bindings never holds the whole answer at once. ``each`` maps every object as its page
         arrives (to the part the caller keeps), so the whole objects are never all held either."""
         path = path_for(api_version, kind, namespace)
-        items: list[Obj] = []
+        items: list[Any] = []
         cont = ""
         while True:
             query = {"limit": str(page)}

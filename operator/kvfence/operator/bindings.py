@@ -48,7 +48,7 @@ def api_keys_from_secret(secret: Mapping[str, Any], key: str | None) -> list[str
     return keys
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class KeyLookup:
     """What reading a binding's API-key Secret gave: hashes, or the reason it gave none."""
 
@@ -57,7 +57,7 @@ class KeyLookup:
     message: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClassState:
     """A trust class as the routing decision needs it."""
 
@@ -66,7 +66,7 @@ class ClassState:
     deleting: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     bound: bool
     denied: bool
@@ -85,7 +85,7 @@ class Decision:
     clamped: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Admit:
     """A spec that passed every check (nothing claimed yet)."""
 
@@ -142,6 +142,29 @@ def _capped(quotas: TenantQuotas, limits: TenantQuotas) -> tuple[TenantQuotas, l
     return quotas.model_copy(update=update), said
 
 
+def _quota_values(q: TenantQuotas) -> tuple[int | None, ...]:
+    return tuple(getattr(q, name) for name in TenantQuotas.model_fields)
+
+
+def _route_quotas(effective: TenantQuotas, made: dict[tuple[int | None, ...], Quotas]) -> Quotas:
+    """The routing table's quotas of a tenant served with ``effective`` (one frozen object per value)."""
+    values = (
+        effective.max_concurrent_requests,
+        effective.requests_per_minute,
+        effective.tokens_per_minute,
+        effective.max_kv_blocks,
+    )
+    got = made.get(values)
+    if got is None:
+        got = made[values] = Quotas(
+            max_concurrent_requests=values[0],
+            requests_per_minute=values[1],
+            tokens_per_minute=values[2],
+            max_kv_blocks=values[3],
+        )
+    return got
+
+
 def decide(
     classes: Mapping[str, ClassState],
     bindings: Iterable[TenantBinding],
@@ -158,6 +181,8 @@ def decide(
     guaranteed_used: dict[str, int] = {}
     routes: dict[str, TrustClassRoute] = {}
     tenants: dict[str, TenantRoute] = {}
+    effective_of: dict[tuple[str, tuple[int | None, ...]], tuple[TenantQuotas, tuple[str, ...]]] = {}
+    route_quotas: dict[tuple[int | None, ...], Quotas] = {}  # frozen: shared by equal quotas
 
     for name, state in sorted(classes.items()):
         if state.deleting or not state.signing_keys:
@@ -211,10 +236,19 @@ def decide(
                 conditions.REASON_QUOTA_EXCEEDS_LIMIT,
                 f"quotas above the limits of TrustClass {cname!r}: {over}",
             )
-        quotas, lowered = _capped(spec.quotas, limits)
+        # One object per class and distinct quotas, shared by the bindings that ask the same (most ask
+        # nothing): 10,000 bindings would otherwise hold 10,000 equal copies. Never changed in place.
+        quota_key = (cname, _quota_values(spec.quotas))
+        merged = effective_of.get(quota_key)
+        if merged is None:
+            quotas, lowering = _capped(spec.quotas, limits)
+            merged = effective_of[quota_key] = (
+                quotas.merged_over(cs.tc.spec.quotas.defaults),
+                tuple(lowering),
+            )
+        effective, lowered = merged
         if lowered:
             clamped.append(f"quotas lowered to the limits: {', '.join(lowered)}")
-        effective = quotas.merged_over(cs.tc.spec.quotas.defaults)
         if (
             effective.guaranteed_kv_blocks is not None
             and effective.max_kv_blocks is not None
@@ -316,12 +350,7 @@ def decide(
             trust_class=cname,
             api_key_hashes=sorted(set(admit.hashes)),
             allowed_adapters=list(admit.adapters),
-            quotas=Quotas(
-                max_concurrent_requests=effective.max_concurrent_requests,
-                requests_per_minute=effective.requests_per_minute,
-                tokens_per_minute=effective.tokens_per_minute,
-                max_kv_blocks=effective.max_kv_blocks,
-            ),
+            quotas=_route_quotas(effective, route_quotas),
             binding=b.key,
         )
         defaults = admit.cls.tc.spec.quotas.defaults
