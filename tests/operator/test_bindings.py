@@ -479,3 +479,31 @@ def test_a_binding_served_before_keeps_its_guarantee_and_id_ahead_of_an_older_on
         assert d["team-a/late"].denied and d["team-a/late"].reason == R.REASON_KV_OVERCOMMITTED
         assert d["team-b/twin"].denied and d["team-b/twin"].reason == C.REASON_DUPLICATE_TENANT_ID
         assert out.table.tenants["bound"].binding == "team-a/bound"
+
+
+def test_bindings_asking_the_same_quotas_share_one_object_and_keep_their_own_clamps(
+    make_tc: Any, make_tb: Any
+) -> None:
+    """10,000 bindings asking the same quotas hold one effective quota object per class (memory), and a
+    binding's clamp is still its own: the same quotas in two classes with other limits are decided
+    per class."""
+    gold = make_tc(quotas={"defaults": {"requestsPerMinute": 60}, "limits": {"requestsPerMinute": 600}})
+    silver = make_tc(
+        "silver", quotas={"defaults": {"requestsPerMinute": 60}, "limits": {"requestsPerMinute": 100}}
+    )
+    classes = {"gold": R.ClassState(gold, (KEY,)), "silver": R.ClassState(silver, (KEY,))}
+    bindings = [make_tb(f"g{i}", f"g{i}", quotas={"requestsPerMinute": 300}) for i in range(3)]
+    bindings += [make_tb(f"d{i}", f"d{i}") for i in range(2)]
+    admitted = _admitted(make_tb("s0", "s0", trust_class="silver", quotas={"requestsPerMinute": 300}))
+    bindings.append(admitted)
+    lookups = keys(*[(b.key, f"k-{b.key}") for b in bindings])
+    out = R.decide(classes, bindings, {**NS, "team-a": {"kvfence.dev/tenants": "gold"}}, lookups, OPTS)
+    g = [out.decisions[f"team-a/g{i}"] for i in range(3)]
+    assert all(d.bound and d.clamped == () for d in g)
+    assert g[0].quotas is g[1].quotas is g[2].quotas and g[0].quotas.requests_per_minute == 300
+    assert out.table.tenants["g0"].quotas is out.table.tenants["g1"].quotas
+    d = [out.decisions[f"team-a/d{i}"] for i in range(2)]
+    assert d[0].quotas is d[1].quotas and d[0].quotas.requests_per_minute == 60
+    s = out.decisions["team-a/s0"]
+    assert s.bound and s.quotas.requests_per_minute == 100
+    assert s.clamped == ("quotas lowered to the limits: requestsPerMinute 300 -> 100",)
