@@ -78,3 +78,28 @@ def test_a_bindings_api_keys_are_read_again_when_its_spec_changes_not_on_its_fir
         return r.forgotten
 
     assert asyncio.run(run()) == ["ns/b", "ns/b"]
+
+
+def test_a_bindings_own_status_write_coming_back_queues_no_routing_decision() -> None:
+    """A decision over 10,000 bindings writes 10,000 statuses; their events (same generation: the spec
+    and the accepted spec a decision reads are unchanged) must not queue a second decision over them
+    all. A new binding, a spec change and a deletion do."""
+
+    class _NoDelay:
+        """The controller's loop, with the coalescing delay taken away: a queued key shows at once."""
+
+        def call_later(self, delay: float, fn: Any, *args: Any) -> None:
+            fn(*args)
+
+    async def run() -> list[bool]:
+        c = handlers.Controller(_Reconciler())  # type: ignore[arg-type]
+        c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
+        queued = []
+        for type_, generation in ((None, 1), ("MODIFIED", 1), (None, 1), ("MODIFIED", 2), ("DELETED", 2)):
+            await _binding_event(c, type_, generation)
+            queued.append(handlers.ROUTING in c._queued)
+            c._queued.clear()
+        return queued
+
+    # first sight, its status written, a relist, the spec edited, deleted
+    assert asyncio.run(run()) == [True, False, False, True, True]

@@ -6,7 +6,6 @@ import datetime as dt
 from typing import Any
 
 from kvfence.api.common import API_VERSION
-from kvfence.api.tenantbinding import TenantBinding
 from kvfence.operator.apply import _resource_of, is_subset, path_for
 from kvfence.operator.leader import _parse
 from kvfence.operator.reconciler import list_binding, needs_apply, with_spec_hash

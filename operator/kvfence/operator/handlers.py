@@ -394,6 +394,14 @@ async def tenantbinding_event(
         # names is watched too, so removing its keys still revokes within seconds.
         name_then = _secret_name(dict(status or {}).get("acceptedSpec"))
         c.track_binding(accepted_key(key), namespace or "", name_then if name_then != name_now else None)
+        if seen == generation:
+            # The same generation: the spec a decision reads is unchanged, and so is the status part
+            # it reads (the accepted spec, which only the operator writes). This is the operator's
+            # own status write coming back (10,000 of them after a decision over 10,000 bindings,
+            # which would queue a second decision over them all to find nothing to do), or a relist.
+            # A status edited by someone else is decided again at the next decision or the resync,
+            # as a TrustClass's is.
+            return
     c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
