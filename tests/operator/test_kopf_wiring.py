@@ -103,3 +103,59 @@ def test_a_bindings_own_status_write_coming_back_queues_no_routing_decision() ->
 
     # first sight, its status written, a relist, the spec edited, deleted
     assert asyncio.run(run()) == [True, False, False, True, True]
+
+
+def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_reads() -> None:
+    """A new class, a spec edit (generation), a deletion: a decision follows. Its finalizer added by its
+    first reconcile, or a rotation requested: the class is reconciled, no decision over every binding
+    (the reconcile tells the router of a new key itself)."""
+
+    class _NoDelay:
+        def call_later(self, delay: float, fn: Any, *args: Any) -> None:
+            fn(*args)
+
+    async def run() -> list[tuple[bool, bool]]:
+        c = handlers.Controller(_Reconciler())  # type: ignore[arg-type]
+        c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
+        c.watched_body = lambda *_: None  # type: ignore[method-assign]
+        out = []
+        steps: list[tuple[str | None, dict[str, Any]]] = [
+            (None, {"generation": 1}),
+            ("MODIFIED", {"generation": 1, "finalizers": ["kvfence.dev/cleanup"]}),
+            ("MODIFIED", {"generation": 1, "finalizers": ["kvfence.dev/cleanup"]}),  # its status written
+            (
+                "MODIFIED",
+                {
+                    "generation": 1,
+                    "finalizers": ["kvfence.dev/cleanup"],
+                    "annotations": {handlers.ANNOTATION_ROTATE: "1"},
+                },
+            ),
+            (
+                "MODIFIED",
+                {
+                    "generation": 2,
+                    "finalizers": ["kvfence.dev/cleanup"],
+                    "annotations": {handlers.ANNOTATION_ROTATE: "1"},
+                },
+            ),
+            ("MODIFIED", {"generation": 3, "deletionTimestamp": "t", "finalizers": ["kvfence.dev/cleanup"]}),
+            ("DELETED", {"generation": 3}),
+        ]
+        for type_, meta in steps:
+            await handlers.trustclass_event(
+                name="gold", type=type_, meta=meta, body={}, memo=kopf.Memo(controller=c)
+            )
+            out.append((handlers.ClassKey("gold") in c._queued, handlers.ROUTING in c._queued))
+            c._queued.clear()
+        return out
+
+    assert asyncio.run(run()) == [
+        (True, True),  # new
+        (True, False),  # its finalizer
+        (False, False),  # its own status write
+        (True, False),  # a rotation asked
+        (True, True),  # the spec edited
+        (True, True),  # being deleted
+        (True, True),  # gone
+    ]

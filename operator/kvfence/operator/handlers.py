@@ -334,6 +334,7 @@ async def trustclass_event(
 ) -> None:
     c = _controller(memo)
     c.watched_body(("TrustClass", "", name), type, body)
+    decide = True
     if type == "DELETED":
         c.known_classes.discard(name)
         c.class_signatures.pop(name, None)
@@ -346,11 +347,18 @@ async def trustclass_event(
             tuple(meta.get("finalizers") or ()),
             (meta.get("annotations") or {}).get(ANNOTATION_ROTATE),
         )
-        if c.class_signatures.get(name) == signature:
+        seen = c.class_signatures.get(name)
+        if seen == signature:
             return
         c.class_signatures[name] = signature
+        # A routing decision reads a class's spec and whether it is being deleted (a new key, the
+        # rotation's included, is told by the class reconcile that makes it). Its finalizer, added by
+        # its first reconcile, is not news to the decision: at 1,000 classes those events queued a
+        # decision over every binding that found nothing to do.
+        decide = seen is None or seen[:2] != signature[:2]
     c.enqueue(ClassKey(name))
-    c.enqueue(ROUTING, COALESCE_SECONDS)
+    if decide:
+        c.enqueue(ROUTING, COALESCE_SECONDS)
 
 
 def _secret_name(spec: Any) -> str | None:
