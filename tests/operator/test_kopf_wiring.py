@@ -159,3 +159,40 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
         (True, True),  # being deleted
         (True, True),  # gone
     ]
+
+
+def test_a_namespace_event_queues_a_routing_decision_only_where_bindings_live() -> None:
+    """A namespace's labels decide which classes admit its bindings: a label change where bindings live
+    queues a decision; the namespaces the operator creates for new classes (no bindings) do not."""
+
+    class _NoDelay:
+        def call_later(self, delay: float, fn: Any, *args: Any) -> None:
+            fn(*args)
+
+    async def namespace(
+        c: handlers.Controller, name: str, labels: dict[str, str], type_: str = "MODIFIED"
+    ) -> bool:
+        await handlers.namespace_event(
+            name=name, type=type_, labels=labels, meta={"resourceVersion": "1"}, memo=kopf.Memo(controller=c)
+        )
+        queued = handlers.ROUTING in c._queued
+        c._queued.clear()
+        return queued
+
+    async def run() -> list[bool]:
+        r = _Reconciler()
+        r.child_event = lambda *_: False  # type: ignore[attr-defined]
+        c = handlers.Controller(r)  # type: ignore[arg-type]
+        c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
+        out = [await namespace(c, "ns", {"team": "a"})]  # no binding known there yet
+        await _binding_event(c, None, 1)  # ns/b
+        c._queued.clear()
+        out.append(await namespace(c, "ns", {"team": "b"}))  # relabelled where a binding lives
+        out.append(await namespace(c, "ns", {"team": "b"}))  # unchanged
+        out.append(await namespace(c, "kvf-gold", {"kvfence.dev/trust-class": "gold"}))  # a class's own
+        await _binding_event(c, "DELETED", 1)
+        c._queued.clear()
+        out.append(await namespace(c, "ns", {"team": "c"}))  # no binding left there
+        return out
+
+    assert asyncio.run(run()) == [False, True, False, False, False]

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -84,6 +85,8 @@ class Controller:
         self.known_classes: set[str] = set()
         self.namespace_labels: dict[str, dict[str, str]] = {}
         self.binding_generations: dict[str, Any] = {}
+        #: namespace -> how many TenantBindings it holds (as the binding events told)
+        self.binding_namespaces: Counter[str] = Counter()
         self.class_signatures: dict[str, tuple[Any, ...]] = {}
         self.api_keys = ApiKeyIndex()
         self._secrets_api = secrets_api
@@ -391,10 +394,16 @@ async def tenantbinding_event(
         # still invalidates a cached read of an older version.
         c.reconciler.forget_api_keys(key)
     if type == "DELETED":
-        c.binding_generations.pop(key, None)
+        if key in c.binding_generations:
+            del c.binding_generations[key]
+            c.binding_namespaces[namespace or ""] -= 1
+            if c.binding_namespaces[namespace or ""] <= 0:
+                del c.binding_namespaces[namespace or ""]
         c.track_binding(key, namespace or "", None)
         c.track_binding(accepted_key(key), namespace or "", None)
     else:
+        if key not in c.binding_generations:
+            c.binding_namespaces[namespace or ""] += 1
         c.binding_generations[key] = generation
         name_now = _secret_name(spec)
         c.track_binding(key, namespace or "", name_now)
@@ -424,7 +433,13 @@ async def namespace_event(
             c.namespace_labels.pop(name, None)
         else:
             c.namespace_labels[name] = new
-        c.enqueue(ROUTING, COALESCE_SECONDS)  # a namespace's labels decide which bindings its class admits
+        # A namespace's labels decide which classes admit the bindings it holds: news to a decision
+        # only where it holds some (a decision lists the namespaces afresh, so a binding seen before
+        # its namespace's event is decided with its labels). Not the namespaces the operator creates
+        # for new classes: at 1,000 classes their events queued a decision over every binding that
+        # found nothing to do.
+        if c.binding_namespaces.get(name):
+            c.enqueue(ROUTING, COALESCE_SECONDS)
     owner = (labels or {}).get(LABEL_TRUST_CLASS)
     # Every namespace's version is recorded: one that lost the operator's labels is read again at its
     # class's next reconcile (NamespaceConflict).
