@@ -358,6 +358,10 @@ class Reconciler:
         live_secret = None if fresh else self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns_name)
         live_keys = builders.read_signing_secret(live_secret)
         rotation = (meta.get("annotations") or {}).get(builders.ANNOTATION_ROTATE)
+        # The keys the router held before this reconcile: a key made below (a new class's, or one put
+        # back after its Secret was deleted) is news to the routing decision unless the class waits
+        # for one anyway.
+        routed_keys = self.state.signing.get(name)
         if live_keys is None:
             # A new class's key first, before the engine is rendered: the routing decision that the
             # engine config waits for (below) can then already route the class and bind its tenants.
@@ -474,7 +478,7 @@ class Reconciler:
         router_keys = builders.router_signing_keys(keys, propagated=wait == 0)
         self._class_status(body, tc, deployment=deployment_live, key=router_keys[0])
         follow: set[Key] = set()
-        old = self.state.signing.get(name)
+        old = routed_keys
         if old != router_keys:
             if old is not None and old[0] != router_keys[0]:
                 self._emit(
