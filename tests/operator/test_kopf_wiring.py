@@ -52,6 +52,13 @@ class _Reconciler:
         pass
 
 
+class _NoDelay:
+    """The controller's loop, with the coalescing delay taken away: a queued key shows at once."""
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+
 async def _binding_event(c: handlers.Controller, type: str | None, generation: int) -> None:
     spec = {"tenantId": "t", "trustClassName": "c", "apiKeySecretRef": {"name": "t-keys"}}
     await handlers.tenantbinding_event(
@@ -85,12 +92,6 @@ def test_a_bindings_own_status_write_coming_back_queues_no_routing_decision() ->
     and the accepted spec a decision reads are unchanged) must not queue a second decision over them
     all. A new binding, a spec change and a deletion do."""
 
-    class _NoDelay:
-        """The controller's loop, with the coalescing delay taken away: a queued key shows at once."""
-
-        def call_later(self, delay: float, fn: Any, *args: Any) -> None:
-            fn(*args)
-
     async def run() -> list[bool]:
         c = handlers.Controller(_Reconciler())  # type: ignore[arg-type]
         c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
@@ -109,10 +110,6 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
     """A new class, a spec edit (generation), a deletion: a decision follows. Its finalizer added by its
     first reconcile, or a rotation requested: the class is reconciled, no decision over every binding
     (the reconcile tells the router of a new key itself)."""
-
-    class _NoDelay:
-        def call_later(self, delay: float, fn: Any, *args: Any) -> None:
-            fn(*args)
 
     async def run() -> list[tuple[bool, bool]]:
         c = handlers.Controller(_Reconciler())  # type: ignore[arg-type]
@@ -164,10 +161,6 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
 def test_a_namespace_event_queues_a_routing_decision_only_where_bindings_live() -> None:
     """A namespace's labels decide which classes admit its bindings: a label change where bindings live
     queues a decision; the namespaces the operator creates for new classes (no bindings) do not."""
-
-    class _NoDelay:
-        def call_later(self, delay: float, fn: Any, *args: Any) -> None:
-            fn(*args)
 
     async def namespace(
         c: handlers.Controller, name: str, labels: dict[str, str], type_: str = "MODIFIED"
