@@ -55,9 +55,10 @@ from kvfence.api.tenantbinding import TenantBinding  # noqa: E402
 from kvfence.api.trustclass import TrustClass  # noqa: E402
 from kvfence.contract import new_signing_key  # noqa: E402
 from kvfence.contract.routing import hash_api_key  # noqa: E402
+from kvfence.kube import connection  # noqa: E402
 from kvfence.operator import bindings as R  # noqa: E402
 from kvfence.operator import builders as B  # noqa: E402
-from kvfence.operator.apply import Kube, load_api_client  # noqa: E402
+from kvfence.operator.apply import Kube  # noqa: E402
 from kvfence.operator.status import kstatus_conditions, set_condition, trust_class_status  # noqa: E402
 
 SCALES = {"small": (20, 200), "issue": (200, 2000), "large": (1000, 10000)}
@@ -198,7 +199,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
     Returns its time (``seconds``), when it had read the API keys, applied every object and written
     every binding status (seconds from its start), and the CPU time its process used meanwhile (its
     requests and its polling for the Deployments' status; kubectl's apart)."""
-    kube = Kube(load_api_client(str(cluster.kubeconfig)))
+    kube = Kube(connection.load(str(cluster.kubeconfig)))
     tcs = [tc_body(f"base-{i}") for i in range(n)]
     tbs = [binding_body(f"b{j}", f"bench-base-t{j % TENANT_NAMESPACES}", f"base-{j % n}") for j in range(m)]
     kubectl_apply(

@@ -38,7 +38,11 @@ def test_the_engine_image_needs_nothing_of_the_control_plane() -> None:
     found = kvfence_imports(ROOT / "engine-image" / "kvfence")
     assert found, "no engine sources found"
     wrong = {
-        f: sorted(m for m in mods if m.startswith(("kvfence.api", "kvfence.operator", "kvfence.router")))
+        f: sorted(
+            m
+            for m in mods
+            if m.startswith(("kvfence.api", "kvfence.kube", "kvfence.operator", "kvfence.router"))
+        )
         for f, mods in found.items()
     }
     assert not {f: m for f, m in wrong.items() if m}
@@ -52,3 +56,29 @@ def test_the_contract_is_self_contained() -> None:
         "kvfence.contract.errors",
         "kvfence.contract.routing",
     }
+
+
+def test_the_api_server_is_reached_only_through_kvfence_kube() -> None:
+    """The project's own client (kvfence.kube) is the one way to the Kubernetes API: the ``kubernetes``
+    package is neither imported nor a dependency (kopf would import it, ~10-20 MiB, whenever it is
+    installed; see docs/operator.md)."""
+    import tomllib
+
+    imported: dict[str, set[str]] = {}
+    for root in ("operator", "engine-image", "bench", "e2e", "tests"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                    else []
+                )
+                for n in names:
+                    if n.split(".")[0] in ("kubernetes", "kubernetes_asyncio", "pykube"):
+                        imported.setdefault(str(path.relative_to(ROOT)), set()).add(n)
+    assert not imported
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = [*project["dependencies"], *(d for ds in project["optional-dependencies"].values() for d in ds)]
+    assert not [d for d in deps if d.split(">")[0].split("=")[0].split("[")[0].strip() == "kubernetes"]

@@ -139,16 +139,16 @@ def test_random_policy_ignores_affinity() -> None:
     assert len(seen) == 3
 
 
-class _O:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-
 def _slice(ports: list[tuple[str | None, int]], eps: list[tuple[str, bool | None, bool | None]]) -> Any:
-    return _O(
-        ports=[_O(name=n, port=p) for n, p in ports],
-        endpoints=[_O(addresses=[a], conditions=_O(ready=r, serving=r, terminating=t)) for a, r, t in eps],
-    )
+    """An EndpointSlice as the API serves it (JSON; unset conditions are absent)."""
+
+    def conditions(r: bool | None, t: bool | None) -> dict[str, bool]:
+        return {k: v for k, v in (("ready", r), ("serving", r), ("terminating", t)) if v is not None}
+
+    return {
+        "ports": [{"port": p, **({"name": n} if n is not None else {})} for n, p in ports],
+        "endpoints": [{"addresses": [a], "conditions": conditions(r, t)} for a, r, t in eps],
+    }
 
 
 def test_endpoint_slices_read_as_the_api_documents_them() -> None:

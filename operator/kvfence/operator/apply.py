@@ -1,9 +1,9 @@
 """A small synchronous Kubernetes client for the operator: GET/LIST/DELETE, server-side apply with the
 ``kvfence-operator`` field manager, status and metadata patches, Events, Leases.
 
-It wraps ``kubernetes.client.ApiClient`` (auth, TLS, kubeconfig and in-cluster config come from there)
-and counts every request by verb, so the metrics and the tests can prove that an operator with nothing
-to do writes nothing.
+It speaks JSON over ``urllib3``'s connection pool, on a :class:`kvfence.kube.connection.Connection`
+(kubeconfig or in-cluster credentials), and counts every request by verb, so the metrics and the tests
+can prove that an operator with nothing to do writes nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
+import urllib3
 
+from kvfence.kube.connection import Connection
 from kvfence.operator.builders import FIELD_MANAGER
 from kvfence.operator.watchcache import WatchCache
 
@@ -55,7 +55,8 @@ RESOURCES: dict[tuple[str, str], Resource] = {
 }
 
 
-#: Keep-alive connections to the API server the operator's client keeps (see load_api_client).
+#: Keep-alive connections to the API server the operator's client keeps: one for every thread that
+#: talks to it at once (the work queue's workers and the routing decision's fan-out).
 API_CONNECTIONS = 32
 #: Objects per page when the operator lists a kind (see :meth:`Kube.list`).
 LIST_PAGE = 500
@@ -95,21 +96,6 @@ def path_for(api_version: str, kind: str, namespace: str | None = None, name: st
     return base
 
 
-def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
-    """In-cluster config when running in a pod, else the kubeconfig (``$KUBECONFIG`` or the argument)."""
-    cfg = k8s.Configuration()
-    try:
-        if kubeconfig:
-            raise k8s_config.ConfigException("explicit kubeconfig")
-        k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    except k8s_config.ConfigException:
-        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
-    # Kept-alive connections for every thread that talks to the API server at once (the work queue's
-    # workers and the routing decision's fan-out); the client's default is 5 per CPU.
-    cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0, API_CONNECTIONS)
-    return k8s.ApiClient(cfg)
-
-
 class Kube:
     """With ``cache``, :meth:`get` reads what the cache holds (the objects whose watches carry their
     bodies, see :mod:`kvfence.operator.watchcache`) instead of sending a request, and every object a
@@ -117,13 +103,30 @@ class Kube:
 
     def __init__(
         self,
-        api: k8s.ApiClient,
+        conn: Connection,
         on_request: Callable[[str, str], None] | None = None,
         *,
         cache: WatchCache | None = None,
         on_cache_read: Callable[[str], None] | None = None,
     ) -> None:
-        self.api = api
+        self.conn = conn
+        ctx = conn.ssl_context()
+        # Connection errors are retried (and read errors of idempotent requests); no statuses.
+        retries = urllib3.Retry(total=3, redirect=False)
+        timeout = urllib3.Timeout(total=30)
+        if conn.insecure:
+            self._http = urllib3.PoolManager(
+                maxsize=API_CONNECTIONS,
+                ssl_context=ctx,
+                cert_reqs="CERT_NONE",
+                assert_hostname=False,
+                retries=retries,
+                timeout=timeout,
+            )
+        else:
+            self._http = urllib3.PoolManager(
+                maxsize=API_CONNECTIONS, ssl_context=ctx, retries=retries, timeout=timeout
+            )
         self._on_request = on_request
         self.cache = cache
         self._on_cache_read = on_cache_read
@@ -140,24 +143,23 @@ class Kube:
         body: Any = None,
         content_type: str = "application/json",
     ) -> Any:
-        url = self.api.configuration.host + path
+        url = self.conn.server + path
         if query:
             url += "?" + urllib.parse.urlencode(query)
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        self.api.update_params_for_auth(headers, [], ["BearerToken"], path, method, body)
+        headers = self.conn.headers()
+        headers["Content-Type"] = content_type
         with self._lock:
             self.requests[method] += 1
         if self._on_request is not None:
             self._on_request(method, path.split("/")[-1] if method == "POST" else _resource_of(path))
+        payload = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            resp = self.api.rest_client.request(method, url, headers=headers, body=body, _request_timeout=30)  # type: ignore[no-untyped-call]
-        except k8s.ApiException as e:
-            raise KubeError(int(e.status or 0), str(e.reason), str(e.body or "")) from None
-        data = resp.read()
+            resp = self._http.request(method, url, headers=headers, body=payload)
+        except urllib3.exceptions.HTTPError as e:
+            raise KubeError(0, f"{type(e).__name__}: {e}", "") from None
+        data = resp.data
         if not 200 <= resp.status < 300:
-            raise KubeError(
-                resp.status, str(resp.reason), data.decode() if isinstance(data, bytes) else str(data)
-            )
+            raise KubeError(resp.status, str(resp.reason), data.decode(errors="replace"))
         out = json.loads(data) if data else None
         if self.cache is not None and isinstance(out, dict) and "kind" in out and method != "DELETE":
             self.cache.learnt(out)

@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
-from kubernetes import client as k8s
 
 from kvfence.api.common import GROUP, VERSION
+from kvfence.kube.connection import Connection
+from kvfence.kube.connection import load as load_connection
 from kvfence.operator import metrics
-from kvfence.operator.apply import LIST_PAGE, load_api_client
+from kvfence.operator.apply import LIST_PAGE
 from kvfence.operator.bindings import accepted_key
 from kvfence.operator.builders import (
     ANNOTATION_ROTATE,
@@ -58,14 +59,15 @@ COALESCE_SECONDS = 0.5
 #: touched). Each try is one metadata-only LIST that RBAC refuses before it reaches storage.
 FORBIDDEN_RETRY_SECONDS = 3.0
 
-#: Set by ``main``: where kopf's own connection (its watches) gets its credentials from.
-LOGIN: dict[str, str | None] = {"kubeconfig": None}
+#: Set by ``main``: the connection kopf's own watches use (the reconciler's: ``--kubeconfig`` or
+#: in-cluster).
+LOGIN: dict[str, Connection] = {}
 
 
 class Controller:
     """A de-duplicating work queue with per-key exclusivity, retries with backoff, and a resync.
 
-    With ``secrets_api`` it also watches the tenants' API-key Secrets (see
+    With ``secrets_conn`` it also watches the tenants' API-key Secrets (see
     :mod:`kvfence.operator.secretwatch`): one metadata-only watch per namespace that holds bindings,
     filtered by the index of the Secrets bindings reference."""
 
@@ -76,7 +78,7 @@ class Controller:
         workers: int = 4,
         resync_seconds: float = 300.0,
         on_stop: Callable[[], None] | None = None,
-        secrets_api: k8s.ApiClient | None = None,
+        secrets_conn: Connection | None = None,
     ) -> None:
         self.reconciler = reconciler
         self._on_stop = on_stop
@@ -89,7 +91,7 @@ class Controller:
         self.binding_namespaces: Counter[str] = Counter()
         self.class_signatures: dict[str, tuple[Any, ...]] = {}
         self.api_keys = ApiKeyIndex()
-        self._secrets_api = secrets_api
+        self._secrets_conn = secrets_conn
         self.secret_watches: NamespaceSecretWatches | None = None
         self._queue: asyncio.Queue[Key] | None = None
         self._queued: set[Key] = set()
@@ -123,9 +125,9 @@ class Controller:
         self._queue = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._worker(i)) for i in range(self.workers)]
         self._tasks.append(asyncio.create_task(self._resync()))
-        if self._secrets_api is not None:
+        if self._secrets_conn is not None:
             self.secret_watches = NamespaceSecretWatches(
-                MetadataWatchClient(self._secrets_api),
+                MetadataWatchClient(self._secrets_conn),
                 self.api_key_secret_event,
                 forbidden_retry_seconds=min(FORBIDDEN_RETRY_SECONDS, self.resync_seconds),
                 referenced=self.api_keys.secrets,
@@ -256,21 +258,23 @@ def _controller(memo: Any) -> Controller:
 # --- kopf wiring ---------------------------------------------------------------------------------
 @kopf.on.login()
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
-    """kopf's watches use the same credentials as the reconciler (``--kubeconfig`` or in-cluster)."""
-    cfg = load_api_client(LOGIN["kubeconfig"]).configuration
-    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
-    parts = header.split(" ", 1) if header else []
-    scheme, token = (
-        (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
-    )
+    """kopf's watches use the same credentials as the reconciler (``--kubeconfig`` or in-cluster). A
+    token from an exec plugin carries its expiry: kopf logs in again then (and on any 401)."""
+    conn = LOGIN.get("connection") or load_connection()
+    auth = conn.authorization()
+    scheme, token = auth.split(" ", 1) if auth and auth.startswith("Bearer ") else (None, None)
     return kopf.ConnectionInfo(
-        server=cfg.host,
-        ca_path=cfg.ssl_ca_cert,
-        insecure=not cfg.verify_ssl,
+        server=conn.server,
+        ca_path=conn.ca_file,
+        insecure=conn.insecure,
         scheme=scheme,
         token=token,
-        certificate_path=cfg.cert_file,
-        private_key_path=cfg.key_file,
+        username=conn.username,
+        password=conn.password,
+        certificate_path=conn.cert_file,
+        private_key_path=conn.key_file,
+        default_namespace=conn.namespace,
+        expiration=conn.token_expiration(),
         trust_env=settings.networking.trust_env,
     )
 

@@ -30,9 +30,10 @@ import kopf
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfence.api.common import API_VERSION
+from kvfence.kube import connection
 from kvfence.operator import handlers as _handlers  # registers the kopf handlers
 from kvfence.operator import metrics
-from kvfence.operator.apply import RESOURCES, Kube, load_api_client
+from kvfence.operator.apply import RESOURCES, Kube
 from kvfence.operator.builders import (
     DEFAULT_KEY_PROPAGATION_SECONDS,
     FIELD_MANAGER,
@@ -279,14 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.health_port:
         serve_health(args.health_port, args.health_host, health)
 
-    _handlers.LOGIN["kubeconfig"] = args.kubeconfig
-    api = load_api_client(args.kubeconfig)
+    try:
+        conn = connection.load(args.kubeconfig)
+    except connection.ConfigError as e:
+        raise SystemExit(f"kvfence-operator: {e}") from None
+    _handlers.LOGIN["connection"] = conn
     kube = Kube(
-        api, on_request=metrics.count_request, cache=WatchCache(), on_cache_read=metrics.count_cache_read
+        conn, on_request=metrics.count_request, cache=WatchCache(), on_cache_read=metrics.count_cache_read
     )
-    lease_kube = Kube(
-        load_api_client(args.kubeconfig), on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc()
-    )
+    lease_kube = Kube(conn, on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc())
     opts = OperatorOptions(
         router_namespace=args.router_namespace,
         cluster_domain=args.cluster_domain,
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             resync_seconds=args.resync_seconds,
             on_stop=stop.set,
-            secrets_api=api,
+            secrets_conn=conn,
         )
         try:
             if wait_until_served(kube, stop):

@@ -23,16 +23,13 @@ The index and the mapping functions are pure; :class:`MetadataWatchClient` and
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import ssl
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-from kubernetes import client as k8s
-
+from kvfence.kube.connection import Connection
+from kvfence.kube.watch import ApiError, AsyncApi
 from kvfence.operator import metrics
 from kvfence.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY, LABEL_TRUST_CLASS, SIGNING_SECRET_NAME
 
@@ -155,103 +152,57 @@ class WatchExpired(Exception):
 
 
 class MetadataWatchClient:
-    """Lists and watches ``PartialObjectMetadata`` of Secrets with the operator's own credentials (the
-    same ``ApiClient`` configuration as :class:`kvfence.operator.apply.Kube`: kubeconfig or in-cluster,
-    bearer tokens refreshed by the client's hook)."""
+    """Lists and watches ``PartialObjectMetadata`` of Secrets with the operator's own connection
+    (:mod:`kvfence.kube`: kubeconfig or in-cluster, the same credentials as
+    :class:`kvfence.operator.apply.Kube`)."""
 
-    def __init__(self, api: k8s.ApiClient, *, watch_timeout: int = 300) -> None:
-        self.api = api
+    def __init__(self, conn: Connection, *, watch_timeout: int = 300) -> None:
+        self.api = AsyncApi(conn)
         self.watch_timeout = watch_timeout
-        self._session: aiohttp.ClientSession | None = None
-
-    def _ssl(self) -> ssl.SSLContext | bool:
-        cfg = self.api.configuration
-        if not cfg.host.startswith("https"):
-            return False
-        if cfg.verify_ssl:
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-        else:
-            ctx = ssl.create_default_context()
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        if cfg.cert_file:
-            ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        return ctx
-
-    def _session_(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=0))
-        return self._session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _headers(self, path: str, accept: str) -> dict[str, str]:
-        headers = {"Accept": accept}
-        self.api.update_params_for_auth(headers, [], ["BearerToken"], path, "GET", None)
-        return headers
+        await self.api.close()
 
     @staticmethod
-    async def _check(resp: aiohttp.ClientResponse) -> None:
-        if resp.status == 403:
-            raise WatchForbidden(await resp.text())
-        if resp.status == 410:
-            raise WatchExpired(await resp.text())
-        if resp.status >= 300:
-            raise RuntimeError(f"{resp.status}: {(await resp.text())[:300]}")
+    def _raise(e: ApiError) -> None:
+        if e.status == 403:
+            raise WatchForbidden(str(e)) from None
+        if e.status == 410:
+            raise WatchExpired(str(e)) from None
+        raise e
 
     async def list(self, namespace: str) -> tuple[dict[str, str], str]:
         """Every Secret's name in ``namespace`` with its resourceVersion, and the list's resourceVersion.
         Only those two strings of each are kept, page by page (a tenant namespace may hold thousands of
         Secrets, and their metadata carries their managed fields)."""
-        path = f"/api/v1/namespaces/{namespace}/secrets"
         listed: dict[str, str] = {}
-        params = {"limit": "500"}
-        while True:
-            async with self._session_().get(
-                self.api.configuration.host + path,
-                params=params,
-                headers=self._headers(path, ACCEPT_LIST),
-                timeout=aiohttp.ClientTimeout(total=60),
-            ) as resp:
-                await self._check(resp)
-                body: Obj = await resp.json()
-            for it in body.get("items") or ():
-                it_meta = it.get("metadata") or {}
-                listed[str(it_meta.get("name"))] = str(it_meta.get("resourceVersion", ""))
-            meta = body.get("metadata") or {}
-            del body
-            if not meta.get("continue"):
-                return listed, str(meta.get("resourceVersion", ""))
-            params = {"limit": "500", "continue": meta["continue"]}
+        version = ""
+        try:
+            path = f"/api/v1/namespaces/{namespace}/secrets"
+            async for page in self.api.pages(path, {}, accept=ACCEPT_LIST):
+                for it in page.get("items") or ():
+                    it_meta = it.get("metadata") or {}
+                    listed[str(it_meta.get("name"))] = str(it_meta.get("resourceVersion", ""))
+                version = str((page.get("metadata") or {}).get("resourceVersion", ""))
+        except ApiError as e:
+            self._raise(e)
+        return listed, version
 
     async def watch(self, namespace: str, resource_version: str) -> AsyncIterator[tuple[str, Obj]]:
         """``(type, object)`` events from ``resource_version`` on, bookmarks included, until the server
         ends the watch (``watch_timeout``)."""
-        path = f"/api/v1/namespaces/{namespace}/secrets"
-        params = {
-            "watch": "true",
-            "allowWatchBookmarks": "true",
-            "resourceVersion": resource_version,
-            "timeoutSeconds": str(self.watch_timeout),
-        }
-        async with self._session_().get(
-            self.api.configuration.host + path,
-            params=params,
-            headers=self._headers(path, ACCEPT_WATCH),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=self.watch_timeout + 60),
-        ) as resp:
-            await self._check(resp)
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        ev: Obj = json.loads(line)
-                        yield str(ev.get("type")), ev.get("object") or {}
+        try:
+            async for event in self.api.watch(
+                f"/api/v1/namespaces/{namespace}/secrets",
+                {},
+                resource_version,
+                accept=ACCEPT_WATCH,
+                seconds=self.watch_timeout,
+                bookmarks=True,
+            ):
+                yield event
+        except ApiError as e:
+            self._raise(e)
 
 
 #: ``(namespace, secret name, resourceVersion or DELETED)`` -> None
@@ -323,11 +274,7 @@ class NamespaceSecretWatches:
                         self.on_event(ns, name, version)
                     seen = set(listed)
                 async for etype, obj in self.client.watch(ns, rv):
-                    meta = obj.get("metadata") or {}
-                    if etype == "ERROR":
-                        if obj.get("code") == 410:
-                            raise WatchExpired(str(obj.get("message")))
-                        raise RuntimeError(f"watch error: {obj.get('message')}")
+                    meta = obj.get("metadata") or {}  # an ERROR event raised in the client
                     rv = str(meta.get("resourceVersion") or rv)
                     if etype == "BOOKMARK":
                         continue

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
 from kvfence.contract.routing import ROUTING_SECRET_KEY
+from kvfence.kube import connection
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response
@@ -756,6 +757,11 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = config_from_args(args)
+    if config.routing_secret or config.endpoint_slices or config.router_service:
+        try:  # the sources load it again in each worker; a kubeconfig that cannot work stops us here
+            connection.load(config.kubeconfig)
+        except connection.ConfigError as e:
+            raise SystemExit(f"kvfence-router: {e}") from None
     if config.workers > 1:
         raise SystemExit(supervise(config, args))
     run_worker(config, args, None)

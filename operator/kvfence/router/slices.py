@@ -12,23 +12,20 @@ the router's own Service name. All namespaces, because trust class namespaces co
 TrustClasses; EndpointSlices hold addresses and ports only. RBAC: list/watch of endpointslices
 (:func:`cluster_role`; the chart renders the same rules).
 
-The Kubernetes client is synchronous: it runs in a daemon thread that hands each change to the event
-loop, where :class:`SliceSource` keeps the slices per Service and calls back with the merged members.
+:class:`SliceSource` follows them on the event loop (:func:`kvfence.kube.watch.follow`), keeps the
+slices per Service and calls back with the merged members.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from kubernetes import client as k8s
-
+from kvfence.kube import connection
+from kvfence.kube.watch import AsyncApi, follow
 from kvfence.router.endpoints import Member
-from kvfence.router.source import follow, load_api_client
 
 log = logging.getLogger("kvfence.router.slices")
 
@@ -65,23 +62,24 @@ def service_of(url: str) -> ServiceKey | None:
     return None
 
 
-def members_of(obj: Any, port_name: str = ENGINE_PORT_NAME) -> list[Member]:
-    """The endpoints of one EndpointSlice (a ``V1EndpointSlice``). An endpoint serves when its
-    ``ready`` condition is true or unset (the API's advice) and it is not terminating. The port is the
-    one named ``port_name``, else the slice's only port; a slice without one lists nothing."""
-    ports = obj.ports or []
-    port = next((p.port for p in ports if p.name == port_name and p.port), None)
+def members_of(obj: dict[str, Any], port_name: str = ENGINE_PORT_NAME) -> list[Member]:
+    """The endpoints of one EndpointSlice (``discovery.k8s.io/v1``, as JSON). An endpoint serves when
+    its ``ready`` condition is true or unset (the API's advice) and it is not terminating. The port is
+    the one named ``port_name``, else the slice's only port; a slice without one lists nothing."""
+    ports = obj.get("ports") or []
+    port = next((p.get("port") for p in ports if p.get("name") == port_name and p.get("port")), None)
     if port is None and len(ports) == 1:
-        port = ports[0].port
+        port = ports[0].get("port")
     if not port:
         return []
     out = []
-    for ep in obj.endpoints or []:
-        if not ep.addresses:
+    for ep in obj.get("endpoints") or []:
+        addresses = ep.get("addresses")
+        if not addresses:
             continue
-        cond = ep.conditions
-        ready = cond is None or (cond.ready is not False and not cond.terminating)
-        out.append(Member(ep.addresses[0], int(port), ready))
+        cond = ep.get("conditions") or {}
+        ready = cond.get("ready") is not False and not cond.get("terminating")
+        out.append(Member(addresses[0], int(port), ready))
     return out
 
 
@@ -95,7 +93,6 @@ class SliceSource:
         self.kubeconfig = kubeconfig
         self.synced = False  # True once the first list arrived
         self._slices: dict[ServiceKey, dict[str, list[Member]]] = {}
-        self._stop = threading.Event()
 
     def members(self, service: ServiceKey) -> list[Member]:
         merged: dict[tuple[str, int], Member] = {}
@@ -120,54 +117,39 @@ class SliceSource:
             key = self._key(obj)
             touched.add(key)
             if kind == "DELETED":
-                self._slices.get(key, {}).pop(obj.metadata.name, None)
+                self._slices.get(key, {}).pop(obj["metadata"]["name"], None)
             else:
                 self._put(obj)
         for key in touched:
             self.on_change(key, self.members(key))
 
     @staticmethod
-    def _key(obj: Any) -> ServiceKey:
-        return obj.metadata.namespace, (obj.metadata.labels or {}).get(SERVICE_NAME_LABEL, "")
+    def _key(obj: dict[str, Any]) -> ServiceKey:
+        meta = obj["metadata"]
+        return meta.get("namespace", ""), (meta.get("labels") or {}).get(SERVICE_NAME_LABEL, "")
 
-    def _put(self, obj: Any) -> ServiceKey:
+    def _put(self, obj: dict[str, Any]) -> ServiceKey:
         key = self._key(obj)
-        self._slices.setdefault(key, {})[obj.metadata.name] = members_of(obj)
+        self._slices.setdefault(key, {})[obj["metadata"]["name"]] = members_of(obj)
         return key
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def deliver(item: tuple[str, Any]) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        thread = threading.Thread(target=self._follow, args=(deliver,), name="endpointslices", daemon=True)
-        thread.start()
+    def _apply(self, event: tuple[str, Any]) -> None:
         try:
-            while True:
-                item = await queue.get()
-                try:
-                    self.apply(item)
-                except Exception:  # a malformed object must not stop the source
-                    log.exception("EndpointSlice event not applied")
+            self.apply(event)
+        except Exception:  # a malformed object must not stop the source
+            log.exception("EndpointSlice event not applied")
+
+    async def run(self) -> None:
+        api = AsyncApi(connection.load(self.kubeconfig))
+        try:
+            await follow(
+                api,
+                "/apis/discovery.k8s.io/v1/endpointslices",
+                {"labelSelector": f"{SERVICE_NAME_LABEL} in ({','.join(self.names)})"},
+                lambda items: self._apply(("snapshot", items)),
+                lambda kind, obj: self._apply((kind, obj)),
+                what="following EndpointSlices",
+                forbidden_hint="check the router's ClusterRole: list/watch endpointslices",
+            )
         finally:
-            self._stop.set()
-
-    def _follow(self, deliver: Callable[[tuple[str, Any]], None]) -> None:
-        api = k8s.DiscoveryV1Api(load_api_client(self.kubeconfig))
-
-        def on_event(kind: str, obj: Any) -> None:
-            if kind in ("ADDED", "MODIFIED", "DELETED"):
-                deliver((kind, obj))
-
-        follow(
-            api.list_endpoint_slice_for_all_namespaces,
-            (),
-            {"label_selector": f"{SERVICE_NAME_LABEL} in ({','.join(self.names)})"},
-            lambda items: deliver(("snapshot", items)),
-            on_event,
-            self._stop,
-            what="following EndpointSlices",
-            forbidden_hint="check the router's ClusterRole: list/watch endpointslices",
-        )
+            await api.close()
