@@ -121,9 +121,7 @@ def test_every_kind_of_credential_authenticates_on_the_real_api_server(cluster: 
     ns = "kube-client-creds"
     admin = Kube(connection.load(str(cluster.kubeconfig)))
     admin.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-    admin.apply(
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "nobody", "namespace": ns}}
-    )
+    cluster.kubectl("create", "serviceaccount", "nobody", "-n", ns)
     token = cluster.kubectl("create", "token", "nobody", "-n", ns, "--duration=1h").stdout.strip()
     user = f"system:serviceaccount:{ns}:nobody"
     ca = str(Path(cluster.pki) / "ca.crt")
