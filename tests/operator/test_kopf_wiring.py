@@ -1,4 +1,5 @@
-"""How the operator configures kopf (no cluster): only event handlers, so no diff base is built or kept."""
+"""How the operator configures kopf (no cluster): only event handlers, so no diff base and no per-object
+record is built or kept."""
 
 from __future__ import annotations
 
@@ -27,6 +28,36 @@ def test_a_handler_that_needs_a_diff_base_is_refused_at_start() -> None:
 
     with pytest.raises(RuntimeError, match=r"on-create.*diff base"):
         handlers.ensure_only_event_handlers(registry)
+
+
+def test_an_index_handler_is_refused_at_start() -> None:
+    """An index lives in kopf's per-object records, which EventOnlyMemories does not keep."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.index("kvfence.dev", "v1alpha1", "trustclasses", registry=registry, id="by-name")
+    def by_name(name: str, **_: Any) -> str:
+        return name
+
+    with pytest.raises(RuntimeError, match=r"by-name.*per-object records"):
+        handlers.ensure_only_event_handlers(registry)
+
+
+def test_kopf_keeps_no_record_of_the_objects_it_has_seen() -> None:
+    """Each event gets a fresh record (kopf's ``ephemeral``), with a copy of the operator's memo."""
+
+    async def run() -> None:
+        memories = handlers.EventOnlyMemories()
+        memo = kopf.Memo(controller="the-controller")
+        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "a", "uid": "u-1"}}
+        first = await memories.recall(body, memobase=memo, noticed_by_listing=True)
+        second = await memories.recall(body, memobase=memo)
+        assert first is not second
+        assert first.memo is not memo and first.memo.controller == "the-controller"
+        assert first.noticed_by_listing and not second.noticed_by_listing
+        assert list(memories.iter_all_memories()) == []
+        await memories.forget(body)  # a deletion of an object never remembered is fine
+
+    asyncio.run(run())
 
 
 def test_no_diff_base_is_copied_or_stored() -> None:

@@ -377,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if wait_until_served(kube, stop):
                 kopf.run(
-                    clusterwide=True, standalone=True, stop_flag=stop, memo=kopf.Memo(controller=controller)
+                    clusterwide=True,
+                    standalone=True,
+                    stop_flag=stop,
+                    memo=kopf.Memo(controller=controller),
+                    memories=_handlers.EventOnlyMemories(),
                 )
         finally:
             stop.set()
