@@ -90,8 +90,11 @@ class RouterState:
             namespace, _, name = config.router_service.partition("/")
             self.router_service = (namespace, name)
             names.append(name)
+        # The API server's connection, loaded once for the sources that follow it (main checked it).
+        self.kube = connection.load(config.kubeconfig) if names or config.routing_secret else None
         if names:
-            self.slices = SliceSource(names, self._on_slices, config.kubeconfig)
+            assert self.kube is not None
+            self.slices = SliceSource(names, self._on_slices, self.kube)
             if config.endpoint_slices:
                 self.proxy.slices = self.slices
         self.watcher = TableWatcher(
@@ -137,7 +140,8 @@ class RouterState:
             self.tasks.append(asyncio.create_task(self.slices.run()))
         if self.config.routing_secret:
             namespace, _, name = self.config.routing_secret.partition("/")
-            source = SecretSource(namespace, name, self.config.routing_secret_key, self.config.kubeconfig)
+            assert self.kube is not None
+            source = SecretSource(namespace, name, self.config.routing_secret_key, self.kube)
             self.tasks.append(asyncio.create_task(source.run(self.watcher)))
         else:
             self.watcher.check()

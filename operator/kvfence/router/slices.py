@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvfence.kube import connection
+from kvfence.kube.connection import Connection
 from kvfence.kube.watch import AsyncApi, follow
 from kvfence.router.endpoints import Member
 
@@ -87,10 +87,10 @@ class SliceSource:
     """Follows the EndpointSlices of the Services named ``names`` in every namespace and calls
     ``on_change(service, members)`` on the event loop whenever a Service's members change."""
 
-    def __init__(self, names: list[str], on_change: OnChange, kubeconfig: str | None = None) -> None:
+    def __init__(self, names: list[str], on_change: OnChange, kube: Connection) -> None:
         self.names = sorted(set(names))
         self.on_change = on_change
-        self.kubeconfig = kubeconfig
+        self.kube = kube
         self.synced = False  # True once the first list arrived
         self._slices: dict[ServiceKey, dict[str, list[Member]]] = {}
 
@@ -140,7 +140,7 @@ class SliceSource:
             log.exception("EndpointSlice event not applied")
 
     async def run(self) -> None:
-        api = AsyncApi(connection.load(self.kubeconfig))
+        api = AsyncApi(self.kube)
         try:
             await follow(
                 api,

@@ -22,7 +22,7 @@ import binascii
 import logging
 from typing import Any
 
-from kvfence.kube import connection
+from kvfence.kube.connection import Connection
 from kvfence.kube.watch import AsyncApi, follow
 from kvfence.router.table import TableWatcher
 
@@ -50,9 +50,9 @@ def role(namespace: str, secret_name: str, name: str = "kvfence-router") -> dict
 class SecretSource:
     """Follows ``namespace/name`` and offers the table under ``key`` to a :class:`TableWatcher`."""
 
-    def __init__(self, namespace: str, name: str, key: str, kubeconfig: str | None = None) -> None:
+    def __init__(self, namespace: str, name: str, key: str, kube: Connection) -> None:
         self.namespace, self.name, self.key = namespace, name, key
-        self.kubeconfig = kubeconfig
+        self.kube = kube
 
     @property
     def where(self) -> str:
@@ -77,7 +77,7 @@ class SecretSource:
         def on_event(kind: str, obj: dict[str, Any]) -> None:
             queue.put_nowait(self.extract(obj) if kind != "DELETED" else f"{self.where} was deleted")
 
-        api = AsyncApi(connection.load(self.kubeconfig))
+        api = AsyncApi(self.kube)
         task = asyncio.create_task(
             follow(
                 api,
