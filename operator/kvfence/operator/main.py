@@ -77,7 +77,7 @@ def setup_logging(fmt: str, verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("kubernetes", "urllib3", "aiohttp"):
+    for noisy in ("urllib3", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not verbose:
         # kopf logs every successful handler call; ours only enqueue keys.
