@@ -353,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     spy: subprocess.Popen[bytes] | None = None
     try:
         cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-        for crd in ("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev"):
-            cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+        cluster.wait_established("trustclasses.kvfence.dev", "tenantbindings.kvfence.dev")
         cluster.kubectl("create", "namespace", "kvfence-system")
         opts = B.OperatorOptions()
 
