@@ -112,21 +112,14 @@ class Kube:
         self.conn = conn
         ctx = conn.ssl_context()
         # Connection errors are retried (and read errors of idempotent requests); no statuses.
-        retries = urllib3.Retry(total=3, redirect=False)
-        timeout = urllib3.Timeout(total=30)
-        if conn.insecure:
-            self._http = urllib3.PoolManager(
-                maxsize=API_CONNECTIONS,
-                ssl_context=ctx,
-                cert_reqs="CERT_NONE",
-                assert_hostname=False,
-                retries=retries,
-                timeout=timeout,
-            )
-        else:
-            self._http = urllib3.PoolManager(
-                maxsize=API_CONNECTIONS, ssl_context=ctx, retries=retries, timeout=timeout
-            )
+        self._http = urllib3.PoolManager(
+            maxsize=API_CONNECTIONS,
+            ssl_context=ctx,
+            cert_reqs="CERT_NONE" if conn.insecure else None,
+            assert_hostname=False if conn.insecure else None,
+            retries=urllib3.Retry(total=3, redirect=False),
+            timeout=urllib3.Timeout(total=30),
+        )
         self._on_request = on_request
         self.cache = cache
         self._on_cache_read = on_cache_read
