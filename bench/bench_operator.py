@@ -30,6 +30,7 @@ operator's took). ``ratio`` is operator / baseline.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -90,6 +91,34 @@ def list_json(cluster: LocalCluster, *args: str) -> list[dict[str, Any]]:
     out = cluster.kubectl("get", *args, "-o", "json", timeout=300).stdout
     items: list[dict[str, Any]] = json.loads(out)["items"]
     return items
+
+
+def rollout_timeline(cluster: LocalCluster, wall_start: float, class_prefix: str) -> dict[str, float]:
+    """When one side's engine Deployments were created and became Available, in seconds from that
+    side's start (the API server's timestamps: whole seconds): the first, median and last of each.
+    Where the time goes: a side that applies its Deployments late finishes late, whatever its
+    requests cost."""
+    created: list[float] = []
+    available: list[float] = []
+    for d in list_json(cluster, "deployments", "-A", "-l", "app.kubernetes.io/managed-by=kvfence-operator"):
+        if not d["metadata"].get("labels", {}).get(B.LABEL_TRUST_CLASS, "").startswith(class_prefix):
+            continue
+        created.append(_rfc3339(d["metadata"]["creationTimestamp"]) - wall_start)
+        for c in (d.get("status") or {}).get("conditions", []):
+            if c["type"] == "Available" and c["status"] == "True":
+                available.append(_rfc3339(c["lastTransitionTime"]) - wall_start)
+    out: dict[str, float] = {}
+    for name, xs in (("deployments_created", created), ("deployments_available", available)):
+        if xs:
+            xs.sort()
+            out[f"{name}_first_s"] = xs[0]
+            out[f"{name}_median_s"] = xs[len(xs) // 2]
+            out[f"{name}_last_s"] = xs[-1]
+    return out
+
+
+def _rfc3339(ts: str) -> float:
+    return datetime.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
 def cond(obj: dict[str, Any], ctype: str) -> str | None:
@@ -216,7 +245,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
     live_tbs = list_json(cluster, "tenantbindings", "-A")
     assert len(live_tcs) == n and len(live_tbs) == m, (len(live_tcs), len(live_tbs))
 
-    start, cpu0 = time.monotonic(), cpu_seconds(os.getpid())
+    start, cpu0, wall_start = time.monotonic(), cpu_seconds(os.getpid()), time.time()
     models = [TenantBinding.model_validate(b) for b in live_tbs]
     # one paged LIST of each tenant namespace's Secrets, as the operator reads a namespace with many
     secrets = {
@@ -277,6 +306,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
 
     wait_until(available, "baseline deployments available", 3600)
     elapsed, cpu = time.monotonic() - start, cpu_seconds(os.getpid()) - cpu0
+    rollout = rollout_timeline(cluster, wall_start, "base-")
     cluster.kubectl("delete", "tenantbindings", "--all", "-A", "--wait=false", timeout=600)
     cluster.kubectl("delete", "trustclasses", "--all", "--wait=false", timeout=600)
     wait_until(
@@ -290,6 +320,7 @@ def run_baseline(cluster: LocalCluster, n: int, m: int, opts: B.OperatorOptions)
         "objects_applied_at": applied_s,
         "binding_statuses_written_at": statuses_s,
         "cpu_seconds": cpu,
+        **rollout,
     }
 
 
@@ -386,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         # The inputs exist before the operator starts, so neither side's time counts creating
         # them: the baseline renders and applies from memory, the operator starts to a full cluster
         # and its clock runs from its process start (interpreter start-up included) to convergence.
-        start = time.monotonic()
+        start, wall_start = time.monotonic(), time.time()
         launch = (
             [sys.executable, str(ROOT / "bench" / "tracemalloc_run.py"), args.tracemalloc, "kvfence.operator"]
             if args.tracemalloc
@@ -422,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             stop_profiler(spy)
             spy = None
         print(f"operator: {n} classes Ready and {m} bindings Bound in {operator_s:.1f}s", flush=True)
+        operator_rollout = rollout_timeline(cluster, wall_start, "op-")
 
         wait_until(lambda: metrics(port).get("kvfence_operator_queue_depth", 1) == 0, "queue drained", 600)
         time.sleep(5)
@@ -451,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 {k: round(v, 2) for k, v in baseline.items() if k != "seconds"} if baseline else None
             ),
             "ratio_operator_over_baseline": round(operator_s / baseline["seconds"], 3) if baseline else None,
+            "operator_rollout": {k: round(v, 1) for k, v in operator_rollout.items()},
             "operator_env": operator_env,
             "operator_peak_rss_mib": round(rss, 1),
             "operator_rss_timeline_mib": timeline.stop(),
