@@ -7,7 +7,10 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -516,6 +519,111 @@ def test_the_classes_a_decision_wakes_are_queued_before_it_writes_the_bindings_s
     # the class renders its engine while the decision's status writes are sent, and is queued once
     assert at_write == [[ClassKey("gold")]]
     assert ClassKey("gold") not in follow
+
+
+def _status_writes_seeing_the_engine(kube: FakeKube) -> list[bool]:
+    """At each TenantBinding status write: whether class gold's engine Deployment exists yet."""
+    at_write: list[bool] = []
+    patch_status = kube.patch_status
+
+    def recording(api: str, kind: str, name: str, namespace: str | None, status: Obj) -> Obj:
+        if kind == "TenantBinding":
+            at_write.append((("apps/v1", "Deployment", "kvf-gold", builders.ENGINE_NAME)) in kube.objs)
+        return patch_status(api, kind, name, namespace, status)
+
+    kube.patch_status = recording  # type: ignore[method-assign]
+    return at_write
+
+
+def test_with_other_workers_a_decision_writes_binding_statuses_after_the_engines_it_woke(world: Any) -> None:
+    """The work queue has more than one worker: the classes a decision routes for the first time render
+    their engines (on another worker) before the decision sends its bindings' status writes, which
+    would otherwise take most of the API server's answers from those renders."""
+    kube, rec, _ = world
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    assert rec.reconcile(ClassKey("gold")) == {ROUTING}
+    other_worker = ThreadPoolExecutor(1)
+    rendered: list[Any] = []
+
+    def notify() -> None:  # the work queue hands the class to another worker
+        for key in rec.take_later():
+            if isinstance(key, ClassKey):
+                # a render slower than the decision's own requests, as on a busy API server
+                rendered.append(other_worker.submit(lambda k=key: (time.sleep(0.3), rec.reconcile(k))[1]))
+
+    rec.notify = notify
+    rec.renders_meanwhile = True
+    at_write = _status_writes_seeing_the_engine(kube)
+    rec.reconcile(ROUTING)
+    assert at_write == [True]
+    assert len(rendered) == 1 and rendered[0].result() == set()
+    tb = kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
+    assert condition(tb, conditions.BOUND)["status"] == "True"
+    other_worker.shutdown()
+
+
+def test_a_decision_waits_for_the_renders_it_queued_only_so_long(
+    world: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No worker takes the class (all busy, or the render hangs): the statuses are written after
+    RENDER_PRECEDENCE_SECONDS anyway, with a warning, and the next decision does not wait for it."""
+    kube, rec, _ = world
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    assert rec.reconcile(ClassKey("gold")) == {ROUTING}
+    rec.notify = lambda: None
+    rec.renders_meanwhile = True
+    monkeypatch.setattr(reconciler, "RENDER_PRECEDENCE_SECONDS", 0.2)
+    at_write = _status_writes_seeing_the_engine(kube)
+    rec.reconcile(ROUTING)
+    assert at_write == [False]
+    assert "1 not rendered yet, writing the statuses now" in caplog.text
+    assert not rec._rendering
+
+
+def test_a_class_reconcile_in_flight_when_the_decision_routes_it_does_not_count_as_its_render(
+    world: Any,
+) -> None:
+    """A reconcile that started before the decision saw the class unrouted and rendered nothing: only
+    the reconcile the decision queued releases the status writes."""
+    kube, rec, _ = world
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube)
+    rec.notify = lambda: None
+    rec.renders_meanwhile = True
+    real = rec._reconcile_class
+    routed = threading.Event()
+    finished = threading.Event()
+
+    def first_reconcile_meets_the_decision(name: str) -> set[Any]:
+        out = real(name)  # the key is made; the class waits for a decision
+        routed.wait(5)  # ... which runs now, before this reconcile ends
+        return out
+
+    rec._reconcile_class = first_reconcile_meets_the_decision  # type: ignore[method-assign]
+    at_write = _status_writes_seeing_the_engine(kube)
+    worker = threading.Thread(target=lambda: (rec.reconcile(ClassKey("gold")), finished.set()))
+    worker.start()
+    deadline = time.monotonic() + 5
+    while "gold" not in rec.state.signing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec._reconcile_class = real  # type: ignore[method-assign]
+    decision = threading.Thread(target=rec.reconcile, args=(ROUTING,))
+    decision.start()
+    deadline = time.monotonic() + 5
+    while "gold" not in rec._rendering and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "gold" in rec._rendering
+    routed.set()
+    assert finished.wait(5)
+    time.sleep(0.2)
+    # still waiting: the in-flight reconcile rendered nothing
+    assert "gold" in rec._rendering and at_write == [] and decision.is_alive()
+    rec.reconcile(ClassKey("gold"))  # the render the decision queued
+    decision.join(5)
+    assert not decision.is_alive() and not rec._rendering and at_write == [True]
+    worker.join(5)
 
 
 def test_a_class_edit_under_a_bound_tenant_clamps_it_and_says_so_once(world: Any) -> None:

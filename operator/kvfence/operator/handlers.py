@@ -141,6 +141,7 @@ class Controller:
                 loop.call_soon_threadsafe(self._take_later)
 
         self.reconciler.notify = notify
+        self.reconciler.renders_meanwhile = self.workers > 1
         self.enqueue(ROUTING)
 
     def _take_later(self) -> None:

@@ -62,6 +62,9 @@ ROUTING_CONCURRENCY = 8
 #: A namespace with at least this many API-key Secrets to read (the first routing decision after a
 #: start, a namespace full of new bindings) has them read by one paged LIST instead of a GET each.
 API_KEYS_LIST_MIN = 16
+#: The longest a routing decision holds its bindings' status writes back while the engines of the
+#: classes it has just routed for the first time are rendered (see :meth:`Reconciler._await_renders`).
+RENDER_PRECEDENCE_SECONDS = 120.0
 #: How often a class waiting for its model token Secret (missing, or not readable) looks again.
 TOKEN_RETRY_SECONDS = 3.0
 
@@ -252,6 +255,13 @@ class Reconciler:
         self._later: dict[Key, float] = {}
         #: set by the work queue: called (from any thread) when :meth:`later` has keys to take
         self.notify: Callable[[], None] | None = None
+        #: set by the work queue when it reconciles other keys while a decision runs (more than one
+        #: worker): only then may a decision wait for the renders it queued
+        self.renders_meanwhile = False
+        #: classes a decision routed for the first time whose reconcile has not run since (guarded by
+        #: ``_renders``): their engines are rendered before the decision writes binding statuses
+        self._rendering: set[str] = set()
+        self._renders = threading.Condition()
         # The routing decision's per-binding requests (API-key Secret reads, status writes and their
         # Events) are independent of each other: sent ROUTING_CONCURRENCY at a time, not one by one.
         self._fanout = ThreadPoolExecutor(ROUTING_CONCURRENCY, thread_name_prefix="kvfence-routing")
@@ -288,9 +298,18 @@ class Reconciler:
 
     # --- TrustClass ------------------------------------------------------------------------------
     def reconcile_class(self, name: str) -> set[Key]:
+        # Only a reconcile that started after the decision marked the class renders for it (one in
+        # flight then had seen the class unrouted, and the decision queued another).
+        with self._renders:
+            marked = name in self._rendering
         try:
             return self._reconcile_class(name)
         finally:
+            if marked:
+                with self._renders:
+                    self._rendering.discard(name)
+                    if not self._rendering:
+                        self._renders.notify_all()
             if name not in self.state.class_tried:
                 self.state.class_tried.add(name)
                 if name not in self.state.signing:
@@ -841,6 +860,10 @@ class Reconciler:
             woken = self.state.awaiting_routing & self.state.routed
             self.state.awaiting_routing -= woken
         follow |= {ClassKey(n) for n in woken}
+        precedence = bool(woken) and self.notify is not None and self.renders_meanwhile
+        if precedence:
+            with self._renders:
+                self._rendering |= woken
         self.state.routing_ready.set()
         classes_next = {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
         if self.notify is not None:
@@ -871,10 +894,38 @@ class Reconciler:
                 len(out.table.trust_classes),
                 len(out.table.tenants),
             )
+        if precedence:
+            self._await_renders(len(woken))
         # list(): wait for every write, and raise the first failure (the routing key is retried).
         list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), to_write))
         done, self.state.pending_follow = self.state.pending_follow, set()
         return done
+
+    def _await_renders(self, count: int) -> None:
+        """Wait (at most :data:`RENDER_PRECEDENCE_SECONDS`) until the classes this decision routed for
+        the first time have been reconciled, so their engines are rendered first. Those renders are
+        what an engine's start waits on; the bindings' status writes (one per binding, ten per class
+        in a large cluster) only report what the routing table written above already does. Sent at
+        once, they took two thirds of the API server's answers from the renders, and the last engine
+        Deployment of 1,000 new classes was applied two minutes later (docs/operator.md, issue 16)."""
+        started = time.monotonic()
+        with self._renders:
+            done = self._renders.wait_for(lambda: not self._rendering, RENDER_PRECEDENCE_SECONDS)
+            left = len(self._rendering)
+            if not done:
+                # what is left renders beside the status writes, as before this wait
+                self._rendering.clear()
+        waited = time.monotonic() - started
+        if not done:
+            log.warning(
+                "binding statuses waited %.0fs for the engines of %d newly routed trust classes; %d not "
+                "rendered yet, writing the statuses now",
+                waited,
+                count,
+                left,
+            )
+        elif waited >= 1.0:
+            log.info("binding statuses written after the engines of %d trust classes (%.1fs)", count, waited)
 
     def _signing_keys(self, tc: TrustClass) -> tuple[bytes, ...]:
         cached = self.state.signing.get(tc.name)
