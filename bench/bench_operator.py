@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -532,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 op.kill()
         cluster.stop()
+        # the control plane's data (etcd, ~600 MB at --scale large) goes; the operator's log stays
+        shutil.rmtree(work / "cluster", ignore_errors=True)
+        print(f"operator log: {work / 'operator.log'}", flush=True)
 
 
 def start_profiler(pid: int, out: str) -> subprocess.Popen[bytes]:
