@@ -30,7 +30,6 @@ operator's took). ``ratio`` is operator / baseline.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -61,7 +60,7 @@ from kvfence.kube import connection  # noqa: E402
 from kvfence.operator import bindings as R  # noqa: E402
 from kvfence.operator import builders as B  # noqa: E402
 from kvfence.operator.apply import Kube  # noqa: E402
-from kvfence.operator.status import kstatus_conditions, set_condition, trust_class_status  # noqa: E402
+from kvfence.operator.status import kstatus_conditions, object_condition, set_condition, trust_class_status  # noqa: E402
 
 SCALES = {"small": (20, 200), "issue": (200, 2000), "large": (1000, 10000)}
 TENANT_NAMESPACES = 10
@@ -104,10 +103,10 @@ def rollout_timeline(cluster: LocalCluster, wall_start: float, class_prefix: str
     for d in list_json(cluster, "deployments", "-A", "-l", "app.kubernetes.io/managed-by=kvfence-operator"):
         if not d["metadata"].get("labels", {}).get(B.LABEL_TRUST_CLASS, "").startswith(class_prefix):
             continue
-        created.append(_rfc3339(d["metadata"]["creationTimestamp"]) - wall_start)
+        created.append(B.rfc3339_seconds(d["metadata"]["creationTimestamp"]) - wall_start)
         for c in (d.get("status") or {}).get("conditions", []):
             if c["type"] == "Available" and c["status"] == "True":
-                available.append(_rfc3339(c["lastTransitionTime"]) - wall_start)
+                available.append(B.rfc3339_seconds(c["lastTransitionTime"]) - wall_start)
     out: dict[str, float] = {}
     for name, xs in (("deployments_created", created), ("deployments_available", available)):
         if xs:
@@ -116,17 +115,6 @@ def rollout_timeline(cluster: LocalCluster, wall_start: float, class_prefix: str
             out[f"{name}_median_s"] = xs[len(xs) // 2]
             out[f"{name}_last_s"] = xs[-1]
     return out
-
-
-def _rfc3339(ts: str) -> float:
-    return datetime.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
-
-
-def cond_time(obj: dict[str, Any], ctype: str) -> str:
-    for c in (obj.get("status") or {}).get("conditions", []):
-        if c["type"] == ctype:
-            return str(c["lastTransitionTime"])
-    raise KeyError(ctype)
 
 
 def cond(obj: dict[str, Any], ctype: str) -> str | None:
@@ -461,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             # became Bound if that was later (its condition's time, whole seconds, rounded up): the
             # final list of every binding (about 40 MB of JSON at 10,000) is the benchmark's cost,
             # not the operator's, and the baseline's clock never includes one.
-            last_bound = max(_rfc3339(cond_time(b, "Bound")) for b in tbs) + 1.0 - wall_start
+            bound_at = max(B.rfc3339_seconds(object_condition(b, "Bound")["lastTransitionTime"]) for b in tbs)
+            last_bound = bound_at + 1.0 - wall_start
             observed["at"] = max(polled, last_bound)
             observed["check"] = time.monotonic() - start - polled
             return True
