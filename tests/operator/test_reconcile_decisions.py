@@ -133,6 +133,11 @@ def world() -> tuple[FakeKube, Reconciler, Callable[[], None]]:
     return kube, rec, route
 
 
+def engine_config(kube: FakeKube, namespace: str = "kvf-gold") -> Any:
+    cm = kube.get("v1", "ConfigMap", builders.CONFIG_NAME, namespace)
+    return json.loads(cm["data"][builders.CONFIG_KEY])
+
+
 def first_pass(rec: Reconciler, name: str = "gold") -> None:
     """A new class's first reconcile creates its signing key and waits for a routing decision that
     routes it; that decision wakes it (the work queue's order, by hand)."""
@@ -174,10 +179,15 @@ def test_a_missing_shared_prefix_configmap_applies_nothing_and_says_so(world: An
     kube, rec, _ = world
     ref = {"name": "tools", "form": "completion", "configMapKeyRef": {"name": "prompts", "key": "tools"}}
     kube.put(trust_class(prefixCache={"sharedPrefixes": [ref]}))
-    first_pass(rec)
+    # A new class's namespace, made by its first reconcile, cannot hold the ConfigMap yet; nor does it
+    # when the routing decision wakes the class.
+    with pytest.raises(Requeue, match=r"sharedPrefixes\[tools\]"):
+        rec.reconcile(ClassKey("gold"))
+    assert ClassKey("gold") in rec.reconcile(ROUTING)
     with pytest.raises(Requeue, match=r"sharedPrefixes\[tools\]"):
         rec.reconcile(ClassKey("gold"))
     assert kube.get("v1", "ConfigMap", builders.CONFIG_NAME, "kvf-gold") is None
+    assert kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold") is None
     c = condition(kube.get(API_VERSION, "TrustClass", "gold"), conditions.DEGRADED)
     assert c["reason"] == conditions.REASON_SHARED_PREFIX_UNRESOLVED
     meta = {"name": "prompts", "namespace": "kvf-gold"}
@@ -236,7 +246,7 @@ def test_a_degraded_class_reports_its_running_engine_and_writes_its_status_once(
     assert kube.writes == [("status", "TrustClass", "gold")]
 
 
-def tenant(kube: FakeKube, name: str = "acme", trust_class: str = "gold") -> None:
+def tenant(kube: FakeKube, name: str = "acme", trust_class: str = "gold", **quotas: int) -> None:
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
     data = {"key": base64.b64encode(f"sk-{name}".encode()).decode()}
     kube.put(
@@ -256,18 +266,19 @@ def tenant(kube: FakeKube, name: str = "acme", trust_class: str = "gold") -> Non
                 "tenantId": name,
                 "trustClassName": trust_class,
                 "apiKeySecretRef": {"name": f"{name}-keys"},
+                **({"quotas": quotas} if quotas else {}),
             },
         }
     )
 
 
-def test_a_new_class_gets_its_key_before_its_engine_and_its_tenant_binds_in_one_status_write() -> None:
+def test_a_new_class_starts_its_engine_at_once_and_its_tenant_binds_in_one_status_write() -> None:
     kube = FakeKube()
     kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvfence-system"}})
     events: list[Event] = []
     rec = Reconciler(kube, builders.OperatorOptions(), emit=events.append, new_key=lambda: bytes(range(32)))  # type: ignore[arg-type]
     kube.put(trust_class(namespaceSelector={}))
-    tenant(kube)
+    tenant(kube, maxKVBlocks=64)  # a KV quota: the engine config names the tenant
     binding = ("status", "TenantBinding", "acme")
     # A decision made before the class's first reconcile leaves its binding alone: the class is
     # about to get a key, and "not ready yet" would be true for a moment only.
@@ -275,12 +286,18 @@ def test_a_new_class_gets_its_key_before_its_engine_and_its_tenant_binds_in_one_
     assert binding not in kube.writes and "status" not in kube.get(
         API_VERSION, "TenantBinding", "acme", "team-a"
     )
-    # The class's first reconcile: namespace and signing key, no engine yet (its config waits for
-    # the tenants' quotas, that is for a routing decision that routes the class) and no polling.
+    # The class's first reconcile: its key, then its engine, whose config names no tenant yet (their
+    # quotas come from the routing decision this reconcile queues); nothing is read in the namespace
+    # it has just made, and nothing polls.
+    kube.reads.clear()
     assert rec.reconcile(ClassKey("gold")) == {ROUTING}
+    assert sorted(kube.reads) == ["Namespace", "TrustClass"]
     assert builders.read_signing_secret(kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, "kvf-gold"))
-    assert kube.get("apps/v1", "Deployment", "kvfence-engine", "kvf-gold") is None
+    deployment = kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold")
+    assert deployment is not None
+    assert engine_config(kube)["quotas"]["tenants"] == {}
     assert rec.take_later() == {}
+    assert "acme" not in decode(kube)["tenants"]  # the router routes none of its tenants yet
     # That decision binds the tenant at once and wakes the class.
     assert ClassKey("gold") in rec.reconcile(ROUTING)
     tb = kube.get(API_VERSION, "TenantBinding", "acme", "team-a")
@@ -289,11 +306,17 @@ def test_a_new_class_gets_its_key_before_its_engine_and_its_tenant_binds_in_one_
     assert kube.writes.count(binding) == 1
     # A new binding that binds gets no Event (its status says so); the class's key did.
     assert [e.reason for e in events if e.obj["kind"] == "TenantBinding"] == []
-    kube.reads.clear()
+    # The class woken: its engine config gets the tenant's quotas; the engine re-reads the file, its
+    # pods are not replaced (the pod template is the same, not applied again).
+    kube.writes.clear()
     rec.reconcile(ClassKey("gold"))
-    # the rest of a namespace the class created with its key alone is known absent: not read
-    assert sorted(kube.reads) == ["Secret", "TrustClass"]
-    assert kube.get("apps/v1", "Deployment", "kvfence-engine", "kvf-gold") is not None
+    assert "acme" in engine_config(kube)["quotas"]["tenants"]
+    assert ("apply", "ConfigMap", builders.CONFIG_NAME) in kube.writes
+    assert [w for w in kube.writes if w[1] == "Deployment"] == []
+    assert kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold") == deployment
+    applied = [e.message for e in events if e.reason == "Applied"]
+    assert len(applied) == 2 and "Namespace" in applied[0] and "Deployment" in applied[0]
+    assert applied[1] == f"applied ConfigMap/{builders.CONFIG_NAME}"
     # A change of fate is news: one Warning Event (its class is gone: the binding is denied).
     kube.delete(API_VERSION, "TrustClass", "gold")
     rec.reconcile(ROUTING)
@@ -304,6 +327,28 @@ def test_a_new_class_gets_its_key_before_its_engine_and_its_tenant_binds_in_one_
     assert [(e.reason, e.type) for e in events if e.obj["kind"] == "TenantBinding"] == [
         (conditions.REASON_TRUST_CLASS_NOT_FOUND, "Warning")
     ]
+
+
+def test_after_a_restart_a_running_engine_keeps_its_tenants_until_the_decision_routes_its_class() -> None:
+    """Only a new class renders its engine before the routing decision: a restarted operator's first
+    reconcile of a class whose engine runs leaves it alone (its config would name no tenant)."""
+    kube = FakeKube()
+    kube.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvfence-system"}})
+    kube.put(trust_class(namespaceSelector={}))
+    tenant(kube, maxKVBlocks=64)
+    rec = Reconciler(kube, builders.OperatorOptions(), new_key=lambda: bytes(range(32)))  # type: ignore[arg-type]
+    first_pass(rec)
+    rec.reconcile(ClassKey("gold"))
+    assert "acme" in engine_config(kube)["quotas"]["tenants"]
+    restarted = Reconciler(kube, builders.OperatorOptions(), new_key=lambda: bytes(range(32, 64)))  # type: ignore[arg-type]
+    kube.writes.clear()
+    assert restarted.reconcile(ClassKey("gold")) == {ROUTING}
+    assert [w for w in kube.writes if w[0] == "apply"] == []
+    assert "acme" in engine_config(kube)["quotas"]["tenants"]
+    assert ClassKey("gold") in restarted.reconcile(ROUTING)
+    restarted.reconcile(ClassKey("gold"))
+    assert [w for w in kube.writes if w[0] == "apply"] == []
+    assert "acme" in engine_config(kube)["quotas"]["tenants"]
 
 
 def test_a_class_that_gets_no_key_on_its_first_reconcile_has_its_bindings_told(world: Any) -> None:
@@ -522,13 +567,15 @@ def test_the_classes_a_decision_wakes_are_queued_before_it_writes_the_bindings_s
 
 
 def _status_writes_seeing_the_engine(kube: FakeKube) -> list[bool]:
-    """At each TenantBinding status write: whether class gold's engine Deployment exists yet."""
+    """At each TenantBinding status write: whether class gold's engine config names tenant acme yet
+    (its engine Deployment was applied, without tenants, by the class's first reconcile)."""
     at_write: list[bool] = []
     patch_status = kube.patch_status
 
     def recording(api: str, kind: str, name: str, namespace: str | None, status: Obj) -> Obj:
         if kind == "TenantBinding":
-            at_write.append((("apps/v1", "Deployment", "kvf-gold", builders.ENGINE_NAME)) in kube.objs)
+            assert ("apps/v1", "Deployment", "kvf-gold", builders.ENGINE_NAME) in kube.objs
+            at_write.append("acme" in engine_config(kube)["quotas"]["tenants"])
         return patch_status(api, kind, name, namespace, status)
 
     kube.patch_status = recording  # type: ignore[method-assign]
@@ -541,7 +588,7 @@ def test_with_other_workers_a_decision_writes_binding_statuses_after_the_engines
     would otherwise take most of the API server's answers from those renders."""
     kube, rec, _ = world
     kube.put(trust_class(namespaceSelector={}))
-    tenant(kube)
+    tenant(kube, maxKVBlocks=64)
     assert rec.reconcile(ClassKey("gold")) == {ROUTING}
     other_worker = ThreadPoolExecutor(1)
     rendered: list[Any] = []
@@ -570,7 +617,7 @@ def test_a_decision_waits_for_the_renders_it_queued_only_so_long(
     RENDER_PRECEDENCE_SECONDS anyway, with a warning, and the next decision does not wait for it."""
     kube, rec, _ = world
     kube.put(trust_class(namespaceSelector={}))
-    tenant(kube)
+    tenant(kube, maxKVBlocks=64)
     assert rec.reconcile(ClassKey("gold")) == {ROUTING}
     rec.notify = lambda: None
     rec.renders_meanwhile = True
@@ -589,7 +636,7 @@ def test_a_class_reconcile_in_flight_when_the_decision_routes_it_does_not_count_
     the reconcile the decision queued releases the status writes."""
     kube, rec, _ = world
     kube.put(trust_class(namespaceSelector={}))
-    tenant(kube)
+    tenant(kube, maxKVBlocks=64)
     rec.notify = lambda: None
     rec.renders_meanwhile = True
     real = rec._reconcile_class
@@ -645,8 +692,7 @@ def test_a_class_edit_under_a_bound_tenant_clamps_it_and_says_so_once(world: Any
     accepted = tb["status"]["acceptedSpec"]
 
     def engine_tenants() -> Any:
-        cm = kube.get("v1", "ConfigMap", builders.CONFIG_NAME, "kvf-gold")
-        return json.loads(cm["data"][builders.CONFIG_KEY])["quotas"]["tenants"]
+        return engine_config(kube)["quotas"]["tenants"]
 
     assert engine_tenants()["acme"]["maxBlocks"] == 256
 

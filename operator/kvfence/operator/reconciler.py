@@ -62,8 +62,9 @@ ROUTING_CONCURRENCY = 8
 #: A namespace with at least this many API-key Secrets to read (the first routing decision after a
 #: start, a namespace full of new bindings) has them read by one paged LIST instead of a GET each.
 API_KEYS_LIST_MIN = 16
-#: The longest a routing decision holds its bindings' status writes back while the engines of the
-#: classes it has just routed for the first time are rendered (see :meth:`Reconciler._await_renders`).
+#: The longest a routing decision holds its bindings' status writes back while the classes it has just
+#: routed for the first time write their tenants' quotas into their engine configs (see
+#: :meth:`Reconciler._await_renders`).
 RENDER_PRECEDENCE_SECONDS = 120.0
 #: How often a class waiting for its model token Secret (missing, or not readable) looks again.
 TOKEN_RETRY_SECONDS = 3.0
@@ -221,9 +222,6 @@ class State:
     #: what a class's reconcile applied while it waited for that decision (namespace, key): told in
     #: the one "Applied" Event of the reconcile that renders the rest
     applied_early: dict[str, list[str]] = field(default_factory=dict)
-    #: class namespaces this process created that hold only the signing key (their class waits for
-    #: routing): the other children are known absent
-    keyed_namespaces: set[str] = field(default_factory=set)
     #: objects the operator applied, or read and found as desired: their resourceVersion then and the
     #: spec hash of what was desired
     seen: dict[ChildRef, tuple[str, str]] = field(default_factory=dict)
@@ -259,7 +257,8 @@ class Reconciler:
         #: worker): only then may a decision wait for the renders it queued
         self.renders_meanwhile = False
         #: classes a decision routed for the first time whose reconcile has not run since (guarded by
-        #: ``_renders``): their engines are rendered before the decision writes binding statuses
+        #: ``_renders``): their engine configs get their tenants before the decision writes binding
+        #: statuses
         self._rendering: set[str] = set()
         self._renders = threading.Condition()
         # The routing decision's per-binding requests (API-key Secret reads, status writes and their
@@ -369,8 +368,6 @@ class Reconciler:
             self._ensure(desired_ns, live_ns, changed)
         # A namespace that did not exist a moment ago holds none of the children: nothing to read.
         fresh = live_ns is None and not known_ns
-        # ... nor one that held only the signing key when this class last waited for routing.
-        no_children = fresh or ns_name in self.state.keyed_namespaces
 
         # The signing key: kept, created once, rotated on request; a second rotation waits until the
         # first has reached every engine (the key it would retire may still be the one signing).
@@ -394,13 +391,18 @@ class Reconciler:
             if waiting:
                 self.state.awaiting_routing.add(name)
         if waiting:
-            # The engine config holds the class's tenants' quotas: rendered once a routing decision
-            # has routed the class (that decision queues this class again).
-            if changed:
-                self.state.applied_early.setdefault(name, []).extend(changed)
-            if fresh:
-                self.state.keyed_namespaces.add(ns_name)
-            return {ROUTING}
+            # Told in the one "Applied" Event of the reconcile that renders the engine.
+            self.state.applied_early.setdefault(name, []).extend(changed)
+            changed.clear()
+            if not fresh:
+                # The engine config holds the class's tenants' quotas: rendered once a routing
+                # decision has routed the class (that decision queues this class again). A running
+                # engine keeps the config it has until then (after an operator restart, say).
+                return {ROUTING}
+        # A new class (its namespace made just now) renders its engine at once, its config without
+        # tenants: it starts while the routing decision runs, and gets their quotas from the file the
+        # decision's wake-up rewrites, as a running engine gets a new tenant's. Until then the router
+        # routes none of its tenants (the decision writes the routing table).
         if live_keys is not None and rotation and rotation != live_keys.rotated_for:
             wait = builders.key_propagation_left(
                 live_keys, self._clock(), self.opts.signing_key_propagation_seconds
@@ -435,7 +437,7 @@ class Reconciler:
             objs = builders.children(
                 tc,
                 signing=keys,
-                tenant_quotas=self.state.tenant_quotas.get(name),
+                tenant_quotas=None if waiting else self.state.tenant_quotas.get(name),
                 opts=self.opts,
                 owner=owner,
                 shared_texts=shared_texts,
@@ -452,7 +454,7 @@ class Reconciler:
         for i, obj in enumerate(objs):
             if obj["kind"] == "Secret":
                 lives[i] = live_secret
-            elif no_children:
+            elif fresh:
                 lives[i] = None
             elif obj["kind"] not in ("Deployment", "PersistentVolumeClaim") and self._unchanged(obj):
                 continue  # as desired when last seen, and its watch reported no other version since
@@ -483,7 +485,6 @@ class Reconciler:
                 return set()
             if obj["kind"] == "Deployment":
                 deployment_live = applied
-        self.state.keyed_namespaces.discard(ns_name)
         changed[:0] = self.state.applied_early.pop(name, [])
         if changed:
             self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
@@ -728,7 +729,6 @@ class Reconciler:
         self.state.applied_early.pop(name, None)
         ns = self.state.class_namespace.get(name)
         if ns is not None:
-            self.state.keyed_namespaces.discard(ns)
             # What was remembered of the class's children (and of its namespace) goes with it.
             for memo in (self.state.seen, self.state.watched, self.state.digests):
                 for ref in [r for r in memo if r[1] == ns or r == ("Namespace", "", ns)]:
@@ -903,12 +903,11 @@ class Reconciler:
 
     def _await_renders(self, count: int) -> None:
         """Wait (at most :data:`RENDER_PRECEDENCE_SECONDS`) until the classes this decision routed for
-        the first time have been reconciled, so their engines are rendered first. Those renders are
-        what an engine's start waits on; the bindings' status writes (one per binding) only report
-        what the routing table written above already does. Sent beside the renders, ROUTING_CONCURRENCY
-        at a time against the renders' one per worker, they held the renders back: the last engine
-        Deployment of 1,000 new classes with 10,000 bindings was applied at 158 s instead of 90 s
-        after the operator's start (docs/operator.md, issue 16, eighth pass)."""
+        the first time have been reconciled, so their engine configs name their tenants' quotas
+        before the bindings are told ``Bound``. The bindings' status writes (one per binding) only
+        report what the routing table written above already does; sent beside the renders,
+        ROUTING_CONCURRENCY at a time against the renders' one per worker, they held the renders
+        back (docs/operator.md, issue 16, eighth pass)."""
         started = time.monotonic()
         with self._renders:
             done = self._renders.wait_for(lambda: not self._rendering, RENDER_PRECEDENCE_SECONDS)
