@@ -28,6 +28,7 @@ from engine.enginelib import (
 )
 from engine.oracle import check_consistency
 from support import prom
+from support.waiting import wait_until
 
 from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
@@ -37,7 +38,7 @@ from kvfence.contract import (
     Identity,
     sign,
 )
-from kvfence.contract.engine_config import EngineConfig
+from kvfence.contract.engine_config import READY_PATH, EngineConfig
 from kvfence.engine.engine import Engine
 from kvfence.engine.guard import Guard, KeySource
 from kvfence.engine.server import EngineServer
@@ -98,6 +99,25 @@ def assert_pool_settled(m: dict[str, float]) -> None:
         m["kvfence_engine_kv_blocks_free"] + m["kvfence_engine_kv_blocks_cached"]
         == m["kvfence_engine_kv_blocks_total"]
     )
+
+
+def test_an_engine_whose_config_waits_for_its_tenants_is_not_ready_until_it_holds_them(
+    start_engine: Start, key_dir: Path, tmp_path: Path
+) -> None:
+    """A new class's first config (``tenantsPending``: written before the routing decision) keeps the
+    engine out of its Service (readiness 503) while it stays alive (health 200); the file rewritten
+    with the tenants' quotas, as the kubelet brings it, makes it ready without a restart."""
+    proc = start_engine(config_dict(key_dir, tenantsPending=True))
+    client = Client(proc.base, Signer((key_dir / "current").read_bytes()))
+    ready = client.one(READY_PATH, method="GET", signed=False)
+    assert ready.status == 503 and "tenants" in ready.json()["status"]
+    assert client.one("/health", method="GET", signed=False).status == 200
+    time.sleep(1.1)  # a new mtime, past the reloader's once-a-second check
+    quotas = {"default": {"maxBlocks": 64}, "tenants": {"acme": {"maxBlocks": 8}}}
+    (tmp_path / "engine-0.yaml").write_text(json.dumps(config_dict(key_dir, quotas=quotas)))
+    wait_until(lambda: client.one(READY_PATH, method="GET", signed=False).status == 200, "ready", 10, 0.2)
+    assert client.one(READY_PATH, method="GET", signed=False).json() == {"status": "ok"}
+    assert proc.proc.poll() is None
 
 
 def test_openai_endpoints(start_engine: Start, key_dir: Path) -> None:

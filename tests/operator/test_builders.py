@@ -63,8 +63,22 @@ def test_deployment_is_hardened(make_tc: Any) -> None:
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
     assert mounts["/tmp"] == "tmp" and {"name": "tmp", "emptyDir": {}} in pod["volumes"]
     assert mounts[B.KEY_DIR] == "signing-key"
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert c[probe]["httpGet"]["path"] == "/health"
+    # Liveness and startup: the process; readiness also waits for a config that holds the tenants.
+    assert [c[p]["httpGet"]["path"] for p in ("livenessProbe", "startupProbe", "readinessProbe")] == [
+        "/health",
+        "/health",
+        "/ready",
+    ]
+
+
+def test_a_config_waiting_for_its_tenants_says_so_and_rolls_no_pod_when_they_come(make_tc: Any) -> None:
+    tc = make_tc()
+    waiting = B.engine_config(tc, tenants_pending=True)
+    assert waiting["tenantsPending"] is True
+    assert "tenantsPending" not in B.engine_config(tc)  # configs rendered before the field are unchanged
+    full = B.engine_config(tc, {"acme": TenantQuotas.model_validate({"maxKVBlocks": 8})})
+    assert B.config_hash(waiting) == B.config_hash(full)
+    assert B.config_hash(waiting) != B.config_hash(B.engine_config(make_tc(engine={"maxModelLen": 1024})))
 
 
 def test_placement_is_passed_through(make_tc: Any) -> None:

@@ -296,6 +296,11 @@ def test_a_new_class_starts_its_engine_at_once_and_its_tenant_binds_in_one_statu
     deployment = kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold")
     assert deployment is not None
     assert engine_config(kube)["quotas"]["tenants"] == {}
+    assert engine_config(kube)["tenantsPending"] is True  # its pods are not ready until it is gone
+    assert (
+        deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"]
+        == "/ready"
+    )
     assert rec.take_later() == {}
     assert "acme" not in decode(kube)["tenants"]  # the router routes none of its tenants yet
     # That decision binds the tenant at once and wakes the class.
@@ -311,6 +316,7 @@ def test_a_new_class_starts_its_engine_at_once_and_its_tenant_binds_in_one_statu
     kube.writes.clear()
     rec.reconcile(ClassKey("gold"))
     assert "acme" in engine_config(kube)["quotas"]["tenants"]
+    assert "tenantsPending" not in engine_config(kube)
     assert ("apply", "ConfigMap", builders.CONFIG_NAME) in kube.writes
     assert [w for w in kube.writes if w[1] == "Deployment"] == []
     assert kube.get("apps/v1", "Deployment", builders.ENGINE_NAME, "kvf-gold") == deployment

@@ -48,6 +48,7 @@ from kvfence.contract import (
     sign,
     tenant_tag,
 )
+from kvfence.contract.engine_config import READY_PATH
 from kvfence.vllm.middleware import KeySource, KeySourceError, KvfenceMiddleware
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox, valid_ref
 
@@ -565,6 +566,43 @@ def test_get_on_an_inference_path_is_refused(env: Env) -> None:
 def test_open_paths_pass_unsigned(env: Env, path: str) -> None:
     status, _, _ = env.server.request("GET", path)
     assert status == 200
+
+
+def test_readiness_waits_while_the_engine_config_waits_for_its_tenants(tmp_path: Path) -> None:
+    """``/ready`` (the readiness probe the operator renders): 503 while the mounted config says
+    ``tenantsPending`` (a new class's engine, started before the routing decision), vLLM's ``/health``
+    once the file is rewritten without it; ``/health`` itself (liveness) is never held back."""
+    cfg = {
+        "trustClass": TC,
+        "model": {"name": "tiny", "revision": "1"},
+        "numBlocks": 64,
+        "maxModelLen": 256,
+        "signingKeyDir": str(tmp_path),
+        "tenantsPending": True,
+    }
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(cfg))
+    write_keys(tmp_path / "keys", KEY)
+    mw = Middleware(
+        KvfenceMiddleware,
+        keys=KeySource(TC, tmp_path / "keys"),
+        registry=CollectorRegistry(),
+        refusals=RefusalBox(tmp_path / "refusals"),
+        config_path=str(path),
+    )
+    seen = Seen()
+    with Server(make_app(seen, [mw])) as server:
+        for method in ("GET", "HEAD"):
+            assert server.request(method, READY_PATH)[0] == 503
+        assert json.loads(server.request("GET", READY_PATH)[2]) == {
+            "status": "waiting for the tenants' quotas"
+        }
+        assert server.request("GET", "/health")[0] == 200
+        del cfg["tenantsPending"]
+        path.write_text(json.dumps({**cfg, "quotas": {"tenants": {"alice": {"maxBlocks": 4}}}}))
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new mtime, whatever the clock's grain
+        status, _, body = server.request("GET", READY_PATH)
+        assert (status, body) == (200, b"ok")  # the stand-in app's /health
 
 
 def test_query_string_is_refused(env: Env) -> None:

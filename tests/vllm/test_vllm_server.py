@@ -43,7 +43,7 @@ from kvfence.contract import (
     derive_cache_salt,
     sign,
 )
-from kvfence.contract.engine_config import SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS
+from kvfence.contract.engine_config import READY_PATH, SIGNING_KEY_CURRENT, SIGNING_KEY_PREVIOUS
 from kvfence.contract.routing import hash_api_key
 
 from .vllmserve import VllmServer, start_vllm, tiny_model, trust_class
@@ -450,6 +450,26 @@ def test_a_quota_change_reaches_running_vllm_without_a_restart(stack: Stack) -> 
         stack.server.popen is not None and stack.server.popen.pid == pid and stack.server.popen.poll() is None
     )
     stack.server.set_quotas({"carol": {"maxBlocks": CAROL_MAX_BLOCKS}})
+
+
+def test_readiness_holds_while_the_config_waits_for_its_tenants(stack: Stack) -> None:
+    """The readiness probe the operator renders (``/ready``, answered by the middleware inside vLLM):
+    vLLM's own health once the config holds the tenants; 503 while it says ``tenantsPending`` (a new
+    class's engine started before the routing decision), with ``/health`` (liveness) still 200; and
+    back without a restart once the file comes without the mark."""
+    pid = stack.server.popen.pid if stack.server.popen else None
+    url = stack.server.url
+    assert request("GET", url + READY_PATH)[0] == 200
+    stack.server.set_tenants_pending(True)
+    try:
+        status, _, body = request("GET", url + READY_PATH)
+        assert status == 503, body
+        assert request("GET", url + "/health")[0] == 200
+    finally:
+        stack.server.set_tenants_pending(False)
+    assert request("GET", url + READY_PATH)[0] == 200
+    assert stack.post("alice", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})[0] == 200
+    assert stack.server.popen is not None and stack.server.popen.pid == pid
 
 
 def test_declared_shared_prefixes_reach_running_vllm_and_share_only_the_declared_part(

@@ -170,6 +170,13 @@ class VllmServer:
         """Rewrite the mounted engine config's declared shared prefixes (the operator, on a change)."""
         self._rewrite(lambda cfg: cfg["prefixCache"].__setitem__("sharedPrefixes", prefixes))
 
+    def set_tenants_pending(self, pending: bool) -> None:
+        """Mark the mounted engine config as waiting for its tenants' quotas, or drop the mark (what
+        the operator writes for a new class before, and after, its routing decision)."""
+        self._rewrite(
+            lambda cfg: cfg.update(tenantsPending=True) if pending else cfg.pop("tenantsPending", None)
+        )
+
     def _rewrite(self, change: Any) -> None:
         cfg = json.loads(self.config_path.read_text())
         change(cfg)

@@ -35,6 +35,9 @@ from kvfence.contract import SIGNING_KEY_BYTES, CacheScope
 #: of this file, and the file the plugin's scheduler writes its counters to for its middleware.
 ENV_ENGINE_CONFIG = "KVFENCE_ENGINE_CONFIG"
 ENV_VLLM_STATS_FILE = "KVFENCE_VLLM_STATS_FILE"
+#: Every engine's readiness path (both runtimes): 503 while its config says ``tenantsPending``, else
+#: as ``/health``. The operator renders it as the pods' readiness probe.
+READY_PATH = "/ready"
 
 #: File names inside ``signingKeyDir`` (keys of the Secret the operator mounts there).
 SIGNING_KEY_CURRENT = "current"
@@ -177,6 +180,15 @@ class EngineConfig(_Model):
     signing_key_dir: str = Field(alias="signingKeyDir", min_length=1)
     require_signature: bool = Field(True, alias="requireSignature")
     listen: ListenConfig = Field(default_factory=lambda: ListenConfig())
+    tenants_pending: bool = Field(
+        False,
+        alias="tenantsPending",
+        description=(
+            "Written by the operator into a new class's first config, rendered before the routing "
+            "decision that computes its tenants' quotas: the engine is not ready (GET /ready: 503) until "
+            "a config without it arrives, so it never serves with quotas it has not been given"
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:

@@ -17,13 +17,14 @@ log = logging.getLogger("kvfence.engine.server")
 
 
 class ConfigReloader:
-    """Applies the per-tenant KV quotas and declared shared prefixes of a rewritten config file without
-    a restart.
+    """Applies the per-tenant KV quotas, declared shared prefixes and ``tenantsPending`` of a rewritten
+    config file without a restart.
 
     The operator changes ``quotas`` in the engine's ConfigMap when a tenant is bound or its quota
     changes, and ``prefixCache.sharedPrefixes`` when the class's declared prefixes change, and
     deliberately does not roll the pods for either; every other field change does roll them, so only
-    those two are taken from a new file (a change elsewhere is logged and otherwise ignored).
+    those two are taken from a new file (a change elsewhere is logged and otherwise ignored), with
+    ``tenantsPending``, which the operator drops once a new class's tenants are in the file.
     """
 
     def __init__(self, path: str, server: EngineServer) -> None:
@@ -55,6 +56,7 @@ class ConfigReloader:
             return
         old, self._file = self._file, new
         reloadable = {
+            "tenants_pending": old.tenants_pending,
             "quotas": old.quotas,
             "prefix_cache": new.prefix_cache.model_copy(
                 update={"shared_prefixes": old.prefix_cache.shared_prefixes}
@@ -64,6 +66,11 @@ class ConfigReloader:
             log.warning(
                 "config changed beyond quotas and sharedPrefixes: only those apply; restart for the rest"
             )
+        if new.tenants_pending != old.tenants_pending:
+            self._server.config = self._server.config.model_copy(
+                update={"tenants_pending": new.tenants_pending}
+            )
+            log.info("config %s its tenants' quotas", "waits for" if new.tenants_pending else "now holds")
         if new.quotas != old.quotas:
             self._server.engine.allocator.set_quotas(new.quotas)
             self._server.config = self._server.config.model_copy(update={"quotas": new.quotas})

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from kvfence.contract import HEADER_SIGNATURE, Identity, Verified, derive_cache_salt
-from kvfence.contract.engine_config import ConfigError, EngineConfig
+from kvfence.contract.engine_config import READY_PATH, ConfigError, EngineConfig
 from kvfence.contract.errors import error_body, error_type
 from kvfence.engine import openai
 from kvfence.engine.engine import (
@@ -292,6 +292,17 @@ class EngineServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def ready(self, request: web.Request) -> web.Response:
+        """The readiness probe: not ready while the config says its tenants' quotas are still to come
+        (a new class's engine, started before the operator's routing decision; see
+        ``EngineConfig.tenants_pending``): the Service sends it nothing until the kubelet has brought
+        the file that holds them."""
+        if self.quotas is not None:
+            self.quotas.check()
+        if self.config.tenants_pending:
+            return web.json_response({"status": "waiting for the tenants' quotas"}, status=503)
+        return web.json_response({"status": "ok"})
+
     # --- app ------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors], client_max_size=8 * 1024 * 1024)
@@ -301,6 +312,7 @@ class EngineServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/health", self.health)
+        app.router.add_get(READY_PATH, self.ready)
         return app
 
 

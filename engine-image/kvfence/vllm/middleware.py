@@ -18,6 +18,10 @@ What it does, per HTTP request:
 
 * ``GET``/``HEAD`` of the open paths (:data:`OPEN_PATHS`: health, metrics, models, version) pass
   through unsigned; the kubelet probes and Prometheus use them.
+* ``GET``/``HEAD`` of ``/ready`` (:data:`kvfence.contract.engine_config.READY_PATH`, the readiness
+  probe the operator renders): 503 while the engine config (``KVFENCE_ENGINE_CONFIG``) says
+  ``tenantsPending`` (a new class's engine started before the routing decision gave it its tenants'
+  quotas), else vLLM's ``/health``.
 * ``POST`` to an inference path (:data:`SALTED_PATHS`) must carry the router's identity headers. The
   body is buffered (up to the limit) and checked by :class:`kvfence.engine.guard.Guard`, the same
   check the reference engine runs; unsigned, forged, stale, replayed or wrong-class requests get the
@@ -66,7 +70,7 @@ from kvfence.contract import (
     XARG_TENANT_TAG,
     Verified,
 )
-from kvfence.contract.engine_config import ENV_ENGINE_CONFIG, ConfigError, load_config
+from kvfence.contract.engine_config import ENV_ENGINE_CONFIG, READY_PATH, ConfigError, load_config
 from kvfence.contract.errors import error_body, error_type
 from kvfence.engine import guard
 from kvfence.engine.guard import KeySourceError, Refusal
@@ -140,6 +144,34 @@ class _Metrics:
             return edge
 
 
+class TenantsPending:
+    """Whether the mounted engine config still waits for its tenants' quotas (``tenantsPending``), read
+    again whenever the file changes (the kubelet swaps it in place). No file named: never."""
+
+    def __init__(self, path: str | None) -> None:
+        self._path = Path(path) if path else None
+        self._stamp: tuple[int, int, int] | None = None
+        self._pending = False
+
+    def __call__(self) -> bool:
+        if self._path is None:
+            return False
+        try:
+            st = self._path.stat()  # the kubelet (and os.replace) swap in a new file: a new inode
+        except OSError:
+            return self._pending
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._pending = load_config(str(self._path)).tenants_pending
+            except ConfigError as e:
+                log.warning(
+                    "kvfence: the engine config changed but does not load; readiness as before: %s", e
+                )
+        return self._pending
+
+
 class KvfenceMiddleware:
     """Pure ASGI middleware: verify the router's signature, set ``cache_salt``, refuse the rest."""
 
@@ -153,9 +185,13 @@ class KvfenceMiddleware:
         clock: Callable[[], float] = time.time,
         max_skew: float = MAX_SKEW_SECONDS,
         refusals: RefusalBox | None = None,
+        config_path: str | None = None,
     ) -> None:
         ensure_handler()
         self.app = app
+        self.tenants_pending = TenantsPending(
+            config_path if config_path is not None else os.environ.get(ENV_ENGINE_CONFIG)
+        )
         self.refusals = refusals if refusals is not None else RefusalBox.from_env()
         self.keys = keys if keys is not None else KeySource.from_env()
         if max_body_bytes is None:
@@ -176,6 +212,13 @@ class KvfenceMiddleware:
             await send({"type": "websocket.close", "code": 1008})
             return
         method, path = scope["method"].upper(), scope["path"]
+        if path == READY_PATH and method in ("GET", "HEAD"):
+            if self.tenants_pending():
+                body = json.dumps({"status": "waiting for the tenants' quotas"}).encode()
+                await _send_whole(send, 503, [(b"content-type", b"application/json")], body)
+                return
+            await self.app({**scope, "path": "/health", "raw_path": b"/health"}, receive, send)
+            return
         if path in OPEN_PATHS and method in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return

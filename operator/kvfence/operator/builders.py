@@ -23,6 +23,7 @@ from kvfence.contract import key_id
 from kvfence.contract.engine_config import (
     ENV_ENGINE_CONFIG,
     ENV_VLLM_STATS_FILE,
+    READY_PATH,
     SIGNING_KEY_CURRENT,
     SIGNING_KEY_PREVIOUS,
     EngineConfig,
@@ -220,11 +221,15 @@ def engine_config(
     tc: TrustClass,
     tenant_quotas: dict[str, TenantQuotas] | None = None,
     shared_texts: Mapping[str, str] | None = None,
+    *,
+    tenants_pending: bool = False,
 ) -> Obj:
     """The engine's config file (``kvfence.contract.engine_config.EngineConfig``), validated by that model.
 
     ``tenant_quotas`` are the *effective* quotas of the tenants bound to the class whose KV limits
     differ from the class defaults; ``shared_texts`` the texts of shared prefixes kept in ConfigMaps.
+    ``tenants_pending``: a new class's config, rendered before the routing decision that computes its
+    tenants' quotas; its engines are not ready until a config without the flag reaches them.
     """
     spec, eng = tc.spec, tc.spec.engine
     model: Obj = {"name": eng.model.name, "revision": eng.model.revision}
@@ -262,6 +267,8 @@ def engine_config(
     if eng.block_size is not None or eng.runtime == "reference":
         # Unset on vllm: vLLM's attention backend chooses, so the file names no size it may not use.
         data["blockSize"] = eng.block_size or DEFAULT_BLOCK_SIZE
+    if tenants_pending:  # absent otherwise: configs rendered before the field existed are unchanged
+        data["tenantsPending"] = True
     # The engine's own model is the judge of what it accepts: fail here, not in a crash-looping pod.
     EngineConfig.model_validate(data)
     return data
@@ -274,12 +281,14 @@ def config_json(cfg: Obj) -> str:
 def config_hash(cfg: Obj) -> str:
     """Hash of the parts of the config that need an engine restart.
 
-    The KV quotas (the class's defaults and every tenant's) and the declared shared prefixes are left
-    out: binding a tenant, changing a quota or a shared system prompt must not restart the engine its
-    neighbours use; both runtimes re-read them from the mounted file.
+    The KV quotas (the class's defaults and every tenant's), the declared shared prefixes and
+    ``tenantsPending`` are left out: binding a tenant, changing a quota or a shared system prompt must
+    not restart the engine its neighbours use, nor must a new class's tenants arriving; both runtimes
+    re-read them from the mounted file.
     """
     stable = copy.deepcopy(cfg)
     stable.pop("quotas", None)
+    stable.pop("tenantsPending", None)
     stable.get("prefixCache", {}).pop("sharedPrefixes", None)
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -546,7 +555,8 @@ def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj 
             {"name": ENV_ENGINE_CONFIG, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
             {"name": "HOME", "value": TMP_DIR},
         ],
-        "readinessProbe": _probe("/health", eng.port, period=5, failures=3),
+        # Not ready while the engine config waits for its tenants' quotas (EngineConfig.tenants_pending).
+        "readinessProbe": _probe(READY_PATH, eng.port, period=5, failures=3),
         "livenessProbe": _probe("/health", eng.port, period=10, failures=6),
         # Loading weights takes minutes for real models: liveness starts after this succeeds.
         "startupProbe": _probe("/health", eng.port, period=10, failures=180 if vllm else 30),
@@ -728,11 +738,12 @@ def children(
     opts: OperatorOptions,
     owner: Obj | None,
     shared_texts: Mapping[str, str] | None = None,
+    tenants_pending: bool = False,
 ) -> list[Obj]:
     """Every namespaced object of a trust class, in apply order (the model-cache claim, then config and
     key, the engine last)."""
     check_extra_args(tc)
-    cfg = engine_config(tc, tenant_quotas, shared_texts)
+    cfg = engine_config(tc, tenant_quotas, shared_texts, tenants_pending=tenants_pending)
     claim = model_cache_claim(tc, opts, owner)
     return [
         # First: a change of the claim the API server refuses then stops the reconcile before anything

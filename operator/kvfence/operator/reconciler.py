@@ -399,10 +399,11 @@ class Reconciler:
                 # decision has routed the class (that decision queues this class again). A running
                 # engine keeps the config it has until then (after an operator restart, say).
                 return {ROUTING}
-        # A new class (its namespace made just now) renders its engine at once, its config without
-        # tenants: it starts while the routing decision runs, and gets their quotas from the file the
-        # decision's wake-up rewrites, as a running engine gets a new tenant's. Until then the router
-        # routes none of its tenants (the decision writes the routing table).
+        # A new class (its namespace made just now) renders its engine at once, its config marked
+        # ``tenantsPending``: its pods start (image, model) while the routing decision computes the
+        # tenants' quotas, and are not ready until the config the decision's wake-up rewrites, with
+        # those quotas and without the mark, reaches them. The router routes none of its tenants
+        # before that decision either (it writes the routing table).
         if live_keys is not None and rotation and rotation != live_keys.rotated_for:
             wait = builders.key_propagation_left(
                 live_keys, self._clock(), self.opts.signing_key_propagation_seconds
@@ -438,6 +439,7 @@ class Reconciler:
                 tc,
                 signing=keys,
                 tenant_quotas=None if waiting else self.state.tenant_quotas.get(name),
+                tenants_pending=waiting,
                 opts=self.opts,
                 owner=owner,
                 shared_texts=shared_texts,
