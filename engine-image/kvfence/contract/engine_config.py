@@ -232,6 +232,16 @@ class EngineConfig(_Model):
         return load_signing_keys(self.signing_key_dir)
 
 
+def file_stamp(path: str | Path) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of the mounted config file, None if it cannot be read: changes when the
+    kubelet swaps a mounted ConfigMap (a new file behind the volume's symlink) or a test replaces it."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def load_config(path: str | Path) -> EngineConfig:
     """Load and validate an engine configuration file (YAML, of which JSON is a subset)."""
     p = Path(path)

@@ -70,7 +70,13 @@ from kvfence.contract import (
     XARG_TENANT_TAG,
     Verified,
 )
-from kvfence.contract.engine_config import ENV_ENGINE_CONFIG, READY_PATH, ConfigError, load_config
+from kvfence.contract.engine_config import (
+    ENV_ENGINE_CONFIG,
+    READY_PATH,
+    ConfigError,
+    file_stamp,
+    load_config,
+)
 from kvfence.contract.errors import error_body, error_type
 from kvfence.engine import guard
 from kvfence.engine.guard import KeySourceError, Refusal
@@ -156,12 +162,8 @@ class TenantsPending:
     def __call__(self) -> bool:
         if self._path is None:
             return False
-        try:
-            st = self._path.stat()  # the kubelet (and os.replace) swap in a new file: a new inode
-        except OSError:
-            return self._pending
-        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if stamp != self._stamp:
+        stamp = file_stamp(self._path)
+        if stamp is not None and stamp != self._stamp:
             self._stamp = stamp
             try:
                 self._pending = load_config(str(self._path)).tenants_pending

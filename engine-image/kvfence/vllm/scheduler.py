@@ -41,7 +41,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from pathlib import Path
 from typing import Any, NoReturn
 
 import vllm.v1.core.kv_cache_coordinator as _coord_mod
@@ -53,6 +52,7 @@ from kvfence.contract.engine_config import (
     EngineConfig,
     QuotasConfig,
     SharedPrefixConfig,
+    file_stamp,
     load_config,
 )
 from kvfence.engine.blocks import BlockState
@@ -558,16 +558,6 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
         log.info("kvfence: shared prefix %r pinned: %d blocks", name, k)
 
 
-def _file_stamp(path: str) -> tuple[int, int, int] | None:
-    """(inode, mtime, size) of a file, None if it cannot be read: changes when the kubelet swaps a
-    mounted ConfigMap."""
-    try:
-        st = Path(path).stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
 @contextlib.contextmanager
 def _constructing_as(module: Any, name: str, cls: type) -> Iterator[None]:
     """``module.name`` is ``cls`` for the duration (vLLM's engine core builds its scheduler on one
@@ -1003,7 +993,7 @@ class FenceMixin:
         if not self._config_path:
             log.warning("kvfence: %s is not set: every tenant gets an unlimited KV quota", ENV_ENGINE_CONFIG)
             return None
-        stamp = _file_stamp(self._config_path)
+        stamp = file_stamp(self._config_path)
         try:
             if stamp is None:
                 raise ConfigError(f"cannot read engine config {self._config_path}")
@@ -1026,7 +1016,7 @@ class FenceMixin:
             self._key_stamp, self._key_list = got
             self._verified.clear()
         if self._config_path:
-            stamp = _file_stamp(self._config_path)
+            stamp = file_stamp(self._config_path)
             if stamp is not None and stamp != self._config_stamp:
                 cfg = self._load_config()
                 if cfg is not None:
