@@ -245,8 +245,10 @@ for image in "${IMAGES[@]}"; do
       cp "$CTX"/wheels/kvfence-*.whl "$vctx/wheels/"
       cp "$ROOT/tests/vllm/tinymodel.py" "$vctx/"
       vbase="$(vllm_cpu_base)"
+      wheel_sha="$(sha256sum "$vctx"/wheels/kvfence-*.whl | cut -d' ' -f1)"
       BUILD_CTX="$vctx" build engine-vllm-cpu Dockerfile.vllm-cpu --build-arg "BASE_IMAGE=$vbase" \
-        --build-arg "VLLM_VERSION=$VLLM_VERSION" --build-arg "VLLM_TORCH_VERSION=$VLLM_TORCH_VERSION"
+        --build-arg "VLLM_VERSION=$VLLM_VERSION" --build-arg "VLLM_TORCH_VERSION=$VLLM_TORCH_VERSION" \
+        --build-arg "KVFENCE_WHEEL_SHA256=$wheel_sha"
       rm -rf "$vctx"
       smoke engine-vllm-cpu --help
       # vLLM's CLI, the kvfence plugin and the built-in model, on a read-only root filesystem.
