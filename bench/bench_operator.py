@@ -117,13 +117,6 @@ def rollout_timeline(cluster: LocalCluster, wall_start: float, class_prefix: str
     return out
 
 
-def cond(obj: dict[str, Any], ctype: str) -> str | None:
-    for c in (obj.get("status") or {}).get("conditions", []):
-        if c["type"] == ctype:
-            return str(c["status"])
-    return None
-
-
 def wait_until(pred: Any, what: str, timeout: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
@@ -440,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             # operator works (10,000 at --scale large).
             polled = time.monotonic() - start
             tcs = [t for t in list_json(cluster, "trustclasses") if t["metadata"]["name"].startswith("op-")]
-            if len(tcs) != n or any(cond(t, "Ready") != "True" for t in tcs):
+            if len(tcs) != n or any(object_condition(t, "Ready").get("status") != "True" for t in tcs):
                 return False
             tbs = list_json(cluster, "tenantbindings", "-A")
-            if len(tbs) != m or any(cond(b, "Bound") != "True" for b in tbs):
+            if len(tbs) != m or any(object_condition(b, "Bound").get("status") != "True" for b in tbs):
                 return False
             # Converged when the poll that saw every class Ready began, or when the last binding
             # became Bound if that was later (its condition's time, whole seconds, rounded up): the

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvfence.contract.engine_config import ConfigError, load_config
+from kvfence.contract.engine_config import ConfigError, file_stamp, load_config
 
 if TYPE_CHECKING:
     from kvfence.engine.server import EngineServer
@@ -30,22 +30,16 @@ class ConfigReloader:
     def __init__(self, path: str, server: EngineServer) -> None:
         self._path = Path(path)
         self._server = server
-        self._stamp = self._mtime()
+        self._stamp = file_stamp(self._path)
         self._file = load_config(path)  # as written, before any command-line override
         self._checked = 0.0
-
-    def _mtime(self) -> float:
-        try:
-            return self._path.stat().st_mtime
-        except OSError:
-            return -1.0
 
     def check(self) -> None:
         now = time.monotonic()
         if now - self._checked <= 1.0:
             return
         self._checked = now
-        stamp = self._mtime()
+        stamp = file_stamp(self._path)
         if stamp == self._stamp:
             return
         self._stamp = stamp

@@ -166,7 +166,7 @@ class TenantsPending:
         if stamp is not None and stamp != self._stamp:
             self._stamp = stamp
             try:
-                self._pending = load_config(str(self._path)).tenants_pending
+                self._pending = load_config(self._path).tenants_pending
             except ConfigError as e:
                 log.warning(
                     "kvfence: the engine config changed but does not load; readiness as before: %s", e
