@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 from cluster.localcluster import LocalCluster, default_bin_dir
 from support.lanes import mark_lanes
+from support.process import ManagedProcess
 
 
 @pytest.fixture(scope="session")
@@ -70,3 +71,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             c = getattr(item, "funcargs", {}).get(name)
             if isinstance(c, LocalCluster) and c.pids:
                 report.sections.append((f"{name}: logs and events", c.dump()))
+        for proc in list(ManagedProcess.live):
+            if found := proc.tracebacks():
+                report.sections.append((f"tracebacks in {proc.log} ({proc.args[0]})", found))

@@ -429,6 +429,38 @@ def test_pool_tells_a_stale_keep_alive_connection_from_a_failure(run: Any) -> No
     run(main())
 
 
+def test_pool_a_new_connection_lost_before_the_request_was_sent_is_a_closed_error(run: Any) -> None:
+    """An engine killed right after the kernel accepted the connection: its reset can arrive between
+    the connect and the write. Nothing was sent, so the error is ``closed`` (the proxy sends the
+    request to another replica), never an exception the proxy does not know (a 500)."""
+
+    async def main() -> None:
+        async def reset(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.transport.abort()
+
+        pool = Pool("127.0.0.1", await RawServer(reset).start())
+        real_open = pool._open
+
+        async def open_then_lose_it() -> Any:
+            conn = await real_open()
+            for _ in range(200):  # the reset is processed before the request is written
+                if conn.transport is None:
+                    break
+                await asyncio.sleep(0.005)
+            assert conn.transport is None, "the server did not reset the connection"
+            return conn
+
+        pool._open = open_then_lose_it  # type: ignore[method-assign]
+        for _ in range(3):  # and the connection slot comes back each time
+            with pytest.raises(UpstreamError) as e:
+                await pool.request("POST", "/", {}, b"1")
+            assert e.value.kind == "closed"
+        assert not pool._slots.locked()
+        pool.close()
+
+    run(main())
+
+
 def test_pool_streams_chunks_as_they_arrive_and_reads_bodies_ended_by_close(run: Any) -> None:
     async def main() -> None:
         go_on = asyncio.Event()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
@@ -19,6 +20,10 @@ class ProcessExited(RuntimeError):
 
 
 class ManagedProcess:
+    #: The processes started and not stopped yet: a failing test's report shows the tracebacks in
+    #: their logs (see ``tests/conftest.py``).
+    live: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
+
     def __init__(
         self,
         args: Sequence[str],
@@ -49,6 +54,7 @@ class ManagedProcess:
             cwd=self.cwd,
             start_new_session=self.new_session,
         )
+        ManagedProcess.live.add(self)
         return self
 
     @property
@@ -87,6 +93,7 @@ class ManagedProcess:
         if self._out is not None:
             self._out.close()
             self._out = None
+        ManagedProcess.live.discard(self)
         return None if p is None else p.returncode
 
     def kill(self) -> None:
@@ -109,3 +116,15 @@ class ManagedProcess:
 
     def tail(self, chars: int = 3000) -> str:
         return self.output()[-chars:]
+
+    def tracebacks(self, limit: int = 3, lines: int = 30) -> str:
+        """The last ``limit`` Python tracebacks in the log, with the line before each (the message
+        that logged it) and up to ``lines`` lines of each."""
+        out = self.output().splitlines()
+        starts = [i for i, line in enumerate(out) if line.startswith("Traceback (most recent call last)")]
+        blocks = []
+        for i in starts[-limit:]:
+            block = out[max(i - 1, 0) : i + lines]
+            end = next((j for j, line in enumerate(block[2:], 2) if line and not line[0].isspace()), None)
+            blocks.append("\n".join(block[: end + 1] if end is not None else block))
+        return "\n...\n".join(blocks)

@@ -201,7 +201,10 @@ class _Connection(asyncio.Protocol):
 
     # --- request life cycle -----------------------------------------------------------------------
     def send(self, data: bytes) -> Response:
-        assert self.transport is not None
+        if self.transport is None:
+            # A new connection the engine reset before the request was written (an engine killed
+            # right after the kernel accepted it): nothing was sent, so another replica may take it.
+            raise UpstreamError("closed", "the engine closed the connection before the request was sent")
         self.uses += 1
         self.resp = resp = Response(self)
         self._until_eof = False
