@@ -525,6 +525,29 @@ def test_pool_read_timeout_holds_on_a_reused_connection(run: Any) -> None:
     run(main())
 
 
+def test_pool_never_lets_a_second_answer_in_one_read_overwrite_the_first(run: Any) -> None:
+    """An engine out of step sends two answers to one request in one write: the first is the
+    answer, its status and body untouched by the second, and the connection is never reused (its
+    next bytes cannot be trusted to start an answer)."""
+
+    async def main() -> None:
+        async def two_answers(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while True:
+                await read_request(r)
+                w.write(ok(b"first") + b"HTTP/1.1 500 Oops\r\nContent-Length: 6\r\n\r\nsecond")
+
+        server = RawServer(two_answers)
+        pool = Pool("127.0.0.1", await server.start())
+        for _ in range(2):
+            resp = await pool.request("POST", "/", {}, b"x")
+            assert resp.status == 200 and await resp.read() == b"first"
+            resp.release()
+        assert server.connections == 2  # the first connection was closed, not reused
+        pool.close()
+
+    run(main())
+
+
 def test_pool_errors_connect_timeout_protocol_and_injection(run: Any) -> None:
     async def main() -> None:
         async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -170,6 +170,13 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamError("protocol", f"malformed answer from the engine: {e}"))
 
     # --- httptools callbacks ----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        resp = self.resp
+        if resp is not None and resp.complete:
+            # A second answer to one request, in the same read: the engine is out of step. It must not
+            # touch the first answer; raising stops the parser, and _fail closes the connection.
+            raise UpstreamError("protocol", "the engine sent more than one answer to a request")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.resp is not None
         self.resp.headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
