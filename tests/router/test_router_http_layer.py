@@ -548,6 +548,32 @@ def test_pool_never_lets_a_second_answer_in_one_read_overwrite_the_first(run: An
     run(main())
 
 
+def test_pool_skips_interim_1xx_answers_before_the_final_one(run: Any) -> None:
+    """An engine (or a proxy beside it) may send interim answers (``103 Early Hints``, an unasked
+    ``100 Continue``) before the final one (RFC 9110, 15.2: a client must accept them). They are not
+    the answer: the final status, headers and body are, and the connection stays reusable."""
+
+    async def main() -> None:
+        async def hints_first(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while True:
+                await read_request(r)
+                w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await asyncio.sleep(0.01)  # in separate reads, and in one below
+                w.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\nX-Hint: 1\r\n\r\n" + ok(b"final"))
+
+        server = RawServer(hints_first)
+        pool = Pool("127.0.0.1", await server.start())
+        for _ in range(2):
+            resp = await pool.request("POST", "/", {}, b"x")
+            assert resp.status == 200 and await resp.read() == b"final"
+            assert "link" not in resp.headers and "x-hint" not in resp.headers
+            resp.release()
+        assert server.connections == 1  # reused
+        pool.close()
+
+    run(main())
+
+
 def test_pool_errors_connect_timeout_protocol_and_injection(run: Any) -> None:
     async def main() -> None:
         async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

@@ -135,6 +135,7 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
         self._until_eof = False
+        self._interim = False  # parsing a 1xx answer
 
     # --- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -184,7 +185,14 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         resp = self.resp
         assert resp is not None
-        resp.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:
+            # An interim answer (100 Continue, 103 Early Hints; RFC 9110, 15.2): not the answer, and
+            # not a message end either. The router upgrades nothing, so 101 is no exception.
+            self._interim = True
+            resp.headers.clear()
+            return
+        resp.status = status
         resp.keep_alive = self.parser.should_keep_alive()
         h = resp.headers
         self._until_eof = "content-length" not in h and "transfer-encoding" not in h
@@ -203,6 +211,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         resp = self.resp
         assert resp is not None
+        if self._interim:
+            self._interim = False
+            return
         resp.complete = True
         resp._wake()
 
