@@ -109,6 +109,31 @@ def test_keep_alive_and_pipelined_requests_answered_in_order(run: Any) -> None:
     run(main())
 
 
+def test_a_request_target_in_absolute_form_is_served_by_its_path(run: Any) -> None:
+    """``POST http://host/v1/completions`` (absolute form, what a client configured with the router as
+    its HTTP proxy sends): a server must accept it (RFC 9112, 3.2.2) and route it by its path and
+    query, whatever the authority says."""
+
+    async def main() -> None:
+        server, port = await start(echo)
+        r, w = await connect(port)
+        for target in (b"http://router.example:8080/v1/x?q=1", b"HTTPS://other/v1/x?q=1"):
+            w.write(b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi" % target)
+            status, _, body = await read_response(r)
+            assert status == 200 and json.loads(body) == {
+                "method": "POST",
+                "path": "/v1/x",
+                "query": "q=1",
+                "body": "hi",
+            }
+        w.write(b"GET http://router.example HTTP/1.1\r\nHost: x\r\n\r\n")  # no path: the root
+        assert json.loads((await read_response(r))[2])["path"] == "/"
+        w.close()
+        await server.shutdown(1)
+
+    run(main())
+
+
 def test_chunked_request_body_and_expect_100_continue(run: Any) -> None:
     async def main() -> None:
         server, port = await start(echo)

@@ -134,7 +134,10 @@ class Request:
     ) -> None:
         self._conn = conn
         self.method = method
-        path, _, query = target.decode("latin-1").partition("?")
+        text = target.decode("latin-1")
+        if not text.startswith("/"):
+            text = _origin_form(text)
+        path, _, query = text.partition("?")
         self.path = path
         self.query = query
         self.version = version
@@ -176,6 +179,18 @@ class Request:
         framing = [("Transfer-Encoding", "chunked")] if chunked else []
         conn.write_head(status, [*headers, *framing], self.keep_alive)
         return Stream(conn, status, chunked)
+
+
+def _origin_form(target: str) -> str:
+    """A request target in absolute form (``http://host/path?query``, RFC 9112 3.2.2: a server must
+    accept it) as the origin form the router routes by: the authority is dropped. Other forms (``*``,
+    an authority alone) are kept as they are: no route matches them."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return target
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    rest = rest[cut:]
+    return rest if rest.startswith("/") else "/" + rest
 
 
 Handler = Callable[[Request], Awaitable[Response | Stream]]
