@@ -101,10 +101,18 @@ def test_kubectl_wait_kstatus_and_argocd_health_follow_what_the_operator_writes(
     assert condition(ok, "Stalled")["status"] == "False"
     assert argocd_health("trustclass", ok)[0] == "Healthy"
 
-    stuck = wait(lambda: tc_state("go-stuck", "InProgress"), "go-stuck InProgress", 60, dump=operator.tail)
+    # The engine is applied in the class's first reconcile: its first InProgress status can come before
+    # the Deployment controller has counted the new pod ("0/1 updated"). The operator follows the
+    # Deployment's status, so the message catches up.
+    rolling = ("Progressing", "EngineRollingOut: 1/1 updated, 0/1 ready")
+
+    def stuck_state() -> dict[str, Any] | None:
+        obj = tc_state("go-stuck", "InProgress")
+        return obj if obj is not None and argocd_health("trustclass", obj) == rolling else None
+
+    stuck = wait(stuck_state, "go-stuck InProgress, 1/1 updated", 60, dump=operator.tail)
     assert condition(stuck, "Reconciling")["status"] == "True"
     assert condition(stuck, "Ready")["status"] == "False"
-    assert argocd_health("trustclass", stuck) == ("Progressing", "EngineRollingOut: 1/1 updated, 0/1 ready")
 
     zero = wait(lambda: tc_state("go-zero", "Current"), "go-zero Current", 60, dump=operator.tail)
     assert condition(zero, "Ready")["reason"] == "ScaledToZero"
