@@ -124,7 +124,7 @@ pip_args=(wheel --quiet --find-links "$OUT/build-system")
 if [ "${KVFENCE_OFFLINE:-0}" = 1 ]; then
   pip_args+=(--no-index --find-links "$CTX/wheels")
 else
-  "$PYTHON" -m pip wheel --quiet --wheel-dir "$OUT/build-system" "setuptools>=68" wheel \
+  "$PYTHON" -m pip wheel --quiet --wheel-dir "$OUT/build-system" "setuptools>=77" wheel \
     || die "pip wheel setuptools failed (no package index? set KVFENCE_OFFLINE=1 after one online run)"
 fi
 "$PYTHON" -m pip "${pip_args[@]}" --wheel-dir "$CTX/wheels" "$ROOT" \
