@@ -16,6 +16,10 @@ Authorization header), four paths:
 * ``nginx``          Debian's nginx as a plain reverse proxy with an upstream keep-alive pool;
 * ``vllm-router``    the Rust router from PyPI (``--vllm-router install``, or the path of an installed
                      ``bin/vllm-router``);
+* ``kvfence HTTP layer`` the router's own HTTP server and upstream pool (kvfence.router.http /
+                     .upstream) relaying with no router logic (no auth, quotas, stripping, salt or
+                     signing), on uvloop with the router's GC settings: the floor of the Python router,
+                     so the table shows what the router's logic costs above it;
 * ``aiohttp proxy``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what the framework
                      the router was first built on costs by itself, three times the whole of
                      vllm-router, and the reason the router has its own HTTP layer
@@ -447,6 +451,53 @@ def _serve_aiohttp_floor(port: int, upstream_port: int) -> None:
     web.run_app(make(), host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+def _serve_http_layer_floor(port: int, upstream_port: int) -> None:
+    """The router's HTTP server and upstream pool relaying each request as it came, with nothing of
+    the router's logic: the floor of this HTTP layer, measured beside the router."""
+    import gc
+
+    import uvloop
+
+    from kvfence.router.http import HttpServer, Request
+    from kvfence.router.http import Response as Answer
+    from kvfence.router.server import GC_YOUNG_THRESHOLD
+    from kvfence.router.upstream import Pool
+
+    async def serve() -> None:
+        pool = Pool("127.0.0.1", upstream_port)
+        json_head = b"Content-Type: application/json\r\n"
+
+        async def relay(req: Request) -> Answer:
+            resp = await pool.request("POST", PATH, None, req.body, head=json_head)
+            try:
+                body = await resp.read()
+            finally:
+                resp.release()
+            return Answer(resp.status, body)
+
+        def error(status: int, message: str) -> Answer:
+            return Answer(status, json.dumps({"error": {"message": message}}).encode())
+
+        server = HttpServer(relay, error, max_body=1 << 20)
+        await server.start("127.0.0.1", port)
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)  # as the router does
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
+def start_http_layer_floor(upstream_port: int) -> Target:
+    port = free_port()
+    p = subprocess.Popen(
+        [*PIN_SUT, sys.executable, __file__, "--role", "http-layer-floor", "--target-port", str(port),
+         "--upstream-port", str(upstream_port)]
+    )  # fmt: skip
+    wait_for_port(port, p)
+    return Target("kvfence HTTP layer", port, [p])
+
+
 def start_aiohttp_floor(upstream_port: int) -> Target:
     port = free_port()
     p = subprocess.Popen(
@@ -618,6 +669,9 @@ def main() -> None:
         help="taskset: the proxy under test on the last core, load generator and upstream on the others",
     )
     a = ap.parse_args()
+    if a.role == "http-layer-floor":
+        _serve_http_layer_floor(a.target_port, a.upstream_port)
+        return
     if a.role == "aiohttp-floor":
         _serve_aiohttp_floor(a.target_port, a.upstream_port)
         return
@@ -653,6 +707,7 @@ def main() -> None:
             "vllm-router cache_aware",
             lambda: start_vllm_router(a.vllm_router, up, workdir, "cache_aware", "vllm-router cache_aware"),
         ),
+        ("kvfence HTTP layer", lambda: start_http_layer_floor(up)),
         ("aiohttp proxy", lambda: start_aiohttp_floor(up)),
     ]
     only = [x.strip() for x in a.only.split(",") if x.strip()]
