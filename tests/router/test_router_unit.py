@@ -14,7 +14,9 @@ from router.support import GOLD_KEY, KEYS, SILVER_KEY, auth, standard_table, wri
 from support.ports import free_port
 
 from kvfence.contract import (
+    CLIENT_FORBIDDEN_HEADERS,
     HEADER_NONCE,
+    HEADER_PREFIX,
     HEADER_SIGNATURE,
     HEADER_TENANT,
     CacheScope,
@@ -28,12 +30,14 @@ from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.endpoints import ClassEndpoints, Endpoint
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import (
+    FORWARD_HEADERS,
     RECOVERY_PROBE_INTERVAL,
     Proxy,
     ProxyConfig,
     _UsageScanner,
     build_body,
     build_head,
+    forwarded_headers,
 )
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
@@ -253,6 +257,76 @@ def test_parse_body_and_reservation() -> None:
     for bad_body in ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": "3"}, {"n": 0}, {"n": 1000}):
         with pytest.raises(RouterError):
             reserve_tokens(5, bad_body, 99)
+
+
+_JSON_TEXT = st.one_of(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=8,
+    ).map(json.dumps),
+    st.text(alphabet=' \t\n\r\x0c{}[]":,01eE.-+truefalsn\\u', max_size=24),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lead=st.sampled_from(["", " ", "\n\t", "\r\n ", "\x0c", "\ufeff"]), doc=_JSON_TEXT,
+       trail=st.sampled_from(["", " ", "\n", " \t\r\n", "x", " {}", "\x0c"]))  # fmt: skip
+def test_parse_body_accepts_and_refuses_what_the_json_decoder_does(lead: str, doc: str, trail: str) -> None:
+    """parse_body calls the decoder's C scanner itself (no JSONDecoder.decode frames): the same
+    documents are accepted, with the same value, and the same are refused."""
+    text = lead + doc + trail
+    try:
+        want = json.JSONDecoder(parse_constant=_refuse, parse_float=_finite).decode(text)
+    except (ValueError, RecursionError):
+        want = None
+    try:
+        got = parse_body(text.encode("utf-8", "surrogatepass"))
+    except RouterError as e:
+        assert e.status == 400
+        assert want is None or not isinstance(want, dict), (text, want)
+        return
+    assert isinstance(want, dict) and got == want, (text, want, got)
+
+
+def _refuse(name: str) -> object:
+    raise ValueError(name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(text)
+    return value
+
+
+def test_the_forwarding_allowlist_holds_no_header_the_contract_strips() -> None:
+    for name in FORWARD_HEADERS:
+        assert name == name.lower()
+        assert name not in CLIENT_FORBIDDEN_HEADERS and not name.startswith(HEADER_PREFIX)
+        assert strip_client_headers([(name, "v")]) == [(name, "v")]
+
+
+_HEADER_NAMES = st.sampled_from(
+    [
+        "Host", "Authorization", "Content-Type", "Content-Length", "User-Agent", "X-Request-Id",
+        "traceparent", "Accept", "Cookie", "X-Tenant-ID", "x-cache-salt", "X-Kvfence-Tenant",
+        "X-KVFENCE-Signature", "x-kvfence-", "X-Kvfence", "X-Forwarded-For", "x-user-id", "Tracestate",
+        *sorted(CLIENT_FORBIDDEN_HEADERS),
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_HEADER_NAMES, st.sampled_from(["v", "", "a b"])), max_size=8))
+def test_forwarded_headers_are_the_allowlisted_survivors_of_the_strip(headers: list[tuple[str, str]]) -> None:
+    """The router's fast path (set operations on the lower-case names) forwards exactly what the
+    contract's strip followed by the allowlist keeps, and counts exactly what the strip removed."""
+    kept = strip_client_headers(headers)
+    want = [h for h in kept if h[0].lower() in FORWARD_HEADERS]
+    got, stripped = forwarded_headers(headers, [k.lower() for k, _ in headers])
+    assert got == want
+    assert stripped == len(headers) - len(kept)
 
 
 def test_usage_scanner_finds_usage_across_chunk_boundaries() -> None:

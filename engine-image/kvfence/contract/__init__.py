@@ -403,6 +403,8 @@ def strip_client_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, 
 
 def strip_client_body(body: dict[str, object]) -> dict[str, object]:
     """A copy of an OpenAI request body without the fields that choose a cache namespace."""
+    if body.keys().isdisjoint(CLIENT_FORBIDDEN_BODY_FIELDS):
+        return dict(body)
     return {k: v for k, v in body.items() if k not in CLIENT_FORBIDDEN_BODY_FIELDS}
 
 

@@ -108,7 +108,6 @@ class Request:
 
     __slots__ = (
         "_conn",
-        "_index",
         "body",
         "headers",
         "keep_alive",
@@ -147,16 +146,12 @@ class Request:
         self.body = body
         self.streamed = False  # stream() wrote the head of the answer
         self.tenant: str | None = None  # who the application authenticated (for its access log)
-        self._index: dict[str, str] | None = None
 
     def header(self, name: str) -> str | None:
-        index = self._index
-        if index is None:
-            index = {}
-            for k, (_, v) in zip(self.names, self.headers, strict=True):
-                index.setdefault(k, v)
-            self._index = index
-        return index.get(name)
+        try:
+            return self.headers[self.names.index(name)][1]
+        except ValueError:
+            return None
 
     @property
     def peer(self) -> str:

@@ -39,7 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvfence.contract import BODY_CACHE_SALT, strip_client_body
+from kvfence.contract import (
+    BODY_CACHE_SALT,
+    CLIENT_FORBIDDEN_HEADERS,
+    HEADER_PREFIX,
+    strip_client_body,
+    strip_client_headers,
+)
 from kvfence.contract.errors import error_body
 from kvfence.router.endpoints import ClassEndpoints, Endpoint, Member, PoolFactory
 from kvfence.router.errors import RouterError
@@ -127,6 +133,24 @@ def build_body(plan: TenantPlan, body: dict[str, Any]) -> bytes:
     out = strip_client_body(body)
     out[BODY_CACHE_SALT] = plan.cache_salt
     return _encode(out).encode("ascii")
+
+
+# Nothing on the allowlist is a header the contract strips (forwarding is allowlisted *and* stripped;
+# tests/router/test_router_unit.py checks that the two never overlap).
+_PREFIX_AFTER_NAME = "\n" + HEADER_PREFIX
+
+
+def forwarded_headers(headers: list[tuple[str, str]], names: list[str]) -> tuple[list[tuple[str, str]], int]:
+    """The client headers that may travel to the engine (:data:`FORWARD_HEADERS`, after
+    :func:`kvfence.contract.strip_client_headers`), and how many headers the strip removed.
+    ``names``: the headers' names in lower case. A request without any of those names (most of them)
+    is answered by set operations, without a loop over its headers."""
+    if CLIENT_FORBIDDEN_HEADERS.isdisjoint(names) and _PREFIX_AFTER_NAME not in "\n" + "\n".join(names):
+        if FORWARD_HEADERS.isdisjoint(names):
+            return [], 0
+        return [h for h, low in zip(headers, names, strict=True) if low in FORWARD_HEADERS], 0
+    kept = strip_client_headers(headers)
+    return [h for h in kept if h[0].lower() in FORWARD_HEADERS], len(headers) - len(kept)
 
 
 def build_head(plan: TenantPlan, path: str, client_headers: list[tuple[str, str]], payload: bytes) -> bytes:

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS, strip_client_headers
+from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS
 from kvfence.contract.routing import ROUTING_SECRET_KEY
 from kvfence.kube import connection
 from kvfence.router.auth import AuthError, authenticate
@@ -34,7 +34,7 @@ from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
-from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body
+from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, forwarded_headers
 from kvfence.router.quota_store import QuotaStore, SharedQuotaStore
 from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.siblings import SiblingError, Siblings
@@ -192,10 +192,21 @@ _DECODER = json.JSONDecoder(
 )  # built once: json.loads(**kw) builds one per call
 
 
+#: The decoder's scanner (C), called directly.
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
+#: JSON's insignificant whitespace (RFC 8259, section 2).
+_WHITESPACE = " \t\n\r"
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = _DECODER.decode(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        # _DECODER.decode(text), without its two Python frames: the C scanner after leading
+        # whitespace, then nothing but whitespace may follow the document.
+        text = raw.decode("utf-8")
+        body, end = _SCAN(text, 0 if text[:1] == "{" else len(text) - len(text.lstrip(_WHITESPACE)))
+        if end != len(text) and text[end:].strip(_WHITESPACE):
+            raise ValueError("extra data after the JSON document")
+    except (StopIteration, ValueError, UnicodeDecodeError, RecursionError):
         raise RouterError(400, "The request body is not valid JSON.", "invalid_json") from None
     if not isinstance(body, dict):
         raise RouterError(400, "The request body must be a JSON object.", "invalid_json")
@@ -206,16 +217,13 @@ def reserve_tokens(raw_len: int, body: dict[str, Any], default_max_tokens: int) 
     """Tokens to reserve: an upper bound of the prompt (the body's length in bytes: every tokenizer
     in use yields at most one token per byte, and the JSON keys cover the chat template) plus the
     completion allowance, times the number of choices."""
-    given = [
-        v
-        for v in (
-            _int_field(body, "max_tokens", 0, MAX_TOKENS_LIMIT),
-            _int_field(body, "max_completion_tokens", 0, MAX_TOKENS_LIMIT),
-        )
-        if v is not None
-    ]
-    # Engines differ in which of the two wins when both are given: reserve the larger.
-    max_tokens = max(given) if given else default_max_tokens
+    max_tokens = _int_field(body, "max_tokens", 0, MAX_TOKENS_LIMIT)
+    completion = _int_field(body, "max_completion_tokens", 0, MAX_TOKENS_LIMIT)
+    if completion is not None:
+        # Engines differ in which of the two wins when both are given: reserve the larger.
+        max_tokens = completion if max_tokens is None else max(max_tokens, completion)
+    elif max_tokens is None:
+        max_tokens = default_max_tokens
     n = _int_field(body, "n", 1, MAX_N) or 1
     return raw_len + max_tokens * n
 
@@ -267,12 +275,13 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         if not isinstance(stream, bool):
             raise RouterError(400, "'stream' must be a boolean.", "invalid_value", param="stream")
         tokens = reserve_tokens(len(raw), body, state.config.default_max_tokens)
-        for f in CLIENT_FORBIDDEN_BODY_FIELDS:
-            if f in body:
-                state.metrics.stripped.inc(("body",))
-        client_headers = strip_client_headers(request.headers)
-        if len(client_headers) != len(request.headers):
-            state.metrics.stripped.inc(("header",), len(request.headers) - len(client_headers))
+        if not body.keys().isdisjoint(CLIENT_FORBIDDEN_BODY_FIELDS):
+            for f in CLIENT_FORBIDDEN_BODY_FIELDS:
+                if f in body:
+                    state.metrics.stripped.inc(("body",))
+        client_headers, stripped = forwarded_headers(request.headers, request.names)
+        if stripped:
+            state.metrics.stripped.inc(("header",), stripped)
         state.proxy.check_available(cls)
         payload = build_body(plan, body)
 
