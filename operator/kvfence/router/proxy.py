@@ -468,9 +468,10 @@ class Proxy:
         client_headers: list[tuple[str, str]],
         want_usage: bool,
     ) -> Relay:
-        """Send ``payload`` to the engine (with :func:`build_head`'s headers) and relay its answer."""
+        """Send ``payload`` to the engine (with :func:`build_head`'s headers) and relay its answer.
+        The caller checked :meth:`check_available` (a class with no serving endpoint is refused before
+        its quota is taken); one that lost its last endpoint since is refused by :meth:`_send`."""
         cls = plan.trust_class
-        self.check_available(cls)
         resp, ce, ep = await self._send(plan, path, payload, client_headers)
         try:
             if resp.status == 401:
@@ -508,7 +509,8 @@ class Proxy:
 
     @staticmethod
     def _relay_headers(resp: UpstreamResponse) -> list[tuple[str, str]]:
-        h = [(name, v) for key, name in RELAY_HEADERS if (v := resp.headers.get(key)) is not None]
+        got = resp.headers
+        h = [(name, got[key]) for key, name in RELAY_HEADERS if key in got]
         h.append((HEADER_UPSTREAM_STATUS, str(resp.status)))
         return h
 

@@ -331,12 +331,13 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         state.metrics.duration.observe(time.perf_counter() - started, (cls.name, path))
 
 
-async def completions(state: RouterState, request: Request) -> Answer:
-    return await _inference(state, request, COMPLETIONS)
+# Plain functions returning _inference's coroutine: one coroutine frame less on every request.
+def completions(state: RouterState, request: Request) -> Awaitable[Answer]:
+    return _inference(state, request, COMPLETIONS)
 
 
-async def chat_completions(state: RouterState, request: Request) -> Answer:
-    return await _inference(state, request, CHAT_COMPLETIONS)
+def chat_completions(state: RouterState, request: Request) -> Awaitable[Answer]:
+    return _inference(state, request, CHAT_COMPLETIONS)
 
 
 async def models(state: RouterState, request: Request) -> Answer:
