@@ -20,7 +20,7 @@ from kvfence.router.http import HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, build_body
 from kvfence.router.table import parse_table
-from kvfence.router.upstream import Pool, UpstreamError
+from kvfence.router.upstream import Pool, Slots, UpstreamError
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -422,6 +422,44 @@ def test_pool_reuses_connections_and_respects_its_limit(run: Any) -> None:
     run(main())
 
 
+def test_pool_slots_are_first_come_first_served_and_never_lost_to_a_cancelled_wait(run: Any) -> None:
+    async def main() -> None:
+        slots = Slots(1, asyncio.get_running_loop())
+        assert slots.take_now() and not slots.take_now()
+        order: list[str] = []
+
+        async def waits(name: str) -> None:
+            await slots.take()
+            order.append(name)
+
+        first = asyncio.ensure_future(waits("first"))
+        gone = asyncio.ensure_future(waits("gone"))
+        last = asyncio.ensure_future(waits("last"))
+        await asyncio.sleep(0)
+        assert len(slots.waiters) == 3
+        gone.cancel()  # cancelled while waiting: it takes nothing
+        await asyncio.sleep(0)
+        assert gone.cancelled() and len(slots.waiters) == 2
+        slots.give()
+        await first
+        slots.give()
+        await last
+        assert order == ["first", "last"]
+        # A slot handed over at the moment its waiter is cancelled goes on to the next one.
+        late = asyncio.ensure_future(waits("late"))
+        after = asyncio.ensure_future(waits("after"))
+        await asyncio.sleep(0)
+        slots.give()  # resolves late's waiter...
+        late.cancel()  # ...but late is cancelled before it runs
+        await asyncio.sleep(0)
+        await after
+        assert late.cancelled() and order == ["first", "last", "after"]
+        slots.give()
+        assert slots.free == 1 and not slots.waiters and slots.take_now()  # nothing was lost
+
+    run(main())
+
+
 def test_pool_tells_a_stale_keep_alive_connection_from_a_failure(run: Any) -> None:
     async def main() -> None:
         async def answer_once_then_drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -480,7 +518,7 @@ def test_pool_a_new_connection_lost_before_the_request_was_sent_is_a_closed_erro
             with pytest.raises(UpstreamError) as e:
                 await pool.request("POST", "/", {}, b"1")
             assert e.value.kind == "closed"
-        assert not pool._slots.locked()
+        assert pool._slots.free == 256 and not pool._slots.waiters  # the default limit, all free
         pool.close()
 
     run(main())

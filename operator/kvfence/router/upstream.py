@@ -81,12 +81,6 @@ class Response:
         finally:
             self._waiter = None
 
-    async def _head(self) -> None:
-        while not self.status:
-            if self.error is not None:
-                raise self.error
-            await self._wait()
-
     def _take(self) -> bytes:
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.chunks = []
@@ -279,6 +273,52 @@ class _Connection(asyncio.Protocol):
             self.pool._done(self)
 
 
+class Slots:
+    """The pool's limit on connections in use: ``asyncio.Semaphore``'s acquire and release, first come
+    first served, where taking a free slot is a plain method call (the semaphore's ``acquire`` is a
+    coroutine, created and run on every request)."""
+
+    __slots__ = ("free", "loop", "waiters")
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.free = limit
+        self.loop = loop
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    def take_now(self) -> bool:
+        """Take a slot if one is free and nobody waits for one."""
+        if self.free > 0 and not self.waiters:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        """Wait for a slot (after :meth:`take_now` said no). Cancelled while waiting: no slot taken,
+        and one handed over at that very moment goes on to the next waiter."""
+        if self.take_now():
+            return
+        waiter = self.loop.create_future()
+        self.waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.give()  # it was handed a slot, but its request is going away
+            elif waiter in self.waiters:
+                self.waiters.remove(waiter)
+            raise
+
+    def give(self) -> None:
+        """Return a slot: to the longest waiter if there is one."""
+        waiters = self.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.free += 1
+
+
 class Pool:
     """Keep-alive connections to one engine (``host:port``)."""
 
@@ -307,7 +347,7 @@ class Pool:
         self.total_timeout = total_timeout
         self.idle_timeout = idle_timeout
         self._idle: deque[_Connection] = deque()
-        self._slots = asyncio.Semaphore(limit)
+        self._slots = Slots(limit, self.loop)
         self._host_line = f"Host: {self.server_name}:{port}\r\n".encode("latin-1")
         self._addrs: list[str] = []
         self._addrs_expiry = 0.0
@@ -364,7 +404,7 @@ class Pool:
         return None
 
     def _done(self, conn: _Connection | None) -> None:
-        self._slots.release()
+        self._slots.give()
         now = time.monotonic()
         idle = self._idle
         while idle and (now - idle[0].idle_since > self.idle_timeout or idle[0].transport is None):
@@ -403,14 +443,12 @@ class Pool:
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
         lines.append(body)
-        if self._slots.locked():
+        if not self._slots.take_now():
             # Every connection to this engine is busy: wait for one, but not past the total timeout.
             try:
-                await asyncio.wait_for(self._slots.acquire(), self.total_timeout)
+                await asyncio.wait_for(self._slots.take(), self.total_timeout)
             except TimeoutError:
                 raise UpstreamError("timeout", "no free connection to the engine in time") from None
-        else:
-            await self._slots.acquire()
         conn: _Connection | None = None
         try:
             conn = None if fresh else self._reuse()
@@ -418,12 +456,15 @@ class Pool:
                 conn = await self._connect()
             resp = conn.send(b"".join(lines))
         except BaseException:
-            self._slots.release()
+            self._slots.give()
             if conn is not None and conn.transport is not None:
                 conn.transport.close()
             raise
         try:
-            await resp._head()
+            while not resp.status:  # until the answer's head arrived (inline: a coroutine less)
+                if resp.error is not None:
+                    raise resp.error
+                await resp._wait()
         except BaseException:
             resp.release()
             raise
