@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_router.py [--rate 1000] [--seconds 10] [--rounds 3] [--pin]
                                            [--vllm-router PATH|install] [--only NAME,...]
+    .venv/bin/python bench/bench_router.py --callgrind [--vllm-router PATH|install] [--only NAME,...]
 
 Peers to install first: ``apt-get install -y nginx wrk`` (Debian); ``--vllm-router install`` puts
 vllm-router 0.1.17 with its dependencies (its launcher imports setproctitle, fastapi, uvicorn, aiohttp,
@@ -35,6 +36,10 @@ Measurements:
 * CPU per request: user+system CPU time of the proxy's processes (and threads) during the throughput
   run, divided by the requests served. Much less sensitive to other load on the machine than
   requests per second.
+* ``--callgrind`` (instead of the above): user-space instructions per request, counted by valgrind's
+  callgrind for kvfence-router, the kvfence HTTP layer and vllm-router. Deterministic: the same count
+  whatever else runs on the machine, so a change to the router can be measured to the percent where
+  timings swing by ten; it leaves out the kernel's share (the same socket calls for every proxy).
 
 The upstream is nginx answering a fixed body (``return 200``) when nginx is installed, else a tiny
 asyncio fixed-response server in its own process. The load generator always runs in its own process.
@@ -84,10 +89,12 @@ PATH = "/v1/completions"
 #: others. Empty: the kernel places everything.
 PIN_SUT: list[str] = []
 PIN_LOAD: list[str] = []
+#: Seconds a system under test has to come up (raised under valgrind, ``--callgrind``).
+START_TIMEOUT = [60.0]
 
 
-def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
+def wait_http(url: str, timeout: float | None = None, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + (timeout or START_TIMEOUT[0])
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode}")
@@ -508,8 +515,8 @@ def start_aiohttp_floor(upstream_port: int) -> Target:
     return Target("aiohttp proxy", port, [p])
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float | None = None) -> None:
+    deadline = time.monotonic() + (timeout or START_TIMEOUT[0])
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode}")
@@ -584,7 +591,7 @@ def start_vllm_router(
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + START_TIMEOUT[0]
         while True:
             if p.poll() is not None:
                 raise RuntimeError(f"exited {p.returncode}: {(workdir / f'{name}.log').read_text()[-300:]}")
@@ -642,6 +649,96 @@ def stop(t: Target) -> None:
             p.kill()
 
 
+# --- --callgrind: user-space instructions per request --------------------------------------------
+async def _send_requests(port: int, n: int, conns: int = 4) -> None:
+    req = _request_bytes("127.0.0.1", port)
+
+    async def one_connection(k: int) -> None:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(k):
+            w.write(req)
+            if await _read_response(r) != 200:
+                raise RuntimeError("a request failed")
+        w.close()
+
+    await asyncio.gather(*(one_connection(n // conns) for _ in range(conns)))
+
+
+def _callgrind_total(path: Path) -> int:
+    # "summary:" in the header (0 with --instr-atstart=no) and "totals:" at the end
+    counts = [
+        int(line.split()[1])
+        for line in path.read_text(errors="replace").splitlines()
+        if line.startswith(("summary:", "totals:"))
+    ]
+    if not counts:
+        raise RuntimeError(f"no totals in {path}")
+    return max(counts)
+
+
+def callgrind_per_request(
+    workdir: Path, name: str, start: Callable[[], Target], small: int = 400, large: int = 1600
+) -> float:
+    """User-space instructions one proxied request costs ``name`` (all its threads), counted by
+    callgrind: the proxy runs under valgrind with instrumentation off, is warmed with 200 requests,
+    counts ``small`` and then, in a second process, ``large`` requests; the difference divided by
+    ``large - small`` leaves out start-up and what a run costs whatever its length. Deterministic
+    (the same binaries and inputs give the same count whatever else the machine does), unlike time;
+    what it leaves out is the kernel (the sockets), the same two reads and two writes for every proxy."""
+    totals = []
+    for n in (small, large):
+        out = workdir / f"callgrind-{name.replace(' ', '-')}-{n}"
+        PIN_SUT[:] = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"]
+        try:
+            t = start()
+        finally:
+            PIN_SUT[:] = []
+        if t.port is None:
+            raise RuntimeError(f"{name}: {t.reason}")
+        pid = str(t.procs[0].pid)
+        try:
+            asyncio.run(_send_requests(t.port, 200))
+            subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
+            asyncio.run(_send_requests(t.port, n))
+            subprocess.run(["callgrind_control", "-i", "off", pid], check=True, capture_output=True)
+        finally:
+            stop(t)
+        totals.append(max(_callgrind_total(f) for f in workdir.glob(f"{out.name}.*")))
+    return (totals[1] - totals[0]) / (large - small)
+
+
+def run_callgrind(a: argparse.Namespace) -> None:
+    if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
+        raise SystemExit("--callgrind needs valgrind (apt-get install -y valgrind)")
+    START_TIMEOUT[0] = 600.0
+    workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-"))
+    upstream = start_upstream(workdir)
+    assert upstream.port is not None
+    up = upstream.port
+    targets: list[tuple[str, Callable[[], Target]]] = [
+        ("kvfence-router", lambda: start_kvfence(workdir, up)),
+        ("kvfence HTTP layer", lambda: start_http_layer_floor(up)),
+        ("vllm-router", lambda: start_vllm_router(a.vllm_router, up, workdir)),
+    ]
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    rows = []
+    try:
+        for name, start in targets:
+            if only and name not in only:
+                continue
+            if name == "vllm-router" and not a.vllm_router:
+                rows.append((name, "not run: pass --vllm-router PATH|install"))
+                continue
+            per = callgrind_per_request(workdir, name, start)
+            rows.append((name, f"{per / 1000:,.1f}k"))
+            print(f"  {name}: {per:,.0f} instructions a request", file=sys.stderr)
+    finally:
+        stop(upstream)
+    print(f"{'path':<24} {'user-space instructions per request (callgrind)':>50}")
+    for name, text in rows:
+        print(f"{name:<24} {text:>50}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="bench")
@@ -668,6 +765,12 @@ def main() -> None:
         action="store_true",
         help="taskset: the proxy under test on the last core, load generator and upstream on the others",
     )
+    ap.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="instead of timing: user-space instructions per request under valgrind's callgrind "
+        "(kvfence-router, the kvfence HTTP layer, vllm-router with --vllm-router), deterministic",
+    )
     a = ap.parse_args()
     if a.role == "http-layer-floor":
         _serve_http_layer_floor(a.target_port, a.upstream_port)
@@ -687,6 +790,9 @@ def main() -> None:
 
     if a.vllm_router == "install":
         a.vllm_router = install_vllm_router()
+    if a.callgrind:
+        run_callgrind(a)
+        return
     cores = os.cpu_count() or 1
     if a.pin and cores >= 2 and shutil.which("taskset"):
         PIN_SUT[:] = ["taskset", "-c", str(cores - 1)]

@@ -197,7 +197,8 @@ class _Reject(Exception):
         self.status = status
 
 
-_REASONS = {s.value: s.phrase.encode("latin-1") for s in HTTPStatus}
+#: Status lines, made once.
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %b\r\n" % (s.value, s.phrase.encode("latin-1")) for s in HTTPStatus}
 
 
 class _Connection(asyncio.Protocol):
@@ -403,7 +404,8 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         if self.transport is None:
             raise ClientGone("client disconnected")
-        lines = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b"Unknown")), self.server.date_line]
+        status_line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+        lines = [status_line, self.server.date_line]
         for k, v in headers:
             lines.append(f"{k}: {v}\r\n".encode("latin-1"))
         if body is not None:

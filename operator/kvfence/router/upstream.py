@@ -349,6 +349,7 @@ class Pool:
         self._idle: deque[_Connection] = deque()
         self._slots = Slots(limit, self.loop)
         self._host_line = f"Host: {self.server_name}:{port}\r\n".encode("latin-1")
+        self._request_lines: dict[tuple[str, str], bytes] = {}
         self._addrs: list[str] = []
         self._addrs_expiry = 0.0
         self.closed = False
@@ -432,7 +433,12 @@ class Pool:
         """Send a request; returns once the answer's status and headers arrived. ``head``: header
         lines already formatted (``Name: value\\r\\n`` each), sent after ``headers``. ``fresh``: on a
         new connection (the retry after a ``stale`` error)."""
-        lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), self._host_line]
+        line = self._request_lines.get((method, path))
+        if line is None:
+            line = f"{method} {path} HTTP/1.1\r\n".encode("latin-1")
+            if len(self._request_lines) < 64:  # the router sends a handful of paths
+                self._request_lines[(method, path)] = line
+        lines = [line, self._host_line]
         if headers:
             for k, v in headers.items():
                 if "\n" in v or "\r" in v or "\n" in k or "\r" in k:
