@@ -495,24 +495,23 @@ def _serve_http_layer_floor(port: int, upstream_port: int) -> None:
     uvloop.run(serve())
 
 
-def start_http_layer_floor(upstream_port: int) -> Target:
+def start_floor(role: str, name: str, upstream_port: int) -> Target:
+    """One of this file's own relays (``--role``), in a process of its own."""
     port = free_port()
     p = subprocess.Popen(
-        [*PIN_SUT, sys.executable, __file__, "--role", "http-layer-floor", "--target-port", str(port),
+        [*PIN_SUT, sys.executable, __file__, "--role", role, "--target-port", str(port),
          "--upstream-port", str(upstream_port)]
     )  # fmt: skip
     wait_for_port(port, p)
-    return Target("kvfence HTTP layer", port, [p])
+    return Target(name, port, [p])
+
+
+def start_http_layer_floor(upstream_port: int) -> Target:
+    return start_floor("http-layer-floor", "kvfence HTTP layer", upstream_port)
 
 
 def start_aiohttp_floor(upstream_port: int) -> Target:
-    port = free_port()
-    p = subprocess.Popen(
-        [*PIN_SUT, sys.executable, __file__, "--role", "aiohttp-floor", "--target-port", str(port),
-         "--upstream-port", str(upstream_port)]
-    )  # fmt: skip
-    wait_for_port(port, p)
-    return Target("aiohttp proxy", port, [p])
+    return start_floor("aiohttp-floor", "aiohttp proxy", upstream_port)
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float | None = None) -> None:
