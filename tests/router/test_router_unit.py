@@ -650,6 +650,8 @@ def test_signer_is_rfc2104_hmac_sha256_for_every_key_length() -> None:
             Verifier("gold", [key]).verify(headers, "POST", "/v1/completions", b'{"a":1}')
     with pytest.raises(ValueError, match="line breaks"):
         Signer(b"k" * 32, Identity("alice\r\nX-Evil: 1", "gold", "tenant/gold/alice"))
+    with pytest.raises(ValueError, match="newlines"):  # a caller's nonce cannot add a canonical line
+        sign(b"k" * 32, identity, "POST", "/v1/completions", b"{}", now=1000, nonce="n0\n1000")
 
 
 _json_values = st.recursive(
