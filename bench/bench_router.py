@@ -36,6 +36,10 @@ Measurements:
 * CPU per request: user+system CPU time of the proxy's processes (and threads) during the throughput
   run, divided by the requests served. Much less sensitive to other load on the machine than
   requests per second.
+* paired rounds: each round measures every target within a minute, so for kvfence-router against
+  vllm-router the run also counts the rounds each side won (throughput, CPU per request) and gives
+  the one-sided sign test's p-value: a verdict that the medians alone cannot give when the two are
+  within the machine's swings. The JSON result keeps every round.
 * ``--callgrind`` (instead of the above): user-space instructions per request, counted by valgrind's
   callgrind for kvfence-router, the kvfence HTTP layer and vllm-router. Deterministic: the same count
   whatever else runs on the machine, so a change to the router can be measured to the percent where
@@ -634,6 +638,24 @@ def install_vllm_router() -> str:
     return str(exe)
 
 
+def sign_test(wins: int, n: int) -> float:
+    """One-sided exact sign test: the chance of ``wins`` or more wins in ``n`` paired rounds if
+    neither side were better (each round a fair coin)."""
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+
+
+def paired(ours: list[float], peer: list[float], higher_is_better: bool) -> tuple[int, int, float, float]:
+    """Round by round (the rounds interleave the targets, so a round's two figures saw the same
+    machine): rounds ours won, rounds compared, the median of the per-round ratios ours/peer, and the
+    sign test's p-value for "ours is at least as good". Rounds with a missing figure are left out."""
+    pairs = [(a, b) for a, b in zip(ours, peer, strict=True) if a > 0 and b > 0]
+    if not pairs:
+        return 0, 0, math.nan, math.nan
+    wins = sum(1 for a, b in pairs if (a >= b if higher_is_better else a <= b))
+    ratio = statistics.median(a / b for a, b in pairs)
+    return wins, len(pairs), ratio, sign_test(wins, len(pairs))
+
+
 def cpu_text(v: object) -> str:
     x = float(v)  # type: ignore[arg-type]
     return "-" if math.isnan(x) else f"{x:.1f}"
@@ -903,6 +925,15 @@ def main() -> None:
         )
         kv_ratio = float(kv["rps"]) / float(vllm["rps"])  # type: ignore[arg-type]
         print(f"target: kvfence-router throughput >= 1.0x vllm-router (one pinned core): {kv_ratio:.2f}x")
+        # The medians above can differ by less than the machine swings between runs; the rounds are
+        # paired (interleaved), so count them: a side better in 11 of 12 rounds is better (p = 0.003).
+        ours, peer = samples["kvfence-router"], samples["vllm-router"]
+        for label, key, higher in (("throughput", "rps", True), ("CPU per request", "cpu_us", False)):
+            wins, n, ratio, p = paired([x[key] for x in ours], [x[key] for x in peer], higher)
+            print(
+                f"paired rounds, {label}: kvfence-router as good or better in {wins} of {n} rounds, "
+                f"median per-round ratio {ratio:.3f}, sign test p = {p:.4f}"
+            )
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"router-{time.strftime('%Y%m%dT%H%M%S')}.json"
@@ -918,7 +949,13 @@ def main() -> None:
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     clean = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
-    path.write_text(json.dumps({"setup": setup, "rows": clean}, indent=2, default=str) + "\n")
+    per_round = {
+        name: [{k: None if math.isnan(v) else v for k, v in x.items()} for x in got]
+        for name, got in samples.items()
+    }
+    path.write_text(
+        json.dumps({"setup": setup, "rows": clean, "rounds": per_round}, indent=2, default=str) + "\n"
+    )
     print(f"written to {path}")
 
 
