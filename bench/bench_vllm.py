@@ -710,9 +710,16 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
     for label, res in results.items():
         r = res["ratio_mean_step"]
         floor = res["ratio_min_per_step"]
+        per_round = res["ratio_mean_step_per_round"]
+        under = sum(1 for x in per_round if x <= TARGET)
+        # The median of a few rounds swings by several points between runs here (1.03 and 1.06 for the
+        # same code the same morning); the per-step minima (noise only adds time) swing less. "met"
+        # needs both.
+        met = r <= TARGET and (floor is None or floor <= TARGET)
         print(
             f"target [{label}]: fenced/stock mean step time <= {TARGET:.2f}: {r:.3f} "
-            f"({'met' if r <= TARGET else 'NOT met'}; in CPU time {res['ratio_cpu_mean_step']:.3f}; "
+            f"({'met' if met else 'NOT met'}; {under} of {len(per_round)} rounds at or under it; "
+            f"in CPU time {res['ratio_cpu_mean_step']:.3f}; "
             + (f"per-step minima over the rounds {floor:.3f}; " if floor is not None else "")
             + f"per scheduled request {res['ratio_per_sched_req']:.3f})"
         )
