@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -641,7 +641,7 @@ def install_vllm_router() -> str:
 def sign_test(wins: int, n: int) -> float:
     """One-sided exact sign test: the chance of ``wins`` or more wins in ``n`` paired rounds if
     neither side were better (each round a fair coin)."""
-    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / (1 << n)
 
 
 def paired(ours: list[float], peer: list[float], higher_is_better: bool) -> tuple[int, int, float, float]:
@@ -654,6 +654,11 @@ def paired(ours: list[float], peer: list[float], higher_is_better: bool) -> tupl
     wins = sum(1 for a, b in pairs if (a >= b if higher_is_better else a <= b))
     ratio = statistics.median(a / b for a, b in pairs)
     return wins, len(pairs), ratio, sign_test(wins, len(pairs))
+
+
+def _json_row(row: Mapping[str, object]) -> dict[str, object]:
+    """``row`` for JSON: NaN (a figure not measured) becomes null."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
 
 
 def cpu_text(v: object) -> str:
@@ -929,10 +934,10 @@ def main() -> None:
         # paired (interleaved), so count them: a side better in 11 of 12 rounds is better (p = 0.003).
         ours, peer = samples["kvfence-router"], samples["vllm-router"]
         for label, key, higher in (("throughput", "rps", True), ("CPU per request", "cpu_us", False)):
-            wins, n, ratio, p = paired([x[key] for x in ours], [x[key] for x in peer], higher)
+            wins, n, median_ratio, p = paired([x[key] for x in ours], [x[key] for x in peer], higher)
             print(
                 f"paired rounds, {label}: kvfence-router as good or better in {wins} of {n} rounds, "
-                f"median per-round ratio {ratio:.3f}, sign test p = {p:.4f}"
+                f"median per-round ratio {median_ratio:.3f}, sign test p = {p:.4f}"
             )
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -948,11 +953,8 @@ def main() -> None:
         "pinning": pinning,
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
-    clean = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
-    per_round = {
-        name: [{k: None if math.isnan(v) else v for k, v in x.items()} for x in got]
-        for name, got in samples.items()
-    }
+    clean = [_json_row(r) for r in rows]
+    per_round = {name: [_json_row(x) for x in got] for name, got in samples.items()}
     path.write_text(
         json.dumps({"setup": setup, "rows": clean, "rounds": per_round}, indent=2, default=str) + "\n"
     )
