@@ -463,3 +463,62 @@ def test_requests_a_lowered_maximum_can_never_fit_are_cut_or_refused_never_left_
     assert h.finished[first.request_id] in ("length", "error"), h.finished[first.request_id]
     carol = h.fence.book.accounts.get("carol")
     assert carol is None or carol.active == 0
+
+
+def test_vllm_passes_computed_blocks_only_for_waiting_requests(tmp_path: Path) -> None:
+    # The fence admits a request on the allocate_slots call that takes it out of vLLM's waiting queue
+    # and tells that call from a running request's by new_computed_blocks (kvfence.vllm.scheduler's
+    # prologue): vLLM passes it for every waiting request (its prefix hit, empty or not) and for no
+    # running one. A pool too small for everyone makes vLLM preempt, so preempted requests come back
+    # through the waiting queue too.
+    from vllm.v1.request import RequestStatus
+
+    h = Harness(tmp_path, num_blocks=24)
+    mgr: Any = h.sched.kv_cache_manager
+    fenced = mgr.allocate_slots
+    calls: list[tuple[RequestStatus, bool]] = []
+
+    def recording(request: Any, *args: Any, **kwargs: Any) -> Any:
+        computed = kwargs.get("new_computed_blocks", args[2] if len(args) > 2 else None)
+        calls.append((request.status, computed is not None))
+        return fenced(request, *args, **kwargs)
+
+    mgr.allocate_slots = recording
+    reqs = [h.add(t, [*PROMPT, i], max_tokens=48) for i, t in enumerate(["alice", "bob"] * 3)]
+    preempted = 0
+    for _ in range(500):
+        if not h.sched.has_requests():
+            break
+        preempted += len(h.step().preempted_req_ids or ())
+        h.check()
+    assert all(h.finished[r.request_id] == "length" for r in reqs)
+    assert preempted > 0  # the waiting queue saw preempted requests come back
+    running = {c for s, c in calls if s == RequestStatus.RUNNING}
+    waiting = {c for s, c in calls if s in (RequestStatus.WAITING, RequestStatus.PREEMPTED)}
+    assert running == {False} and waiting == {True}
+    assert {s for s, _ in calls} <= {RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED}
+
+
+def test_an_allocation_for_a_request_never_admitted_is_charged_and_admitted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Never expected (vLLM allocates for a running request only after it left the waiting queue): the
+    # pool charges the request's tenant all the same and admits it, so its books close at its end.
+    h = Harness(tmp_path)
+    a = h.add("alice", [*PROMPT, 1])
+    h.step()
+    rid = a.request_id
+    assert rid in h.fence.admitted
+    h.fence.release(rid)  # as if vLLM had never taken it through the waiting queue
+    h.pool.rid = rid
+    before = h.fence.account("alice").usage
+    with caplog.at_level("ERROR", logger="kvfence.vllm.scheduler"):
+        blocks = h.pool.get_new_blocks(2)
+    assert "allocates without having been admitted" in caplog.text
+    assert rid in h.fence.admitted
+    assert h.fence.account("alice").usage == before + 2
+    assert all(h.fence.owner(b.block_id) == "alice" for b in blocks)
+    h.pool.free_blocks(blocks)
+    h.run()
+    h.check()
+    assert rid not in h.fence.admitted

@@ -78,7 +78,7 @@ def test_the_fenced_allocate_slots_is_vllms_with_the_fences_prologue() -> None:
     )
     # The prologue is the only addition: vLLM's names and constants all still there, plus the fence's.
     assert set(theirs.__code__.co_names) <= set(ours.__code__.co_names)
-    assert {"fenced_pool", "admitted", "_admit"} <= set(ours.__code__.co_names)
+    assert {"fenced_pool", "rid", "_admit"} <= set(ours.__code__.co_names)
     assert positional_params(theirs)[:4] == [
         "request",
         "num_new_tokens",

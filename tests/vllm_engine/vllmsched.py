@@ -269,6 +269,8 @@ class Harness:
         mgr = self.sched.kv_cache_manager
         bs = self.block_size
         for req in self.sched.running:
+            # admitted when it left the waiting queue (the pool allocates only for admitted requests)
+            assert req.request_id in fence.admitted, req.request_id
             blocks = mgr.coordinator.single_type_managers[0].req_to_blocks[req.request_id]
             tokens = list(req.all_token_ids)
             for i, block in enumerate(blocks):

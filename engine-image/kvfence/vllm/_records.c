@@ -43,12 +43,18 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The tokens live in the record itself (one allocation, not a record and a bytes object), and records
+ * come from the C heap, not from CPython's small-object pools, where vLLM's own short-lived objects
+ * live: a record lives as long as its block stays cached. Timed, records cost the plugin about twice
+ * what callgrind counts for them; this layout took about a point off (docs/engine.md, "What the
+ * plugin costs inside vLLM"). */
 typedef struct {
     PyObject_HEAD
     PyObject *parent;    /* Record or None */
-    PyObject *tokens;    /* bytes */
     PyObject *namespace; /* anything, None for plain text */
+    Py_ssize_t ntokens;
     char root;
+    int64_t tokens[];    /* ntokens token ids */
 } RecordObject;
 
 static PyTypeObject RecordType;
@@ -160,31 +166,28 @@ pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
     return out;
 }
 
-/* tokens[start:stop] of bytes from pack(), in tokens (clamped as slicing does). */
+/* A new record of n token ids from buf (or, buf NULL, from list[lo:lo + n], which must hold them). */
 static PyObject *
-slice_packed(PyObject *packed, Py_ssize_t start, Py_ssize_t stop)
+record_make(PyObject *parent, const char *buf, PyObject *list, Py_ssize_t lo, Py_ssize_t n, PyObject *namespace,
+            int root)
 {
-    Py_ssize_t len = packed_count(packed, "Record");
-    if (len < 0 || clamp_slice(&start, &stop, len) < 0)
-        return NULL;
-    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(packed) + start * (Py_ssize_t)sizeof(int64_t),
-                                     (stop - start) * (Py_ssize_t)sizeof(int64_t));
-}
-
-/* A new record of packed tokens (the reference is taken over, also on failure). */
-static PyObject *
-record_make(PyTypeObject *type, PyObject *parent, PyObject *tokens, PyObject *namespace, int root)
-{
-    RecordObject *self = (RecordObject *)type->tp_alloc(type, 0);
-    if (self == NULL) {
-        Py_DECREF(tokens);
-        return NULL;
+    RecordObject *self = (RecordObject *)PyMem_RawMalloc(sizeof(RecordObject) + (size_t)n * sizeof(int64_t));
+    if (self == NULL)
+        return PyErr_NoMemory();
+    if (buf != NULL) {
+        memcpy(self->tokens, buf, (size_t)n * sizeof(int64_t));
+    } else {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (token_at(list, lo + k, &self->tokens[k]) < 0) {
+                PyMem_RawFree(self);
+                return NULL;
+            }
+        }
     }
-    Py_INCREF(parent);
-    self->parent = parent;
-    self->tokens = tokens;
-    Py_INCREF(namespace);
-    self->namespace = namespace;
+    PyObject_Init((PyObject *)self, &RecordType);
+    self->parent = Py_NewRef(parent);
+    self->namespace = Py_NewRef(namespace);
+    self->ntokens = n;
     self->root = (char)(root || parent == Py_None);
     return (PyObject *)self;
 }
@@ -203,16 +206,25 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Record: parent must be a Record or None");
         return NULL;
     }
-    PyObject *tokens = PyBytes_Check(list) ? slice_packed(list, start, stop) : pack(list, start, stop);
-    if (tokens == NULL)
+    if (PyBytes_Check(list)) {
+        Py_ssize_t len = packed_count(list, "Record");
+        if (len < 0 || clamp_slice(&start, &stop, len) < 0)
+            return NULL;
+        return record_make(parent, PyBytes_AS_STRING(list) + start * (Py_ssize_t)sizeof(int64_t), NULL, 0,
+                           stop - start, namespace, root);
+    }
+    if (!PyList_Check(list)) {
+        PyErr_SetString(PyExc_TypeError, "Record: tokens must be a list");
         return NULL;
-    return record_make(type, parent, tokens, namespace, root);
+    }
+    if (clamp_slice(&start, &stop, PyList_GET_SIZE(list)) < 0)
+        return NULL;
+    return record_make(parent, NULL, list, start, stop - start, namespace, root);
 }
 
 static void
 record_clear_fields(RecordObject *r)
 {
-    Py_CLEAR(r->tokens);
     Py_CLEAR(r->namespace);
 }
 
@@ -225,14 +237,14 @@ record_dealloc(RecordObject *self)
     PyObject *parent = self->parent;
     self->parent = NULL;
     record_clear_fields(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    PyMem_RawFree(self);
     while (parent != NULL && Py_IS_TYPE(parent, &RecordType) && Py_REFCNT(parent) == 1) {
         RecordObject *p = (RecordObject *)parent;
         parent = p->parent;
         p->parent = NULL;
         record_clear_fields(p);
         Py_SET_REFCNT(p, 0);
-        Py_TYPE(p)->tp_free((PyObject *)p);
+        PyMem_RawFree(p);
     }
     Py_XDECREF(parent);
 }
@@ -240,9 +252,14 @@ record_dealloc(RecordObject *self)
 static PyObject *
 record_repr(RecordObject *self)
 {
-    return PyUnicode_FromFormat("Record(%zd tokens, root=%s)",
-                                PyBytes_GET_SIZE(self->tokens) / (Py_ssize_t)sizeof(int64_t),
-                                self->root ? "True" : "False");
+    return PyUnicode_FromFormat("Record(%zd tokens, root=%s)", self->ntokens, self->root ? "True" : "False");
+}
+
+/* The tokens as packed int64 bytes (a copy: what pack() gives for the same token ids). */
+static PyObject *
+record_get_tokens(RecordObject *self, void *closure)
+{
+    return PyBytes_FromStringAndSize((const char *)self->tokens, self->ntokens * (Py_ssize_t)sizeof(int64_t));
 }
 
 static PyObject *
@@ -253,13 +270,13 @@ record_get_root(RecordObject *self, void *closure)
 
 static PyMemberDef record_members[] = {
     {"parent", T_OBJECT, offsetof(RecordObject, parent), READONLY, "the record of the block before, or None"},
-    {"tokens", T_OBJECT, offsetof(RecordObject, tokens), READONLY, "the block's token ids, packed int64"},
     {"namespace", T_OBJECT, offsetof(RecordObject, namespace), READONLY, "namespace or extra keys, or None"},
     {NULL},
 };
 
 static PyGetSetDef record_getset[] = {
     {"root", (getter)record_get_root, NULL, "whether the request's namespace enters the chain here", NULL},
+    {"tokens", (getter)record_get_tokens, NULL, "the block's token ids, packed int64 (a copy)", NULL},
     {NULL},
 };
 
@@ -267,6 +284,7 @@ static PyTypeObject RecordType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvfence.vllm._records.Record",
     .tp_basicsize = sizeof(RecordObject),
+    .tp_itemsize = 0, /* the tokens are allocated with the record by record_make, from the C heap */
     .tp_dealloc = (destructor)record_dealloc,
     .tp_repr = (reprfunc)record_repr,
     /* Not Py_TPFLAGS_HAVE_GC, on purpose: see the top of this file. Not a base type either: a subclass
@@ -321,11 +339,11 @@ records_pack(PyObject *self, PyObject *list)
 static int
 record_holds(RecordObject *r, PyObject *list, const char *packed, Py_ssize_t npacked, Py_ssize_t lo)
 {
-    Py_ssize_t size = PyBytes_GET_SIZE(r->tokens);
-    Py_ssize_t n = size / (Py_ssize_t)sizeof(int64_t), len = PyList_GET_SIZE(list);
-    const char *buf = PyBytes_AS_STRING(r->tokens);
+    Py_ssize_t n = r->ntokens, len = PyList_GET_SIZE(list);
+    size_t size = (size_t)n * sizeof(int64_t);
+    const char *buf = (const char *)r->tokens;
     if (packed != NULL && lo <= len && n <= len - lo && lo + n <= npacked)
-        return memcmp(buf, packed + lo * (Py_ssize_t)sizeof(int64_t), (size_t)size) == 0;
+        return memcmp(buf, packed + lo * (Py_ssize_t)sizeof(int64_t), size) == 0;
     return list_holds(buf, n, list, lo);
 }
 
@@ -372,7 +390,7 @@ records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (!Py_IS_TYPE(o, &RecordType))
             break; /* None (no record) or not a compiled record: not verified here */
         RecordObject *r = (RecordObject *)o;
-        if (r->parent != parent || PyBytes_GET_SIZE(r->tokens) != bs * (Py_ssize_t)sizeof(int64_t))
+        if (r->parent != parent || r->ntokens != bs)
             break;
         if (i == 0) {
             if (!r->root)
@@ -483,11 +501,11 @@ records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (i < root || (i > 0 && parent == Py_None)) {
             rec = Py_NewRef(Py_None);
         } else {
-            Py_ssize_t lo = i * bs;
-            PyObject *tokens = lo + bs <= npacked ? slice_packed(packed_obj, lo, lo + bs) : pack(list, lo, lo + bs);
-            if (tokens == NULL)
-                goto fail;
-            rec = record_make(&RecordType, parent, tokens, i == root ? ns : Py_None, i == root);
+            Py_ssize_t lo = i * bs, hi = lo + bs;
+            if (hi > PyList_GET_SIZE(list))
+                hi = PyList_GET_SIZE(list) > lo ? PyList_GET_SIZE(list) : lo; /* clamped, as slicing does */
+            const char *buf = hi <= npacked ? PyBytes_AS_STRING(packed_obj) + lo * (Py_ssize_t)sizeof(int64_t) : NULL;
+            rec = record_make(parent, buf, list, lo, hi - lo, i == root ? ns : Py_None, i == root);
             if (rec == NULL)
                 goto fail;
         }

@@ -176,9 +176,15 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         tenant = self.tenant_of.get(self.rid, UNATTRIBUTED)
+        fence = self.fence
         if tenant == UNATTRIBUTED:
             log.error("kvfence: %d KV blocks allocated outside any request; charged to no tenant", num_blocks)
-        fence = self.fence
+        elif self.rid not in fence.admitted:
+            # Never expected (vLLM allocates for a running request only after it left the waiting queue
+            # through _admit): its blocks are charged all the same, and it is admitted without a
+            # reservation, so that its books close when it finishes.
+            log.error("kvfence: request %s allocates without having been admitted; admitted now", self.rid)
+            fence.admit(self.rid, tenant, 0)
         try:
             ids = fence.take(tenant, num_blocks)
         except AllocationError as e:
@@ -407,8 +413,6 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
 
     fence: TenantFence
     fenced_pool: FencedBlockPool
-    #: request ids the fence admitted (the fence's own dict, read here on every allocation)
-    admitted: dict[str, Any]
     tenant_of: dict[str, str]
     reach_of: dict[str, int]
     #: request id -> its verified prefix hit at lookup: (the hit's blocks, their ids, fence.moves then)
@@ -455,14 +459,17 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
 
     #: vLLM's own allocate_slots, compiled again with these statements first (kvfence.vllm.prologue:
     #: one frame, not an override forwarding twelve parameters on every request of every step): the
-    #: pool learns which request it allocates for, and a request the fence has not admitted yet goes
-    #: to _admit ({args}: vLLM's parameters after self, in order).
+    #: pool learns which request it allocates for, and a request from vLLM's waiting queue goes to
+    #: _admit ({args}: vLLM's parameters after self, in order). vLLM's scheduler passes
+    #: ``new_computed_blocks`` for a waiting request (its prefix hit, empty or not) and never for a
+    #: running one (test_vllm_fence.py::test_vllm_passes_computed_blocks_only_for_waiting_requests), so
+    #: the running requests of every step, admitted when they left the queue, cost one comparison here
+    #: (the pool checks that the request it allocates for was admitted).
     allocate_slots = with_prologue(
         KVCacheManager.allocate_slots,
         """
-        _kvfence_rid = request.request_id
-        self.fenced_pool.rid = _kvfence_rid
-        if _kvfence_rid not in self.admitted:
+        self.fenced_pool.rid = request.request_id
+        if new_computed_blocks is not None:
             return self._admit(request, new_computed_blocks, ({args},))
         """,
         "FencedKVCacheManager.allocate_slots",
@@ -486,12 +493,15 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
             fence.version += 1
             log.warning("kvfence: request %s would take prefix blocks that moved since lookup; refused", rid)
             return None
+        if rid in fence.admitted:  # (never expected: an admitted request is running, not waiting)
+            return _vllm_allocate_slots(self, *args)
         need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
         if need is None:
             return None
+        fence.admit(rid, tenant, need)  # first: the pool allocates only for admitted requests
         out = _vllm_allocate_slots(self, *args)
-        if out is not None:
-            fence.admit(rid, tenant, need)
+        if out is None:
+            fence.release(rid)
         return out
 
     def _unmoved(self, taken: list[Any], looked_up: tuple[list[Any], list[int], int] | None) -> bool:
@@ -632,7 +642,6 @@ class FenceMixin:
         self._packed_of: dict[str, bytes] = {}
         pool.packed_of = mgr.packed_of = self._packed_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
-        mgr.admitted = self.fence.admitted
         mgr.tenant_of, mgr.reach_of, mgr.lookups = tenant_of, {}, {}
         mgr.shared_pin_of, mgr.pinning = {}, {}
         self._shared_of = shared_of
