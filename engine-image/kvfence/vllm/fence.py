@@ -367,31 +367,44 @@ class TenantFence:
         free = self.pool.free
         if self.unlimited:
             # No quotas (what plan_allocation decides too, without its helpers): the clean blocks freed
-            # last, then the tenant's own least recently used cold ones.
+            # last, then the tenant's own least recently used cold ones. _pop_free, _uncharge and
+            # _hand_out inlined (every allocation of an engine without quotas comes here).
             k = len(free)
-            if k >= n:  # the common case: clean blocks only (_pop_free, inlined)
+            if k >= n:  # clean blocks only
                 out = free[k - n :]
                 del free[k - n :]
-                return self._hand_out(acct, out)
-            if k + len(acct.cold) >= n:
-                # _uncharge for each cold one, inlined: they are the tenant's own, so its usage drops by
-                # ``own`` (and _hand_out charges it ``n``); without guarantees there is no reservation
-                # to keep current.
+            elif k + len(acct.cold) >= n:
+                # The tenant's own cold blocks: they lose their record; its usage drops by ``own`` here
+                # and grows by ``n`` below (without guarantees there is no reservation to keep current).
                 own = n - k
                 out = acct.cold.popleft_n(own)
                 records = self.records
                 for b in out:
-                    b.owner = None
                     records[b.block_id] = None
                 acct.usage -= own
                 self.counters.evictions_own += own
                 if k:
                     out.extend(free)
                     free.clear()
-                return self._hand_out(acct, out)
-        elif self.clean_enough(tenant, n):
+            else:
+                return self._take_planned(acct, n)
+            self.moves += 1
+            gen = self.moves
+            for b in out:
+                b.generation = gen
+                b.state = ACTIVE
+                b.owner = tenant
+            acct.usage += n
+            self.version += 1
+            return list(map(_block_id_of, out))
+        if self.clean_enough(tenant, n):
             # The common case with quotas, what plan_allocation decides too: clean blocks only.
             return self._hand_out(acct, self._pop_free(n))
+        return self._take_planned(acct, n)
+
+    def _take_planned(self, acct: TenantAccount, n: int) -> list[int]:
+        """:meth:`take` by the reference engine's planner: others' cold blocks beyond their guarantee,
+        a tenant above a lowered maximum, or :class:`AllocationError`."""
         plan = plan_allocation(self.pool, self.book, acct, n)
         if plan.released:
             # Above its maximum (lowered since): the surplus cold blocks become clean free blocks, and
