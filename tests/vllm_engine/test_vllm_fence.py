@@ -177,7 +177,7 @@ def test_guaranteed_blocks_are_never_reclaimed_by_others(tmp_path: Path) -> None
     cached = len(bob.cold)
     assert cached >= 4
     # alice wants everything that is obtainable: 24 - bob's 8 (his cached ones count toward them).
-    assert h.pool.free_block_queue.num_free_blocks == 24  # vLLM counts every free and cached block
+    assert h.pool.free_count.num_free_blocks == 24  # the pool counts every free and cached block
     assert h.fence.obtainable("alice", 24) == 24 - 8
     for i in range(4):
         h.add("alice", [7000 + 100 * i + t for t in range(60)], max_tokens=4)
@@ -260,10 +260,11 @@ def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
     # vLLM's doubly linked free queue is replaced by a count; a vLLM path the fence does not cover
     # (one that would move blocks in that queue) fails, naming itself, instead of running unfenced.
     from kvfence.vllm.fence import FenceError
-    from kvfence.vllm.scheduler import FenceFreeCount
+    from kvfence.vllm.scheduler import FenceFreeCount, TenantFreeCount
 
     h = Harness(tmp_path)
     assert isinstance(h.pool.free_block_queue, FenceFreeCount)
+    assert h.pool.free_block_queue is h.pool.free_count  # no quotas: vLLM's own count answers
     assert h.pool.get_num_free_blocks() == 63
     r = h.add("alice", [*PROMPT, 1], max_tokens=8)
     h.step()
@@ -285,11 +286,15 @@ def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
         n for n, _ in inspect.getmembers(FreeKVCacheBlockQueue, inspect.isfunction) if not n.startswith("_")
     ]
     assert methods
-    for name in methods:
-        with pytest.raises(FenceError, match=name):
-            getattr(h.pool.free_block_queue, name)()
-    with pytest.raises(AttributeError):
-        h.pool.free_block_queue.fake_free_list_head  # noqa: B018 - anything else is plainly absent
+    for unlimited in (True, False):  # the count, and the per-tenant count quotas put in its place
+        h.pool.set_quota_mode(unlimited)
+        queue = h.pool.free_block_queue
+        assert isinstance(queue, FenceFreeCount if unlimited else TenantFreeCount)
+        for name in methods:
+            with pytest.raises(FenceError, match=name):
+                getattr(queue, name)()
+        with pytest.raises(AttributeError):
+            queue.fake_free_list_head  # noqa: B018 - anything else is plainly absent
 
 
 def test_a_maximum_set_on_an_unlimited_engine_applies_at_once(tmp_path: Path) -> None:
@@ -302,6 +307,10 @@ def test_a_maximum_set_on_an_unlimited_engine_applies_at_once(tmp_path: Path) ->
     h.sched._next_reload = 0
     h.step()
     assert not h.pool.unlimited
+    # vLLM's own get_num_free_blocks now answers for the tenant being allocated for.
+    h.pool.tenant_of["probe"], h.pool.rid = "alice", "probe"
+    assert h.pool.get_num_free_blocks() == 6 and h.pool.free_count.num_free_blocks == 63
+    del h.pool.tenant_of["probe"]
     h.add("alice", [*PROMPT, *PROMPT, 1])  # 9 blocks: more than alice may now hold
     h.add("bob", [*PROMPT, *PROMPT, 1])  # no maximum
     h.run()
@@ -311,6 +320,7 @@ def test_a_maximum_set_on_an_unlimited_engine_applies_at_once(tmp_path: Path) ->
     h.sched._next_reload = 0
     h.step()
     assert h.pool.unlimited
+    assert h.pool.free_block_queue is h.pool.free_count
 
 
 def test_quota_changes_apply_without_a_restart(tmp_path: Path) -> None:
@@ -426,14 +436,14 @@ def test_a_tenant_above_a_lowered_maximum_is_handed_only_the_blocks_its_request_
     time.sleep(0.01)
     h.write_quotas({"alice": {"maxBlocks": 3}})
     h.sched._next_reload = 0
-    free_before = h.pool.free_block_queue.num_free_blocks  # vLLM's own count (clean and cached)
+    free_before = h.pool.free_count.num_free_blocks  # the pool's count (clean and cached)
     r = h.add("alice", list(range(500, 520)), max_tokens=4)  # 24 tokens at most: 2 blocks
     h.step()
     blocks = h.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
     assert len(blocks) == 2, [b.block_id for b in blocks]
     assert alice.max_blocks == 3 and alice.usage == 3 and len(alice.cold) == 1
     assert h.fence.counters.evictions_own == 7  # 5 shed to the free list, 2 handed out
-    assert h.pool.free_block_queue.num_free_blocks == free_before - 2
+    assert h.pool.free_count.num_free_blocks == free_before - 2
     h.check()  # the shed blocks are free in vLLM's pool and out of its prefix cache, as in the shadow
     h.run()
     h.check()

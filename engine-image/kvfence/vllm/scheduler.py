@@ -98,16 +98,36 @@ REASON_BAD_TAG = "BadTenantTag"
 class FenceFreeCount:
     """Stands in for vLLM's free block queue: the fence owns the free blocks (clean ones in its free
     stack, cached ones in their owners' cold lists), so vLLM's doubly linked list is not kept as well;
-    this only counts them, for vLLM's own readers of ``num_free_blocks``. vLLM's queue methods fail,
-    naming themselves: a vLLM path that would move blocks in the queue is one the fence does not cover,
-    and must not run unfenced (any other attribute is plainly absent). No ``__getattr__`` catches the
-    rest: a class with one cannot have its attribute reads specialised by CPython, and
-    ``num_free_blocks`` is read for every scheduled request of every step."""
+    this only counts them, for vLLM's own reader of ``num_free_blocks`` (``BlockPool.get_num_free_blocks``,
+    asked for every scheduled request of every step). vLLM's queue methods fail, naming themselves: a
+    vLLM path that would move blocks in the queue is one the fence does not cover, and must not run
+    unfenced (any other attribute is plainly absent). No ``__getattr__`` catches the rest: a class with
+    one cannot have its attribute reads specialised by CPython.
+
+    While no tenant has a quota, the pool's ``free_block_queue`` is this count itself, and vLLM's own
+    ``get_num_free_blocks`` answers, unchanged; while one has, it is a :class:`TenantFreeCount`."""
 
     __slots__ = ("num_free_blocks",)
 
     def __init__(self, num_free_blocks: int) -> None:
         self.num_free_blocks = num_free_blocks
+
+
+class TenantFreeCount:
+    """The pool's ``free_block_queue`` while some tenant has a quota: ``num_free_blocks`` is what the
+    tenant of the request being allocated for can obtain (:meth:`TenantFence.obtainable`: its maximum,
+    the others' guarantees), out of the pool's own count."""
+
+    __slots__ = ("count", "pool")
+
+    def __init__(self, count: FenceFreeCount, pool: FencedBlockPool) -> None:
+        self.count = count
+        self.pool = pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        pool = self.pool
+        return pool.fence.obtainable(pool.tenant_of.get(pool.rid, UNATTRIBUTED), self.count.num_free_blocks)
 
 
 #: vLLM 0.32's FreeKVCacheBlockQueue methods: on FenceFreeCount each raises a FenceError naming itself
@@ -125,7 +145,7 @@ VLLM_FREE_QUEUE_METHODS = (
 
 
 def _unfenced(name: str) -> Callable[..., NoReturn]:
-    def refuse(self: FenceFreeCount, *args: Any) -> NoReturn:
+    def refuse(self: Any, *args: Any) -> NoReturn:
         raise FenceError(f"vLLM's free block queue is kept by the kvfence fence; {name!r} is not fenced")
 
     refuse.__name__, refuse.__qualname__ = name, f"FenceFreeCount.{name}"
@@ -134,6 +154,7 @@ def _unfenced(name: str) -> Callable[..., NoReturn]:
 
 for _name in VLLM_FREE_QUEUE_METHODS:
     setattr(FenceFreeCount, _name, _unfenced(_name))
+    setattr(TenantFreeCount, _name, _unfenced(_name))
 
 
 #: vLLM's own method, called directly (cheaper than super() on a path taken for every block filled)
@@ -145,14 +166,13 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
 
     ``rid`` is the request :class:`FencedKVCacheManager` allocates for (set on every ``allocate_slots``,
     the only path to ``get_num_free_blocks`` and ``get_new_blocks`` besides the pool's own, which use
-    the plain count); ``tenant_of`` maps it to its verified tenant. vLLM's ``free_block_queue`` is a
-    :class:`FenceFreeCount`: the free blocks are the fence's."""
+    the plain count); ``tenant_of`` maps it to its verified tenant. The free blocks are the fence's:
+    ``free_count`` counts them, and vLLM's ``free_block_queue`` is that count (no tenant has a quota)
+    or a :class:`TenantFreeCount` over it (:meth:`set_quota_mode`)."""
 
     fence: TenantFence
-    free_block_queue: FenceFreeCount
-    #: the fence's ``unlimited`` (no tenant has a maximum or a guarantee), kept here by the scheduler
-    #: whenever quotas change: asked for every scheduled request of every step
-    unlimited: bool
+    free_count: FenceFreeCount
+    free_block_queue: FenceFreeCount | TenantFreeCount
     rid: str
     tenant_of: dict[str, str]
     #: request id -> blocks of the declared shared prefix it begins with (requests that begin with one)
@@ -160,19 +180,27 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     #: request id -> its prompt packed when it arrived (kvfence.vllm.records.pack; compiled records only)
     packed_of: dict[str, bytes]
 
-    def get_num_free_blocks(self) -> int:
-        if self.unlimited:  # what obtainable() would answer, without looking up the tenant
-            return self.free_block_queue.num_free_blocks
-        return self.fence.obtainable(
-            self.tenant_of.get(self.rid, UNATTRIBUTED), self.free_block_queue.num_free_blocks
-        )
+    # get_num_free_blocks is vLLM's own: free_block_queue.num_free_blocks, the count or, with quotas,
+    # what the current request's tenant can obtain.
+
+    @property
+    def unlimited(self) -> bool:
+        """No tenant has a quota: vLLM's free-block count is every tenant's."""
+        return self.free_block_queue is self.free_count
+
+    def set_quota_mode(self, unlimited: bool) -> None:
+        """What vLLM's ``get_num_free_blocks`` answers from here on: the pool's count (``unlimited``,
+        the fence's own answer then, :meth:`TenantFence.obtainable`), or the count the request's tenant
+        can obtain. Set by the scheduler whenever quotas change."""
+        if unlimited != self.unlimited:
+            self.free_block_queue = self.free_count if unlimited else TenantFreeCount(self.free_count, self)
 
     def get_usage(self) -> float:
         total = self.num_gpu_blocks - 1
-        return 1.0 - (self.free_block_queue.num_free_blocks / total) if total else 0.0
+        return 1.0 - (self.free_count.num_free_blocks / total) if total else 0.0
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
-        queue = self.free_block_queue
+        queue = self.free_count
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         tenant = self.tenant_of.get(self.rid, UNATTRIBUTED)
@@ -227,7 +255,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 collector.on_block_accessed(block)
         if revived:
             self.fence.revive(revived)
-            self.free_block_queue.num_free_blocks -= len(revived)
+            self.free_count.num_free_blocks -= len(revived)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         # vLLM's own loop, with the fence's lists in place of vLLM's queue: cached blocks turn cold
@@ -248,7 +276,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 else:
                     clean.append(block.block_id)
         if cold or clean:
-            self.free_block_queue.num_free_blocks += len(cold) + len(clean)
+            self.free_count.num_free_blocks += len(cold) + len(clean)
             self.fence.release_blocks(cold, clean)
         for pool, blocks in other_pools.items():
             pool.free_blocks(blocks)
@@ -634,11 +662,11 @@ class FenceMixin:
             raise FenceError("vLLM did not build the fenced KV-cache manager and block pool")
         self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas)
         # The fence owns the free blocks from here on; vLLM's queue (all but the null block) becomes a count.
-        pool.free_block_queue = FenceFreeCount(pool.free_block_queue.num_free_blocks)
+        pool.free_count = pool.free_block_queue = FenceFreeCount(pool.free_block_queue.num_free_blocks)
         tenant_of: dict[str, str] = {}
         shared_of: dict[str, int] = {}
         pool.fence, pool.rid, pool.tenant_of, pool.shared_of = self.fence, "", tenant_of, shared_of
-        pool.unlimited = self.fence.unlimited
+        pool.set_quota_mode(self.fence.unlimited)
         self._packed_of: dict[str, bytes] = {}
         pool.packed_of = mgr.packed_of = self._packed_of
         mgr.fence, mgr.fenced_pool, mgr.fence_block_size = self.fence, pool, self.block_size
@@ -1035,7 +1063,7 @@ class FenceMixin:
                     except FenceError as e:
                         log.warning("kvfence: quotas not applied: %s", e)
                         return
-                    self.kv_cache_manager.block_pool.unlimited = self.fence.unlimited
+                    self.kv_cache_manager.block_pool.set_quota_mode(self.fence.unlimited)
                     log.info("kvfence: KV quotas reloaded (%d tenants listed)", len(quotas.tenants))
                     if cfg.prefix_cache.shared_prefixes != self._shared_decls:
                         self._redeclare(cfg.prefix_cache.shared_prefixes)
