@@ -45,9 +45,9 @@
 
 /* The tokens live in the record itself (one allocation, not a record and a bytes object), and records
  * come from the C heap, not from CPython's small-object pools, where vLLM's own short-lived objects
- * live: a record lives as long as its block stays cached. Timed, records cost the plugin about twice
- * what callgrind counts for them; this layout took about a point off (docs/engine.md, "What the
- * plugin costs inside vLLM"). */
+ * live: a record lives as long as its block stays cached. Timed, recording cost the plugin about two
+ * points, many times what callgrind counts for it; this layout took part of that off (docs/engine.md,
+ * "What the plugin costs inside vLLM"). */
 typedef struct {
     PyObject_HEAD
     PyObject *parent;    /* Record or None */
