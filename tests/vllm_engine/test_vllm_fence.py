@@ -532,3 +532,28 @@ def test_an_allocation_for_a_request_never_admitted_is_charged_and_admitted(
     h.run()
     h.check()
     assert rid not in h.fence.admitted
+
+
+def test_a_block_released_twice_is_refused_before_anything_moves(tmp_path: Path) -> None:
+    # release_blocks checks every block (ACTIVE and owned) before it changes any: a release naming a
+    # cold block fails, naming it, and leaves the request's active blocks as they were.
+    from kvfence.engine.blocks import BlockState
+    from kvfence.vllm.fence import FenceError
+
+    h = Harness(tmp_path)
+    h.add("alice", [*PROMPT, 1])
+    h.run()
+    cold = [b.block_id for b in h.pool.blocks[1:] if h.fence.state(b.block_id) is BlockState.COLD]
+    assert len(cold) >= 4
+    r = h.add("bob", [t + 3000 for t in PROMPT], max_tokens=8)
+    h.step()
+    held = [
+        b.block_id
+        for b in h.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+    ]
+    with pytest.raises(FenceError, match=f"block {cold[0]} released from state COLD"):
+        h.fence.release_blocks([*held, cold[0]], [])
+    assert all(h.fence.state(b) is BlockState.ACTIVE for b in held)
+    h.check()
+    h.run()
+    h.check()

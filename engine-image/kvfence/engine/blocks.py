@@ -114,12 +114,14 @@ class BlockList:
         block.in_list = self
         self._len += 1
 
-    def extend(self, blocks: list[KVBlock]) -> None:
+    def extend(self, blocks: list[KVBlock], *, unlisted: bool = False) -> None:
         """:meth:`append` each of ``blocks``, in order (one call for many: the vLLM fence releases a
-        request's blocks at once); all or nothing."""
-        for block in blocks:
-            if block.in_list is not None:
-                raise RuntimeError(f"block {block.block_id} is already in list {block.in_list.name!r}")
+        request's blocks at once); all or nothing. ``unlisted``: the caller has checked that none of
+        them is in a list (the vLLM fence: they were all ``ACTIVE``), so they are not checked again."""
+        if not unlisted:
+            for block in blocks:
+                if block.in_list is not None:
+                    raise RuntimeError(f"block {block.block_id} is already in list {block.in_list.name!r}")
         last = self._tail.prev
         assert last is not None
         for block in blocks:

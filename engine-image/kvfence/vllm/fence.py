@@ -61,6 +61,8 @@ FREE, ACTIVE, COLD = BlockState.FREE, BlockState.ACTIVE, BlockState.COLD
 
 
 _block_id_of = attrgetter("block_id")
+_owner_of = attrgetter("owner")
+_state_of = attrgetter("state")
 
 
 class ShadowPool:
@@ -436,23 +438,21 @@ class TenantFence:
         accounts = self.book.accounts
         if cold:
             shadows = list(map(blocks.__getitem__, cold))
-            first = shadows[0].owner
-            one_owner = True
+            # The checks in C (map, set): every block ACTIVE (so in no list) and owned.
+            owners = set(map(_owner_of, shadows))
+            if None in owners or set(map(_state_of, shadows)) != {ACTIVE}:
+                bad = next(b for b in shadows if b.state is not ACTIVE or b.owner is None)
+                raise FenceError(f"block {bad.block_id} released from state {bad.state.name}")
             for b in shadows:
-                if b.state is not ACTIVE or b.owner is None:
-                    raise FenceError(f"block {b.block_id} released from state {b.state.name}")
                 b.state = COLD
-                if b.owner != first:
-                    one_owner = False
             by_owner: dict[str, list[KVBlock]] = {}
-            if one_owner and first is not None:  # a request's blocks, its tenant's (the common case)
-                by_owner[first] = shadows
+            if len(owners) == 1:  # a request's blocks, its tenant's (the common case)
+                by_owner[shadows[0].owner] = shadows  # type: ignore[index]  # (owned: checked above)
             else:
                 for b in shadows:
-                    if b.owner is not None:  # (checked above)
-                        by_owner.setdefault(b.owner, []).append(b)
+                    by_owner.setdefault(b.owner, []).append(b)  # type: ignore[arg-type]
             for tenant, bs in by_owner.items():
-                accounts[tenant].cold.extend(bs)
+                accounts[tenant].cold.extend(bs, unlisted=True)
         if clean:
             self.moves += 1
             records = self.records
