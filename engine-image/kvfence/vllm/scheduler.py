@@ -130,7 +130,8 @@ class TenantFreeCount:
         return pool.fence.obtainable(pool.tenant_of.get(pool.rid, UNATTRIBUTED), self.count.num_free_blocks)
 
 
-#: vLLM 0.32's FreeKVCacheBlockQueue methods: on FenceFreeCount each raises a FenceError naming itself
+#: vLLM 0.32's FreeKVCacheBlockQueue methods: on FenceFreeCount and TenantFreeCount each raises a
+#: FenceError naming itself
 #: (tests/vllm_engine/test_vllm_fence.py checks the list is vLLM's whole list)
 VLLM_FREE_QUEUE_METHODS = (
     "append",
@@ -144,17 +145,17 @@ VLLM_FREE_QUEUE_METHODS = (
 )
 
 
-def _unfenced(name: str) -> Callable[..., NoReturn]:
+def _unfenced(cls: type, name: str) -> Callable[..., NoReturn]:
     def refuse(self: Any, *args: Any) -> NoReturn:
         raise FenceError(f"vLLM's free block queue is kept by the kvfence fence; {name!r} is not fenced")
 
-    refuse.__name__, refuse.__qualname__ = name, f"FenceFreeCount.{name}"
+    refuse.__name__, refuse.__qualname__ = name, f"{cls.__name__}.{name}"
     return refuse
 
 
-for _name in VLLM_FREE_QUEUE_METHODS:
-    setattr(FenceFreeCount, _name, _unfenced(_name))
-    setattr(TenantFreeCount, _name, _unfenced(_name))
+for _cls in (FenceFreeCount, TenantFreeCount):
+    for _name in VLLM_FREE_QUEUE_METHODS:
+        setattr(_cls, _name, _unfenced(_cls, _name))
 
 
 #: vLLM's own method, called directly (cheaper than super() on a path taken for every block filled)
