@@ -46,16 +46,25 @@ class BlockHandle(NamedTuple):
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
+    # The fields every allocation, release and eviction touches come first, next to each other: a block
+    # object is 152 bytes with the collector's header, and these seven (56 bytes) then share one or two
+    # cache lines instead of spanning three (the vLLM fence walks a finished request's hundred-odd
+    # blocks at once, mostly out of the CPU's caches).
     block_id: int
     state: BlockState = BlockState.FREE
-    ref_cnt: int = 0
+    #: the tenant whose quota the block counts against (None while FREE)
+    owner: str | None = None
     generation: int = 0
+    # --- intrusive list links ---
+    prev: KVBlock | None = field(default=None, repr=False)
+    next: KVBlock | None = field(default=None, repr=False)
+    #: the list the block is in (identity), or None
+    in_list: BlockList | None = field(default=None, repr=False)
+    ref_cnt: int = 0
     #: writers that still have to signal before the block leaves FENCED
     pending_writers: int = 0
     #: bit i set: rank i has signalled for the current fence
     signalled: int = 0
-    #: the tenant whose quota the block counts against (None while FREE)
-    owner: str | None = None
     # --- prefix-cache entry (all None unless the block holds a registered, verified entry) ---
     block_hash: bytes | None = None
     context: CacheContext | None = None
@@ -64,11 +73,6 @@ class KVBlock:
     #: the block's handle while it holds the entry: the object its children store as ``parent``, so a
     #: lookup can check a child's parent by identity first (verify() compares by value)
     cache_handle: BlockHandle | None = None
-    # --- intrusive list links ---
-    prev: KVBlock | None = field(default=None, repr=False)
-    next: KVBlock | None = field(default=None, repr=False)
-    #: the list the block is in (identity), or None
-    in_list: BlockList | None = field(default=None, repr=False)
 
     @property
     def handle(self) -> BlockHandle:
