@@ -13,6 +13,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, base_config, salt_of, weak_hash
 
 from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
+from kvfence.vllm import records
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox, new_ref
 from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager
 
@@ -165,6 +166,32 @@ def test_a_request_larger_than_the_maximum_is_cut_or_refused(tmp_path: Path) -> 
     h.run()
     assert h.fence.counters.quota_rejected == {"alice": 2}
     assert list(box.directory.iterdir()) == []
+    h.check()
+
+
+def test_a_prompt_token_beyond_int32_is_refused_with_a_400(tmp_path: Path) -> None:
+    # The compiled records store token ids as int32, vLLM's own type; vLLM's input processor refuses
+    # ids outside the vocabulary, so only an engine that skips it (--skip-tokenizer-init) can pass one.
+    # Refused, with an answer for the middleware: never an engine crash, never a truncated token.
+    assert records.COMPILED
+    h = Harness(tmp_path)
+    ref = new_ref()
+    xargs = {
+        XARG_TENANT: "alice",
+        XARG_TENANT_TAG: tenant_tag(KEY, TRUST_CLASS, "alice", salt_of("alice")),
+        XARG_REQUEST_REF: ref,
+    }
+    bad = h.add("alice", [*PROMPT[:20], 2**31, *PROMPT[21:]], xargs=xargs)
+    ok = h.add("alice", PROMPT)
+    box = RefusalBox.from_env()
+    assert (box.directory / ref).exists()
+    h.run()
+    assert h.finished[bad.request_id] == "error" and h.outputs[bad.request_id] == []
+    assert h.finished[ok.request_id] == "length"
+    assert box.take(ref) == EngineRefusal(
+        400, "invalid_request_error", "token 20 is outside int32 (vLLM's token id type)"
+    )
+    assert h.fence.counters.identity_rejected == {}
     h.check()
 
 

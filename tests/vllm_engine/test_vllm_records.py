@@ -18,7 +18,8 @@ from kvfence.vllm import records
 from kvfence.vllm.fence import root_namespace, same_chain
 
 PROMPT = list(range(100, 164))  # 4 full blocks of 16
-INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+#: vLLM's token id type (its input batch holds token ids in int32 arrays): what compiled records store
+TOKEN = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 
 
 def test_the_compiled_records_are_built() -> None:
@@ -29,8 +30,8 @@ def test_the_compiled_records_are_built() -> None:
 
 @settings(max_examples=400, deadline=None)
 @given(
-    st.lists(INT64, max_size=40),
-    st.lists(INT64, max_size=40),
+    st.lists(TOKEN, max_size=40),
+    st.lists(TOKEN, max_size=40),
     st.integers(0, 45),
     st.integers(0, 45),
     st.integers(0, 45),
@@ -43,7 +44,8 @@ def test_compiled_and_pure_python_records_agree(
     c = _records.Record(None, recorded, start, stop, ("ns",))
     py = records.PyRecord(None, recorded, start, stop, ("ns",))
     assert py.tokens == recorded[start:stop]
-    assert len(c.tokens) == 8 * len(py.tokens)  # the same tokens, packed as int64
+    assert records.TOKEN_BYTES == 4
+    assert len(c.tokens) == 4 * len(py.tokens)  # the same tokens, packed as int32
     # A record equals a list exactly where the list slice does, for any list and offset.
     for probe in (asked, recorded, [*asked, *recorded], recorded[start:stop] + asked):
         want = py.tokens == probe[at : at + len(py.tokens)] and at <= len(probe)
@@ -57,14 +59,14 @@ def test_compiled_and_pure_python_records_agree(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(INT64, max_size=40), st.integers(0, 45), st.integers(0, 45))
+@given(st.lists(TOKEN, max_size=40), st.integers(0, 45), st.integers(0, 45))
 def test_records_copied_from_a_packed_prompt_are_the_records_of_the_list(
     tokens: list[int], start: int, stop: int
 ) -> None:
     from kvfence.vllm import _records
 
     packed = _records.pack(tokens)
-    assert packed == b"".join(t.to_bytes(8, sys.byteorder, signed=True) for t in tokens)  # native int64
+    assert packed == b"".join(t.to_bytes(4, sys.byteorder, signed=True) for t in tokens)  # native int32
     from_list = _records.Record(None, tokens, start, stop, None)
     from_packed = _records.Record(None, packed, start, stop, None)
     assert from_packed.tokens == from_list.tokens  # slicing clamps alike
@@ -179,8 +181,9 @@ def chain_view(rec: Any, depth: int = 8) -> Any:
     while rec is not None and depth:
         toks = rec.tokens
         if isinstance(toks, bytes):
+            w = records.TOKEN_BYTES
             toks = [
-                int.from_bytes(toks[k : k + 8], sys.byteorder, signed=True) for k in range(0, len(toks), 8)
+                int.from_bytes(toks[k : k + w], sys.byteorder, signed=True) for k in range(0, len(toks), w)
             ]
         out.append((toks, rec.namespace, rec.root))
         rec, depth = rec.parent, depth - 1
@@ -198,7 +201,7 @@ def test_the_recording_call_builds_the_records_the_per_block_loop_built(n: int, 
     # prefix), the records one Record call per block built, under the same block ids, chained alike.
     from kvfence.vllm import _records
 
-    tokens = data.draw(st.lists(st.integers(0, 2**40), min_size=n * BS, max_size=n * BS + 5))
+    tokens = data.draw(st.lists(TOKEN, min_size=n * BS, max_size=n * BS + 5))
     kinds = data.draw(
         st.lists(st.sampled_from(["ok", "ok", "ok", "null", "unhashed"]), min_size=n, max_size=n)
     )
@@ -246,7 +249,7 @@ def test_the_recording_call_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError):
         _records.record_chain(store, ok, 0, 2, None, [1, 2], None, 2, 0, None)  # past the blocks
     with pytest.raises(ValueError):
-        _records.record_chain(store, ok, 0, 1, None, [1, 2], b"\x00" * 7, 2, 0, None)  # not packed ids
+        _records.record_chain(store, ok, 0, 1, None, [1, 2], b"\x00" * 3, 2, 0, None)  # not packed ids
     with pytest.raises(IndexError):
         _records.record_chain(store, [FakeBlock(5)], 0, 1, None, [1, 2], None, 2, 0, None)  # no slot
     with pytest.raises(AttributeError):
@@ -260,7 +263,7 @@ def test_verify_chain_refuses_what_it_cannot_read() -> None:
     with pytest.raises(TypeError):
         _records.verify_chain([None, rec], (1,), [1, 2], None, ("n", None), 2)  # ids are a list
     with pytest.raises(TypeError):
-        _records.verify_chain([None, rec], [1], [1, 2], b"\x00" * 7, ("n", None), 2)  # not packed ids
+        _records.verify_chain([None, rec], [1], [1, 2], b"\x00" * 3, ("n", None), 2)  # not packed ids
     with pytest.raises(IndexError):
         _records.verify_chain([None, rec], [5], [1, 2], None, ("n", None), 2)
     with pytest.raises(ValueError):
@@ -296,14 +299,19 @@ def test_compiled_records_refuse_what_is_not_a_token_list() -> None:
         _records.Record(None, [1, "2", 3], 0, 3, None)
     with pytest.raises(TypeError):
         _records.equal(_records.Record(None, [1, 2], 0, 2, None).tokens, [1, 2.0], 0)
-    with pytest.raises(OverflowError):
-        _records.Record(None, [2**63], 0, 1, None)
+    for outside in (2**31, -(2**31) - 1, 2**63):  # beyond int32: an error, never a truncated token
+        with pytest.raises(OverflowError, match="outside int32"):
+            _records.Record(None, [1, outside], 0, 2, None)
+        with pytest.raises(OverflowError, match="outside int32"):
+            _records.pack([outside])
+        with pytest.raises(OverflowError, match="outside int32"):
+            _records.equal(_records.Record(None, [1, 2], 0, 2, None).tokens, [1, outside], 0)
     with pytest.raises(TypeError):
         _records.Record(None, (1, 2), 0, 2, None)  # vLLM's token ids are lists
     with pytest.raises(TypeError):
         _records.Record(object(), [1, 2], 0, 2, None)  # a parent is a record
     with pytest.raises(ValueError):
-        _records.equal(b"\x00" * 7, [0], 0)  # not whole int64 ids: never a silent mismatch
+        _records.equal(b"\x00" * 3, [0], 0)  # not whole int32 ids: never a silent mismatch
     for make, equal in ((_records.Record, _records.equal), (records.PyRecord, records.py_equal)):
         with pytest.raises(ValueError):
             make(None, [1, 2], -1, 2, None)

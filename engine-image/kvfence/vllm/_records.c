@@ -3,7 +3,7 @@
  *
  *   Record(parent, tokens, start, stop, namespace, root=False)
  *       what a cached block holds: tokens[start:stop] of a request's token list packed as native
- *       int64 bytes (stop clamped to the list, as slicing does), the record of the block before it
+ *       int32 bytes (stop clamped to the list, as slicing does), the record of the block before it
  *       (a Record or None), the cache namespace (roots) or extra keys (None for plain text), and
  *       whether the request's namespace enters the chain here (always when parent is None).
  *       Read-only attributes: parent, tokens, namespace, root.
@@ -35,13 +35,20 @@
  * tuple) stay tracked on their own. Packed tokens also keep none of the request's int objects alive,
  * and equal() reads each token once, copying and writing nothing.
  *
- * Token ids are Python ints; anything else, or an int outside int64, raises (TypeError,
+ * Token ids are Python ints; anything else, or an int outside int32, raises (TypeError,
  * OverflowError) rather than compare unequal: a token list that is not one is a bug, never a miss. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Token ids are stored as int32, vLLM's own type for them (its input batch holds them in int32 arrays,
+ * and its input processor refuses ids outside the vocabulary before the scheduler sees them): a record
+ * of 16 tokens is then 40 bytes of header and one cache line of tokens (104 bytes, 176 as int64), and
+ * a packed prompt half the size. Verifying a hit reads the records of every block it reuses, long out
+ * of the CPU's caches, so each line saved is a miss saved. */
+typedef int32_t token_t;
 
 /* The tokens live in the record itself (one allocation, not a record and a bytes object), and records
  * come from the C heap, not from CPython's small-object pools, where vLLM's own short-lived objects
@@ -52,29 +59,32 @@ typedef struct {
     PyObject_HEAD
     PyObject *parent;    /* Record or None */
     PyObject *namespace; /* anything, None for plain text */
-    Py_ssize_t ntokens;
+    int32_t ntokens;
     char root;
-    int64_t tokens[];    /* ntokens token ids */
+    token_t tokens[];    /* ntokens token ids */
 } RecordObject;
 
 static PyTypeObject RecordType;
 
-/* One token id as int64; -1 with an exception set on error. Token ids are small ints: those are read
+/* One token id as int32; -1 with an exception set on error. Token ids are small ints: those are read
  * from the int object directly (one machine word, no call), anything else the general way. */
 static inline int
-token_at(PyObject *list, Py_ssize_t i, int64_t *out)
+token_at(PyObject *list, Py_ssize_t i, token_t *out)
 {
     PyObject *o = PyList_GET_ITEM(list, i);
 #if PY_VERSION_HEX >= 0x030C0000
     if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
-        *out = (int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
-        return 0;
+        Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)o);
+        if (v >= INT32_MIN && v <= INT32_MAX) {
+            *out = (token_t)v;
+            return 0;
+        }
     }
 #else
     if (PyLong_CheckExact(o)) {
         Py_ssize_t size = Py_SIZE(o); /* digits, signed: 0 for zero, +-1 below 2**30 */
         if (size == 0 || size == 1 || size == -1) {
-            *out = (int64_t)size * (int64_t)((PyLongObject *)o)->ob_digit[0];
+            *out = (token_t)size * (token_t)((PyLongObject *)o)->ob_digit[0]; /* below 2**30 */
             return 0;
         }
     }
@@ -85,13 +95,13 @@ token_at(PyObject *list, Py_ssize_t i, int64_t *out)
     }
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow) {
-        PyErr_Format(PyExc_OverflowError, "token %zd is outside int64", i);
-        return -1;
-    }
     if (v == -1 && PyErr_Occurred())
         return -1;
-    *out = (int64_t)v;
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "token %zd is outside int32 (vLLM's token id type)", i);
+        return -1;
+    }
+    *out = (token_t)v;
     return 0;
 }
 
@@ -111,16 +121,16 @@ clamp_slice(Py_ssize_t *start, Py_ssize_t *stop, Py_ssize_t len)
     return 0;
 }
 
-/* The number of int64 token ids in packed bytes; -1 with ValueError set if it is not a whole number. */
+/* The number of int32 token ids in packed bytes; -1 with ValueError set if it is not a whole number. */
 static Py_ssize_t
 packed_count(PyObject *packed, const char *who)
 {
     Py_ssize_t size = PyBytes_GET_SIZE(packed);
-    if (size % (Py_ssize_t)sizeof(int64_t) != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: packed tokens are not a whole number of int64 token ids", who);
+    if (size % (Py_ssize_t)sizeof(token_t) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: packed tokens are not a whole number of int32 token ids", who);
         return -1;
     }
-    return size / (Py_ssize_t)sizeof(int64_t);
+    return size / (Py_ssize_t)sizeof(token_t);
 }
 
 /* Whether the n packed tokens at buf are exactly list[start:start + n] (False where the list ends
@@ -132,10 +142,10 @@ list_holds(const char *buf, Py_ssize_t n, PyObject *list, Py_ssize_t start)
     if (start > len || n > len - start)
         return 0;
     for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t v, want;
+        token_t v, want;
         if (token_at(list, start + k, &v) < 0)
             return -1;
-        memcpy(&want, buf + k * sizeof(int64_t), sizeof want);
+        memcpy(&want, buf + k * sizeof(token_t), sizeof want);
         if (v != want)
             return 0;
     }
@@ -151,17 +161,17 @@ pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
     }
     if (clamp_slice(&start, &stop, PyList_GET_SIZE(list)) < 0)
         return NULL;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * (Py_ssize_t)sizeof(int64_t));
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * (Py_ssize_t)sizeof(token_t));
     if (out == NULL)
         return NULL;
     char *buf = PyBytes_AS_STRING(out);
     for (Py_ssize_t i = start; i < stop; i++) {
-        int64_t v;
+        token_t v;
         if (token_at(list, i, &v) < 0) {
             Py_DECREF(out);
             return NULL;
         }
-        memcpy(buf + (i - start) * sizeof(int64_t), &v, sizeof v);
+        memcpy(buf + (i - start) * sizeof(token_t), &v, sizeof v);
     }
     return out;
 }
@@ -171,11 +181,15 @@ static PyObject *
 record_make(PyObject *parent, const char *buf, PyObject *list, Py_ssize_t lo, Py_ssize_t n, PyObject *namespace,
             int root)
 {
-    RecordObject *self = (RecordObject *)PyMem_RawMalloc(sizeof(RecordObject) + (size_t)n * sizeof(int64_t));
+    if (n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "Record: too many tokens for one block");
+        return NULL;
+    }
+    RecordObject *self = (RecordObject *)PyMem_RawMalloc(sizeof(RecordObject) + (size_t)n * sizeof(token_t));
     if (self == NULL)
         return PyErr_NoMemory();
     if (buf != NULL) {
-        memcpy(self->tokens, buf, (size_t)n * sizeof(int64_t));
+        memcpy(self->tokens, buf, (size_t)n * sizeof(token_t));
     } else {
         for (Py_ssize_t k = 0; k < n; k++) {
             if (token_at(list, lo + k, &self->tokens[k]) < 0) {
@@ -187,7 +201,7 @@ record_make(PyObject *parent, const char *buf, PyObject *list, Py_ssize_t lo, Py
     PyObject_Init((PyObject *)self, &RecordType);
     self->parent = Py_NewRef(parent);
     self->namespace = Py_NewRef(namespace);
-    self->ntokens = n;
+    self->ntokens = (int32_t)n;
     self->root = (char)(root || parent == Py_None);
     return (PyObject *)self;
 }
@@ -210,7 +224,7 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_ssize_t len = packed_count(list, "Record");
         if (len < 0 || clamp_slice(&start, &stop, len) < 0)
             return NULL;
-        return record_make(parent, PyBytes_AS_STRING(list) + start * (Py_ssize_t)sizeof(int64_t), NULL, 0,
+        return record_make(parent, PyBytes_AS_STRING(list) + start * (Py_ssize_t)sizeof(token_t), NULL, 0,
                            stop - start, namespace, root);
     }
     if (!PyList_Check(list)) {
@@ -252,14 +266,14 @@ record_dealloc(RecordObject *self)
 static PyObject *
 record_repr(RecordObject *self)
 {
-    return PyUnicode_FromFormat("Record(%zd tokens, root=%s)", self->ntokens, self->root ? "True" : "False");
+    return PyUnicode_FromFormat("Record(%d tokens, root=%s)", self->ntokens, self->root ? "True" : "False");
 }
 
-/* The tokens as packed int64 bytes (a copy: what pack() gives for the same token ids). */
+/* The tokens as packed int32 bytes (a copy: what pack() gives for the same token ids). */
 static PyObject *
 record_get_tokens(RecordObject *self, void *closure)
 {
-    return PyBytes_FromStringAndSize((const char *)self->tokens, self->ntokens * (Py_ssize_t)sizeof(int64_t));
+    return PyBytes_FromStringAndSize((const char *)self->tokens, self->ntokens * (Py_ssize_t)sizeof(token_t));
 }
 
 static PyObject *
@@ -276,7 +290,7 @@ static PyMemberDef record_members[] = {
 
 static PyGetSetDef record_getset[] = {
     {"root", (getter)record_get_root, NULL, "whether the request's namespace enters the chain here", NULL},
-    {"tokens", (getter)record_get_tokens, NULL, "the block's token ids, packed int64 (a copy)", NULL},
+    {"tokens", (getter)record_get_tokens, NULL, "the block's token ids, packed int32 (a copy)", NULL},
     {NULL},
 };
 
@@ -340,10 +354,10 @@ static int
 record_holds(RecordObject *r, PyObject *list, const char *packed, Py_ssize_t npacked, Py_ssize_t lo)
 {
     Py_ssize_t n = r->ntokens, len = PyList_GET_SIZE(list);
-    size_t size = (size_t)n * sizeof(int64_t);
+    size_t size = (size_t)n * sizeof(token_t);
     const char *buf = (const char *)r->tokens;
     if (packed != NULL && lo <= len && n <= len - lo && lo + n <= npacked)
-        return memcmp(buf, packed + lo * (Py_ssize_t)sizeof(int64_t), size) == 0;
+        return memcmp(buf, packed + lo * (Py_ssize_t)sizeof(token_t), size) == 0;
     return list_holds(buf, n, list, lo);
 }
 
@@ -362,12 +376,12 @@ records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *packed = NULL;
     Py_ssize_t npacked = 0;
     if (packed_obj != Py_None) {
-        if (!PyBytes_Check(packed_obj) || PyBytes_GET_SIZE(packed_obj) % (Py_ssize_t)sizeof(int64_t) != 0) {
+        if (!PyBytes_Check(packed_obj) || PyBytes_GET_SIZE(packed_obj) % (Py_ssize_t)sizeof(token_t) != 0) {
             PyErr_SetString(PyExc_TypeError, "verify_chain: packed must be bytes from pack() or None");
             return NULL;
         }
         packed = PyBytes_AS_STRING(packed_obj);
-        npacked = PyBytes_GET_SIZE(packed_obj) / (Py_ssize_t)sizeof(int64_t);
+        npacked = PyBytes_GET_SIZE(packed_obj) / (Py_ssize_t)sizeof(token_t);
     }
     Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
     if (bs == -1 && PyErr_Occurred())
@@ -504,7 +518,7 @@ records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_ssize_t lo = i * bs, hi = lo + bs;
             if (hi > PyList_GET_SIZE(list))
                 hi = PyList_GET_SIZE(list) > lo ? PyList_GET_SIZE(list) : lo; /* clamped, as slicing does */
-            const char *buf = hi <= npacked ? PyBytes_AS_STRING(packed_obj) + lo * (Py_ssize_t)sizeof(int64_t) : NULL;
+            const char *buf = hi <= npacked ? PyBytes_AS_STRING(packed_obj) + lo * (Py_ssize_t)sizeof(token_t) : NULL;
             rec = record_make(parent, buf, list, lo, hi - lo, i == root ? ns : Py_None, i == root);
             if (rec == NULL)
                 goto fail;
@@ -522,7 +536,7 @@ fail:
 static PyMethodDef methods[] = {
     {"equal", (PyCFunction)(void (*)(void))records_equal, METH_FASTCALL,
      "equal(packed, tokens, start) -> bool: whether packed holds exactly tokens[start:start + n]"},
-    {"pack", (PyCFunction)records_pack, METH_O, "pack(tokens) -> bytes: a token list packed as int64"},
+    {"pack", (PyCFunction)records_pack, METH_O, "pack(tokens) -> bytes: a token list packed as int32"},
     {"verify_chain", (PyCFunction)(void (*)(void))records_verify_chain, METH_FASTCALL,
      "verify_chain(records, block_ids, tokens, packed, namespace, block_size) -> int: the leading blocks "
      "of a hit that verify by the plain-text rule"},
@@ -551,6 +565,10 @@ PyInit__records(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    if (PyModule_AddIntConstant(m, "TOKEN_BYTES", (long)sizeof(token_t)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&RecordType);
     if (PyModule_AddObject(m, "Record", (PyObject *)&RecordType) < 0) {
         Py_DECREF(&RecordType);

@@ -2,6 +2,8 @@
 # interface in Python).
 from typing import Any
 
+TOKEN_BYTES: int
+
 class Record:
     @property
     def parent(self) -> Record | None: ...

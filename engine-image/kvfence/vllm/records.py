@@ -3,11 +3,13 @@ the block before it, and at the root the cache namespace (salt and adapter).
 
 Two implementations of the same interface, chosen at import (:data:`COMPILED` says which):
 
-* compiled (``_records.c``, built by ``setup.py``): the tokens packed as native int64 bytes, and a
-  record that is no container for Python's garbage collector (records form a tree, so no cycle can
-  pass through one). vLLM's scheduler thread collects garbage every 700 net allocations of container
-  objects, each young collection walking the token lists of the requests that arrived meanwhile; a
-  Python object per cached block made the fenced scheduler collect about twice as often as vLLM alone.
+* compiled (``_records.c``, built by ``setup.py``): the tokens packed as native int32 bytes
+  (:data:`TOKEN_BYTES` each: vLLM's own token id type, and half the memory of int64, which matters as
+  a verification reads the records of every block a hit reuses), and a record that is no container
+  for Python's garbage collector (records form a tree, so no cycle can pass through one). vLLM's
+  scheduler thread collects garbage every 700 net allocations of container objects, each young
+  collection walking the token lists of the requests that arrived meanwhile; a Python object per
+  cached block made the fenced scheduler collect about twice as often as vLLM alone.
   :func:`equal` reads each of the request's tokens once and copies nothing.
 * pure Python (an install built with ``KVFENCE_PURE_PYTHON=1``, such as the GPU vLLM image, whose
   Python is vLLM's own): :class:`PyRecord`, whose tokens are the list slice itself, compared with the
@@ -128,18 +130,21 @@ if TYPE_CHECKING:
 
     COMPILED: bool
     pack: Callable[[list[int]], bytes] | None
+    TOKEN_BYTES: int
 else:
     try:
-        from kvfence.vllm._records import Record, equal, pack, record_chain, verify_chain
+        from kvfence.vllm._records import TOKEN_BYTES, Record, equal, pack, record_chain, verify_chain
 
         COMPILED = True
     except ImportError:  # a pure-Python install (KVFENCE_PURE_PYTHON=1)
         Record, equal, verify_chain, pack = PyRecord, py_equal, py_verify_chain, None
         record_chain = py_record_chain
         COMPILED = False
+        TOKEN_BYTES = 0  # nothing is packed
 
 __all__ = [
     "COMPILED",
+    "TOKEN_BYTES",
     "PyRecord",
     "Record",
     "equal",

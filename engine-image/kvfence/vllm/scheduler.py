@@ -70,7 +70,7 @@ from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.middleware import KeySource
 from kvfence.vllm.prologue import with_prologue
 from kvfence.vllm.records import COMPILED as records_compiled
-from kvfence.vllm.records import pack, record_chain
+from kvfence.vllm.records import TOKEN_BYTES, pack, record_chain
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox
 from kvfence.vllm.stats import StatsWriter
 from vllm.sampling_params import SamplingParams
@@ -93,6 +93,9 @@ log = logging.getLogger("kvfence.vllm.scheduler")
 RELOAD_INTERVAL = 1.0  # seconds between checks of the config and key files
 REASON_NO_IDENTITY = "MissingTenant"
 REASON_BAD_TAG = "BadTenantTag"
+#: a prompt token id outside int32, what the compiled records store (and vLLM's own input batch): only
+#: a request vLLM's input processor did not validate (``--skip-tokenizer-init``) can carry one
+REASON_TOKEN_RANGE = "TokenOutOfRange"
 
 
 class FenceFreeCount:
@@ -347,7 +350,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
             )
             return
         # Multimodal inputs or prompt embeddings: the same loop, with vLLM's per-block extra keys.
-        npacked = len(packed) >> 3 if packed is not None else 0
+        npacked = len(packed) // TOKEN_BYTES if packed is not None else 0
         extras = extra_keys_of(request, num_full_blocks, block_size)
         assert extras is not None  # (not plain text)
         for i in range(num_cached_blocks, num_full_blocks):
@@ -733,10 +736,15 @@ class FenceMixin:
             self._refused[rid] = reason
             super().add_request(request)  # type: ignore[misc]
             return
-        self._tenant_of[rid] = tenant
         if pack is not None and not request.mm_features and request.prompt_embeds is None:
             # While vLLM's block hasher has just read these int objects (see kvfence.vllm.records).
-            self._packed_of[rid] = pack(request._all_token_ids)
+            try:
+                self._packed_of[rid] = pack(request._all_token_ids)
+            except OverflowError as e:
+                self._refuse(request, REASON_TOKEN_RANGE, EngineRefusal(400, "invalid_request_error", str(e)))
+                super().add_request(request)  # type: ignore[misc]
+                return
+        self._tenant_of[rid] = tenant
         shared_tokens = self._shared_start(request) * self.block_size  # not charged to the tenant
         self._fit_to_quota(request, tenant, shared_tokens)
         super().add_request(request)  # type: ignore[misc]
@@ -778,12 +786,6 @@ class FenceMixin:
         tenant's maximum was lowered) exceeds its tenant's maximum: finished with an error in the next
         update_from_output, its answer (the reference engine's ``429 quota_exceeded``) left for the
         middleware first."""
-        rid = request.request_id
-        self._refused[rid] = "QuotaExceeded"
-        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-        ref = extra.get(XARG_REQUEST_REF) if isinstance(extra, dict) else None
-        if ref is None:
-            return
         need = self.fence.blocks_for(request.num_tokens + 1 - shared_tokens)
         what = (
             "the prompt needs" if request.num_output_tokens == 0 else "the prompt and its output so far need"
@@ -793,7 +795,16 @@ class FenceMixin:
             f"{self.block_size} tokens, more than the tenant's maximum of "
             f"{self.fence.maximum(tenant)} (maxKVBlocks)"
         )
-        self._refusals.put(ref, EngineRefusal(429, "quota_exceeded", message))
+        self._refuse(request, "QuotaExceeded", EngineRefusal(429, "quota_exceeded", message))
+
+    def _refuse(self, request: Request, reason: str, answer: EngineRefusal) -> None:
+        """Finish ``request`` with an error in the next update_from_output, ``answer`` left for the
+        middleware first (under the request's reference, when it has one)."""
+        self._refused[request.request_id] = reason
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        ref = extra.get(XARG_REQUEST_REF) if isinstance(extra, dict) else None
+        if ref is not None:
+            self._refusals.put(ref, answer)
 
     # --- declared shared prefixes -----------------------------------------------------------------
     def _plan_pins(self, decls: list[SharedPrefixConfig]) -> list[tuple[str, list[int], int]]:
