@@ -95,6 +95,17 @@ def test_block_list_extend_and_popleft_n_are_appends_and_poplefts_in_one() -> No
     assert len(lst) == 0 and list(lst) == []
     lst.append(blocks[0])  # the sentinels are linked again
     assert list(lst) == [blocks[0]]
+    # state=: each block's state set as it is linked; without it, states are left alone.
+    assert all(b.state is BlockState.FREE for b in blocks[1:5])
+    lst.extend(blocks[1:3], state=BlockState.COLD)
+    lst.extend(blocks[3:5])
+    assert [b.state for b in lst] == [
+        BlockState.FREE,
+        BlockState.COLD,
+        BlockState.COLD,
+        BlockState.FREE,
+        BlockState.FREE,
+    ]
 
 
 def test_allocation_is_all_or_nothing() -> None:

@@ -402,11 +402,11 @@ def test_a_fence_refusal_vllm_did_not_expect_never_crashes_the_engine(
 
     h = Harness(tmp_path)
 
-    def refuse(tenant: str, n: int) -> Any:
-        raise PoolExhausted(tenant, n, 0)
+    def refuse(acct: Any, n: int) -> Any:
+        raise PoolExhausted(acct.tenant, n, 0)
 
     monkeypatch.setattr(h.fence, "clean_enough", lambda tenant, n: False)  # off the fast path
-    monkeypatch.setattr(h.fence, "take", refuse)
+    monkeypatch.setattr(h.fence, "take_for", refuse)
     r = h.add("alice", [*PROMPT, 1])
     h.run()
     assert h.finished[r.request_id] == "length"

@@ -118,21 +118,32 @@ class BlockList:
         block.in_list = self
         self._len += 1
 
-    def extend(self, blocks: list[KVBlock], *, unlisted: bool = False) -> None:
+    def extend(
+        self, blocks: list[KVBlock], *, unlisted: bool = False, state: BlockState | None = None
+    ) -> None:
         """:meth:`append` each of ``blocks``, in order (one call for many: the vLLM fence releases a
         request's blocks at once); all or nothing. ``unlisted``: the caller has checked that none of
-        them is in a list (the vLLM fence: they were all ``ACTIVE``), so they are not checked again."""
+        them is in a list (the vLLM fence: they were all ``ACTIVE``), so they are not checked again.
+        ``state``: each block's new state, set as it is linked (one pass over the blocks, not two)."""
         if not unlisted:
             for block in blocks:
                 if block.in_list is not None:
                     raise RuntimeError(f"block {block.block_id} is already in list {block.in_list.name!r}")
         last = self._tail.prev
         assert last is not None
-        for block in blocks:
-            last.next = block
-            block.prev = last
-            block.in_list = self
-            last = block
+        if state is None:
+            for block in blocks:
+                last.next = block
+                block.prev = last
+                block.in_list = self
+                last = block
+        else:
+            for block in blocks:
+                last.next = block
+                block.prev = last
+                block.in_list = self
+                block.state = state
+                last = block
         last.next = self._tail
         self._tail.prev = last
         self._len += len(blocks)

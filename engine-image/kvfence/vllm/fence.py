@@ -363,9 +363,12 @@ class TenantFence:
         free blocks, then its own cold ones, then others' beyond their guarantee. Cold blocks handed
         out lose their record (the caller takes them out of vLLM's prefix cache). Every block's
         generation moves."""
-        acct = self.book.accounts.get(tenant)  # self.account(tenant), inlined (every allocation)
-        if acct is None:
-            acct = self.book.account(tenant)
+        acct = self.book.accounts.get(tenant)
+        return self.take_for(acct if acct is not None else self.book.account(tenant), n)
+
+    def take_for(self, acct: TenantAccount, n: int) -> list[int]:
+        """:meth:`take` for the tenant of ``acct``, an open account (an admitted request's: the pool
+        allocates with the account it admitted the request under)."""
         free = self.pool.free
         if self.unlimited:
             # No quotas (what plan_allocation decides too, without its helpers): the clean blocks freed
@@ -375,31 +378,33 @@ class TenantFence:
             if k >= n:  # clean blocks only
                 out = free[k - n :]
                 del free[k - n :]
-            elif k + len(acct.cold) >= n:
-                # The tenant's own cold blocks: they lose their record; its usage drops by ``own`` here
-                # and grows by ``n`` below (without guarantees there is no reservation to keep current).
+                acct.usage += n
+            else:
+                cold = acct.cold
                 own = n - k
-                out = acct.cold.popleft_n(own)
+                if own > len(cold):
+                    return self._take_planned(acct, n)
+                # The tenant's own cold blocks: they lose their record and stay charged to it, so its
+                # usage grows by the clean blocks only (without guarantees there is no reservation to
+                # keep current).
+                out = cold.popleft_n(own)
                 records = self.records
                 for b in out:
                     records[b.block_id] = None
-                acct.usage -= own
+                acct.usage += k
                 self.counters.evictions_own += own
                 if k:
                     out.extend(free)
                     free.clear()
-            else:
-                return self._take_planned(acct, n)
-            self.moves += 1
-            gen = self.moves
+            self.moves = gen = self.moves + 1
+            tenant = acct.tenant
             for b in out:
                 b.generation = gen
                 b.state = ACTIVE
                 b.owner = tenant
-            acct.usage += n
             self.version += 1
             return list(map(_block_id_of, out))
-        if self.clean_enough(tenant, n):
+        if self.clean_enough(acct.tenant, n):
             # The common case with quotas, what plan_allocation decides too: clean blocks only.
             return self._hand_out(acct, self._pop_free(n))
         return self._take_planned(acct, n)
@@ -443,8 +448,6 @@ class TenantFence:
             if None in owners or set(map(_state_of, shadows)) != {ACTIVE}:
                 bad = next(b for b in shadows if b.state is not ACTIVE or b.owner is None)
                 raise FenceError(f"block {bad.block_id} released from state {bad.state.name}")
-            for b in shadows:
-                b.state = COLD
             by_owner: dict[str, list[KVBlock]] = {}
             if len(owners) == 1:  # a request's blocks, its tenant's (the common case)
                 by_owner[shadows[0].owner] = shadows  # type: ignore[index]  # (owned: checked above)
@@ -452,7 +455,7 @@ class TenantFence:
                 for b in shadows:
                     by_owner.setdefault(b.owner, []).append(b)  # type: ignore[arg-type]
             for tenant, bs in by_owner.items():
-                accounts[tenant].cold.extend(bs, unlisted=True)
+                accounts[tenant].cold.extend(bs, unlisted=True, state=COLD)
         if clean:
             self.moves += 1
             records = self.records

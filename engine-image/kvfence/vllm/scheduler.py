@@ -56,7 +56,7 @@ from kvfence.contract.engine_config import (
     load_config,
 )
 from kvfence.engine.blocks import BlockState
-from kvfence.engine.quotas import SHARED_OWNER
+from kvfence.engine.quotas import SHARED_OWNER, TenantAccount
 from kvfence.vllm.fence import (
     UNATTRIBUTED,
     AllocationError,
@@ -207,23 +207,18 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         queue = self.free_count
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        tenant = self.tenant_of.get(self.rid, UNATTRIBUTED)
         fence = self.fence
-        if tenant == UNATTRIBUTED:
-            log.error("kvfence: %d KV blocks allocated outside any request; charged to no tenant", num_blocks)
-        elif self.rid not in fence.admitted:
-            # Never expected (vLLM allocates for a running request only after it left the waiting queue
-            # through _admit): its blocks are charged all the same, and it is admitted without a
-            # reservation, so that its books close when it finishes.
-            log.error("kvfence: request %s allocates without having been admitted; admitted now", self.rid)
-            fence.admit(self.rid, tenant, 0)
+        # The request's account, as admitted (an admitted request's account stays open until it is
+        # released: it counts as an open sequence).
+        admitted = fence.admitted.get(self.rid)
+        acct = admitted[0] if admitted is not None else self._unadmitted_account(num_blocks)
         try:
-            ids = fence.take(tenant, num_blocks)
+            ids = fence.take_for(acct, num_blocks)
         except AllocationError as e:
             # vLLM asked get_num_free_blocks() first, which answers what take() grants: never expected.
             log.error("kvfence: %s; %d blocks handed out without the quota check", e, num_blocks)
             try:
-                ids = fence.take_any(tenant, num_blocks)
+                ids = fence.take_any(acct.tenant, num_blocks)
             except FenceError as e2:
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e2}") from None
         queue.num_free_blocks -= num_blocks
@@ -247,6 +242,20 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
             if collector:
                 collector.on_block_allocated(block)
         return ret
+
+    def _unadmitted_account(self, num_blocks: int) -> TenantAccount:
+        """The account an allocation for a request that was never admitted is charged to (never
+        expected: vLLM allocates for a running request only after it left the waiting queue through
+        _admit). A request with a tenant is admitted now, without a reservation, so that its books close
+        when it finishes; anything else is charged to no tenant."""
+        fence = self.fence
+        tenant = self.tenant_of.get(self.rid, UNATTRIBUTED)
+        if tenant == UNATTRIBUTED:
+            log.error("kvfence: %d KV blocks allocated outside any request; charged to no tenant", num_blocks)
+            return fence.account(UNATTRIBUTED)
+        log.error("kvfence: request %s allocates without having been admitted; admitted now", self.rid)
+        fence.admit(self.rid, tenant, 0)
+        return fence.admitted[self.rid][0]
 
     def touch(self, blocks: Sequence[Any]) -> None:
         revived = []
@@ -527,6 +536,8 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
             return None
         if rid in fence.admitted:  # (never expected: an admitted request is running, not waiting)
             return _vllm_allocate_slots(self, *args)
+        if tenant == UNATTRIBUTED:  # (never expected: a request without a verified tenant is held back)
+            log.error("kvfence: request %s has no verified tenant; its KV blocks are charged to none", rid)
         need = fence.can_admit(tenant, self.reach_of.get(rid, request.num_tokens))
         if need is None:
             return None
