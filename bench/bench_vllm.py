@@ -2,7 +2,8 @@
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
         [--quick] [--rounds 5] [--profile] [--process-per-run | --lockstep [--floor]] [--async-scheduling]
-        [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]]
+        [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]] [--bytecodes]
+        [--hooks]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -72,6 +73,14 @@ client-request library is compiled on the fly).
 ``--pure-python-records`` runs the fenced scheduler with the pure-Python prefix-cache records
 (``kvfence.vllm.records.PyRecord`` and its functions), what the GPU image installs (its kvfence wheel is
 pure Python: docs/engine.md), instead of the compiled ones this machine built; any mode.
+
+``--hooks`` times where the plugin's cost lands: each vLLM method the plugin overrides (``add_request``,
+``get_computed_blocks``, ``allocate_slots``, ``get_new_blocks``, ``cache_full_blocks``, ``touch``,
+``_free_request``, ``free``, ``free_blocks``) wrapped in a wall-clock timer, in stock and fenced runs
+alike, alternating, a forked process each; per hook, microseconds per step, fenced - stock (a hook's
+time includes the hooks it calls). Unlike cProfile (whose overhead per call swamps a sub-microsecond
+difference) and callgrind (a simulated cache), this shows the cache misses a hook causes on this
+machine. The timers cost both sides alike.
 
 ``--bytecodes`` counts Python bytecodes instead (``sys.settrace`` with opcode events, only inside the
 timed calls, one run of each scheduler in this process, the stats write and file check paced as under
@@ -177,6 +186,8 @@ class Run:
     finish: dict[str, int] = field(default_factory=dict)
     fingerprint: str = ""
     fence: dict[str, Any] = field(default_factory=dict)
+    #: --hooks: ns spent inside each timed vLLM method (HOOKS), over the whole run
+    hooks: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         s = sorted(self.step_ns)
@@ -1103,6 +1114,108 @@ def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, records:
     print(f"\nwritten to {path}")
 
 
+#: ``--hooks``: the vLLM methods the plugin overrides (or compiles again, allocate_slots), timed in both
+#: schedulers: (which object, method). Nested: allocate_slots includes get_new_blocks, cache_full_blocks
+#: and touch; _free_request includes free, which includes free_blocks.
+HOOKS = (
+    ("scheduler", "add_request"),
+    ("manager", "get_computed_blocks"),
+    ("manager", "allocate_slots"),
+    ("pool", "get_new_blocks"),
+    ("pool", "cache_full_blocks"),
+    ("pool", "touch"),
+    ("scheduler", "_free_request"),
+    ("manager", "free"),
+    ("pool", "free_blocks"),
+)
+
+
+def hooked_run(
+    kind: str,
+    streams: dict[str, list[Spec]],
+    warm: dict[str, list[Spec]],
+    quotas: dict[str, Any],
+    config: Any,
+) -> Run:
+    """One run of ``kind`` after a warm-up, each of :data:`HOOKS` wrapped in a wall-clock timer (in this
+    process's classes: call it in a process of its own, :func:`isolated`). A timer costs both schedulers
+    the same; the fenced - stock difference per hook is what the plugin adds there, cache misses and
+    all, which neither callgrind (a simulated cache) nor cProfile (its own overhead per call) shows."""
+    drive(kind, warm, quotas, config)  # warm-up, not counted
+    if kind == "stock":
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        classes: dict[str, type] = {"scheduler": Scheduler, "manager": KVCacheManager, "pool": BlockPool}
+    else:
+        from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager, FenceMixin
+
+        classes = {"scheduler": FenceMixin, "manager": FencedKVCacheManager, "pool": FencedBlockPool}
+    spent: dict[str, int] = {}
+    pc = time.perf_counter_ns
+    for where, method in HOOKS:
+        key = f"{where}.{method}"
+        spent[key] = 0
+        inner = classes[where].__dict__[method]
+
+        def timer(*args: Any, _inner: Any = inner, _key: str = key, **kwargs: Any) -> Any:
+            t0 = pc()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[_key] += pc() - t0
+
+        setattr(classes[where], method, timer)
+    run = drive(kind, streams, quotas, config)
+    run.hooks = spent
+    return run
+
+
+def hooks(chosen: list[str], per_user: int, seed: int, config: Any, rounds: int) -> None:
+    """Where the plugin's time goes, timed: :func:`hooked_run` of each scheduler, alternating, a forked
+    process each; per hook the median over the rounds of its microseconds per step."""
+    results: dict[str, Any] = {}
+    streams, warm = workload(per_user, seed), workload(1, seed + 1)
+    for label in chosen:
+        quotas = VARIANTS[label]
+        got: dict[str, list[Run]] = {k: [] for k in KINDS}
+        for rnd in range(rounds):
+            for kind in KINDS:
+                got[kind].append(
+                    isolated(lambda kind=kind, quotas=quotas: hooked_run(kind, streams, warm, quotas, config))
+                )
+            print(f"  [{label}] round {rnd + 1}/{rounds}", file=sys.stderr)
+        per_step = {
+            kind: {
+                **{
+                    key: statistics.median(r.hooks[key] / len(r.step_ns) / 1e3 for r in runs)
+                    for key in runs[0].hooks
+                },
+                "the whole step": statistics.median(sum(r.step_ns) / len(r.step_ns) / 1e3 for r in runs),
+            }
+            for kind, runs in got.items()
+        }
+        same = len({r.fingerprint for runs in got.values() for r in runs}) == 1
+        table(
+            f"[{label}] microseconds per step inside each hook, medians of {rounds} rounds (nested hooks "
+            f"are included in their callers; same schedule: {same})",
+            ["hook", "stock", "fenced", "fenced - stock"],
+            [
+                [
+                    k,
+                    f"{per_step['stock'][k]:.1f}",
+                    f"{per_step['fenced'][k]:.1f}",
+                    f"{per_step['fenced'][k] - per_step['stock'][k]:+.1f}",
+                ]
+                for k in per_step["stock"]
+            ],
+        )
+        results[label] = {"us_per_step": per_step, "same_schedule": same}
+    path = write_results("vllm-hooks", {"rounds": rounds, "variants": results})
+    print(f"\nwritten to {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")
@@ -1154,6 +1267,11 @@ def main() -> None:
         action="store_true",
         help="instead of timing: count the Python bytecodes each function executes (see above)",
     )
+    ap.add_argument(
+        "--hooks",
+        action="store_true",
+        help="time the plugin's hooks in vLLM, fenced against stock, a forked process per run (see above)",
+    )
     ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -1184,6 +1302,9 @@ def main() -> None:
         return
     if a.bytecodes:
         bytecodes(chosen, per_user, a.seed, config, records_kind(a))
+        return
+    if a.hooks:
+        hooks(chosen, per_user, a.seed, config, rounds)
         return
     if a.hit_rate:
         n_rounds = 6 if a.quick else 12
