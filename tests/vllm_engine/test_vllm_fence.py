@@ -169,7 +169,9 @@ def test_a_request_larger_than_the_maximum_is_cut_or_refused(tmp_path: Path) -> 
     h.check()
 
 
-def test_a_prompt_token_beyond_int32_is_refused_with_a_400(tmp_path: Path) -> None:
+def test_a_prompt_token_beyond_int32_is_refused_with_a_400(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # The compiled records store token ids as int32, vLLM's own type; vLLM's input processor refuses
     # ids outside the vocabulary, so only an engine that skips it (--skip-tokenizer-init) can pass one.
     # Refused, with an answer for the middleware: never an engine crash, never a truncated token.
@@ -181,7 +183,9 @@ def test_a_prompt_token_beyond_int32_is_refused_with_a_400(tmp_path: Path) -> No
         XARG_TENANT_TAG: tenant_tag(KEY, TRUST_CLASS, "alice", salt_of("alice")),
         XARG_REQUEST_REF: ref,
     }
-    bad = h.add("alice", [*PROMPT[:20], 2**31, *PROMPT[21:]], xargs=xargs)
+    with caplog.at_level("WARNING", logger="kvfence.vllm.scheduler"):
+        bad = h.add("alice", [*PROMPT[:20], 2**31, *PROMPT[21:]], xargs=xargs)
+    assert f"request {bad.request_id} refused: token 20 is outside int32" in caplog.text
     ok = h.add("alice", PROMPT)
     box = RefusalBox.from_env()
     assert (box.directory / ref).exists()

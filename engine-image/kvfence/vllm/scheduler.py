@@ -752,6 +752,7 @@ class FenceMixin:
             try:
                 self._packed_of[rid] = pack(request._all_token_ids)
             except OverflowError as e:
+                log.warning("kvfence: request %s refused: %s", rid, e)
                 self._refuse(request, REASON_TOKEN_RANGE, EngineRefusal(400, "invalid_request_error", str(e)))
                 super().add_request(request)  # type: ignore[misc]
                 return
