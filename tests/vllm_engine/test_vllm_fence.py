@@ -287,6 +287,33 @@ def test_an_unmoved_lookup_is_taken_without_a_stale_count(tmp_path: Path) -> Non
     h.check()
 
 
+def test_the_fence_keeps_its_state_on_vllms_own_blocks(tmp_path: Path) -> None:
+    # The pool builds vLLM's blocks with the fence's fields; the fence's blocks are those very
+    # objects, so what vLLM hands out, holds and frees is what the fence accounts.
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvfence.engine.blocks import BlockState
+    from kvfence.vllm.scheduler import FencedKVCacheBlock
+
+    h = Harness(tmp_path)
+    assert all(type(b) is FencedKVCacheBlock for b in h.pool.blocks)
+    assert all(isinstance(b, KVCacheBlock) for b in h.pool.blocks)
+    assert h.fence.pool.blocks is h.pool.blocks
+    assert h.pool.null_block is h.pool.blocks[0] and h.fence.state(0) is BlockState.ACTIVE
+    r = h.add("alice", [*PROMPT, 1], max_tokens=8)
+    h.step()
+    held = h.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+    assert held and all(b.state is BlockState.ACTIVE and b.owner == "alice" for b in held)
+    assert all(b.in_list is None for b in held)
+    h.run()
+    cached = [b for b in held if b.block_hash is not None]
+    assert cached and all(b.state is BlockState.COLD for b in cached)
+    assert all(b.in_list is h.fence.book.accounts["alice"].cold for b in cached)
+    # in vLLM's eviction order: a finished request's blocks are freed tail first
+    assert [b.block_id for b in h.fence.book.accounts["alice"].cold] == [b.block_id for b in reversed(cached)]
+    h.check()
+
+
 def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
     # vLLM's doubly linked free queue is replaced by a count; a vLLM path the fence does not cover
     # (one that would move blocks in that queue) fails, naming itself, instead of running unfenced.
@@ -583,7 +610,7 @@ def test_a_block_released_twice_is_refused_before_anything_moves(tmp_path: Path)
         for b in h.sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
     ]
     with pytest.raises(FenceError, match=f"block {cold[0]} released from state COLD"):
-        h.fence.release_blocks([*held, cold[0]], [])
+        h.fence.release_blocks([h.pool.blocks[b] for b in [*held, cold[0]]], [])
     assert all(h.fence.state(b) is BlockState.ACTIVE for b in held)
     h.check()
     h.run()

@@ -42,22 +42,29 @@ class FencedScheduling(RuleBasedStateMachine):
         self.requotaed = False
         self.carol_max = self.h.num_blocks  # unlimited: the pool
         fence = self.h.fence
-        take = fence.take
+        take_for = fence.take_for
+        #: allocations the guarantee check below saw (it must see the pool's: the test fails otherwise)
+        self.checked_takes = 0
 
-        def checked_take(tenant: str, n: int) -> Any:
+        def checked_take_for(acct: Any, n: int) -> Any:
+            # (what the pool allocates with: an allocation never takes another tenant below its guarantee)
+            tenant = acct.tenant
             before = {t: (a.usage, a.guaranteed) for t, a in fence.book.accounts.items() if t != tenant}
-            out = take(tenant, n)
+            out = take_for(acct, n)
+            self.checked_takes += 1
             for t, (usage, guaranteed) in before.items():
                 after = fence.book.accounts[t].usage if t in fence.book.accounts else 0
                 assert after >= min(usage, guaranteed), (tenant, t, usage, after, guaranteed)
             return out
 
-        fence.take = checked_take  # type: ignore[method-assign]
+        fence.take_for = checked_take_for  # type: ignore[method-assign]
 
     def teardown(self) -> None:
         try:
             self.h.run(max_steps=2000)
             self.h.check()
+            if any(self.h.outputs.get(rid) for rid in self.expected):  # one ran: blocks were allocated
+                assert self.checked_takes > 0
             for rid, (reason, n) in self.expected.items():
                 if rid in self.aborted:
                     continue

@@ -1,9 +1,12 @@
 """The tenant fence around vLLM's KV-block pool, in plain Python (no vLLM import).
 
 :mod:`kvfence.vllm.scheduler` plugs this into vLLM's own ``BlockPool`` and ``KVCacheManager``; this
-module holds the decisions, so they read (and are tested) apart from vLLM's classes. It keeps a
-*shadow* of vLLM's pool, one reference-engine :class:`~kvfence.engine.blocks.KVBlock` per vLLM block
-id, and applies the reference engine's own quota book and eviction planner to it:
+module holds the decisions, so they read (and are tested) apart from vLLM's classes. It keeps the
+fence's state of each block of vLLM's pool (a *shadow* of vLLM's: state, owner, generation, list
+links, the fields of the reference engine's :class:`~kvfence.engine.blocks.KVBlock`) on vLLM's own
+block objects, which carry those fields as well (:class:`kvfence.vllm.scheduler.FencedKVCacheBlock`;
+alone, in tests, on KVBlocks), and applies the reference engine's own quota book and eviction planner
+to them:
 
 * **states**: a vLLM block with ``ref_cnt > 0`` is ``ACTIVE`` here, charged to the tenant that
   allocated it; a free block with a prefix-cache hash is ``COLD``, in its owner's cold list (least
@@ -65,24 +68,33 @@ _owner_of = attrgetter("owner")
 _state_of = attrgetter("state")
 
 
+class FenceError(Exception):
+    """The fence was asked to do something its bookkeeping says is impossible (a bug, never input)."""
+
+
 class ShadowPool:
-    """One shadow block per vLLM block id, and the clean free blocks: a stack (the block freed last is
+    """One block object per vLLM block id, and the clean free blocks: a stack (the block freed last is
     handed out first; at the start block 1 first, as vLLM). Block 0, vLLM's null block, is never
-    free."""
+    free.
+
+    ``blocks``: the block objects, each with :class:`~kvfence.engine.blocks.KVBlock`'s fields (state,
+    owner, generation, the list links), ``blocks[i].block_id == i``. Inside vLLM they are vLLM's own
+    blocks (:class:`kvfence.vllm.scheduler.FencedKVCacheBlock`), so the fence's state of a block lives
+    in the object vLLM touches anyway; without them (the fence alone, in tests) plain KVBlocks."""
 
     __slots__ = ("blocks", "free")
 
-    def __init__(self, num_blocks: int) -> None:
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free: list[KVBlock] = self.blocks[:0:-1]
+    def __init__(self, num_blocks: int, blocks: list[KVBlock] | None = None) -> None:
+        if blocks is None:
+            blocks = [KVBlock(i) for i in range(num_blocks)]
+        elif len(blocks) != num_blocks or any(b.block_id != i for i, b in enumerate(blocks)):
+            raise FenceError(f"the fence needs {num_blocks} blocks, block i at index i")
+        self.blocks = blocks
+        self.free: list[KVBlock] = blocks[:0:-1]
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
-
-
-class FenceError(Exception):
-    """The fence was asked to do something its bookkeeping says is impossible (a bug, never input)."""
 
 
 def root_namespace(rec: Record) -> Namespace | None:
@@ -151,11 +163,13 @@ class TenantFence:
     """Shadow bookkeeping of one vLLM block pool. Called from vLLM's scheduler thread only, except
     :meth:`snapshot`, which the stats writer calls from its own thread."""
 
-    def __init__(self, num_blocks: int, block_size: int, quotas: QuotasConfig) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, quotas: QuotasConfig, blocks: list[KVBlock] | None = None
+    ) -> None:
         if num_blocks < 2:
             raise FenceError("a vLLM block pool has the null block and at least one more")
         self.block_size = block_size
-        self.pool = ShadowPool(num_blocks)
+        self.pool = ShadowPool(num_blocks, blocks)
         # vLLM's null block (id 0) is never handed out.
         self.pool.blocks[0].state = ACTIVE
         #: hand-outs and frees so far; a block handed out gets the new value as its generation
@@ -332,7 +346,7 @@ class TenantFence:
         del free[-k:]
         return out
 
-    def _hand_out(self, acct: TenantAccount, blocks: list[KVBlock]) -> list[int]:
+    def _hand_out(self, acct: TenantAccount, blocks: list[KVBlock]) -> list[KVBlock]:
         """Charge ``blocks`` (taken from the free and cold lists) to ``acct`` under a new generation."""
         self.moves += 1
         gen = self.moves
@@ -347,7 +361,7 @@ class TenantFence:
         else:  # no reservations to keep current (QuotaBook.add_usage's only other work)
             acct.usage += len(blocks)
         self.version += 1
-        return list(map(_block_id_of, blocks))
+        return blocks
 
     def clean_enough(self, tenant: str, n: int) -> bool:
         """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what
@@ -362,13 +376,15 @@ class TenantFence:
         """Hand ``n`` blocks to ``tenant`` (all or nothing, :class:`AllocationError` otherwise): clean
         free blocks, then its own cold ones, then others' beyond their guarantee. Cold blocks handed
         out lose their record (the caller takes them out of vLLM's prefix cache). Every block's
-        generation moves."""
+        generation moves. Returns the block ids."""
         acct = self.book.accounts.get(tenant)
-        return self.take_for(acct if acct is not None else self.book.account(tenant), n)
+        blocks = self.take_for(acct if acct is not None else self.book.account(tenant), n)
+        return list(map(_block_id_of, blocks))
 
-    def take_for(self, acct: TenantAccount, n: int) -> list[int]:
+    def take_for(self, acct: TenantAccount, n: int) -> list[KVBlock]:
         """:meth:`take` for the tenant of ``acct``, an open account (an admitted request's: the pool
-        allocates with the account it admitted the request under)."""
+        allocates with the account it admitted the request under), returning the block objects (inside
+        vLLM, vLLM's own blocks: what its pool hands out)."""
         free = self.pool.free
         if self.unlimited:
             # No quotas (what plan_allocation decides too, without its helpers): the clean blocks freed
@@ -403,13 +419,13 @@ class TenantFence:
                 b.state = ACTIVE
                 b.owner = tenant
             self.version += 1
-            return list(map(_block_id_of, out))
+            return out
         if self.clean_enough(acct.tenant, n):
             # The common case with quotas, what plan_allocation decides too: clean blocks only.
             return self._hand_out(acct, self._pop_free(n))
         return self._take_planned(acct, n)
 
-    def _take_planned(self, acct: TenantAccount, n: int) -> list[int]:
+    def _take_planned(self, acct: TenantAccount, n: int) -> list[KVBlock]:
         """:meth:`take` by the reference engine's planner: others' cold blocks beyond their guarantee,
         a tenant above a lowered maximum, or :class:`AllocationError`."""
         plan = plan_allocation(self.pool, self.book, acct, n)
@@ -435,24 +451,23 @@ class TenantFence:
         out.extend(self._pop_free(plan.from_free))
         return self._hand_out(acct, out)
 
-    def release_blocks(self, cold: Sequence[int], clean: Sequence[int]) -> None:
+    def release_blocks(self, cold: list[KVBlock], clean: list[KVBlock]) -> None:
         """vLLM dropped the last reference to these blocks: ``cold`` ones hold a cache entry and join
         their owner's cold list (in this order: the first is evicted first), ``clean`` ones join the
-        free stack. Usage is given back once per owner, not once per block."""
-        blocks = self.pool.blocks
+        free stack. Usage is given back once per owner, not once per block. Nothing changes if a cold
+        block is not ``ACTIVE`` and owned."""
         accounts = self.book.accounts
         if cold:
-            shadows = list(map(blocks.__getitem__, cold))
             # The checks in C (map, set): every block ACTIVE (so in no list) and owned.
-            owners = set(map(_owner_of, shadows))
-            if None in owners or set(map(_state_of, shadows)) != {ACTIVE}:
-                bad = next(b for b in shadows if b.state is not ACTIVE or b.owner is None)
+            owners = set(map(_owner_of, cold))
+            if None in owners or set(map(_state_of, cold)) != {ACTIVE}:
+                bad = next(b for b in cold if b.state is not ACTIVE or b.owner is None)
                 raise FenceError(f"block {bad.block_id} released from state {bad.state.name}")
             by_owner: dict[str, list[KVBlock]] = {}
             if len(owners) == 1:  # a request's blocks, its tenant's (the common case)
-                by_owner[shadows[0].owner] = shadows  # type: ignore[index]  # (owned: checked above)
+                by_owner[cold[0].owner] = cold  # type: ignore[index]  # (owned: checked above)
             else:
-                for b in shadows:
+                for b in cold:
                     by_owner.setdefault(b.owner, []).append(b)  # type: ignore[arg-type]
             for tenant, bs in by_owner.items():
                 accounts[tenant].cold.extend(bs, unlisted=True, state=COLD)
@@ -461,14 +476,13 @@ class TenantFence:
             records = self.records
             free = self.pool.free
             freed: dict[str, int] = {}
-            for block_id in clean:
-                b = blocks[block_id]
+            for b in clean:
                 owner = b.owner
                 if b.state is not ACTIVE or owner is None:
-                    raise FenceError(f"block {block_id} released from state {b.state.name}")
+                    raise FenceError(f"block {b.block_id} released from state {b.state.name}")
                 b.state = FREE
                 b.owner = None
-                records[block_id] = None
+                records[b.block_id] = None
                 free.append(b)
                 freed[owner] = freed.get(owner, 0) + 1
             for owner, k in freed.items():
@@ -489,7 +503,7 @@ class TenantFence:
                     self._recount(acct_)
         self.version += 1
 
-    def take_any(self, tenant: str, n: int) -> list[int]:
+    def take_any(self, tenant: str, n: int) -> list[KVBlock]:
         """Hand out ``n`` blocks ignoring quotas and guarantees: clean ones first, then any tenant's
         cold ones. Only for the case :meth:`take` refuses although vLLM already counted the blocks as
         obtainable (a bug): keeping vLLM's engine alive beats enforcing a quota by crashing it."""
@@ -504,14 +518,12 @@ class TenantFence:
             raise FenceError(f"{n} blocks asked, {len(picked)} free or cached")
         return self._hand_out(self.account(tenant), picked)
 
-    def revive(self, block_ids: Sequence[int]) -> None:
+    def revive(self, blocks: Sequence[KVBlock]) -> None:
         """Cold blocks were taken by a prefix hit: they leave their owners' cold lists, still charged."""
-        blocks = self.pool.blocks
-        for block_id in block_ids:
-            b = blocks[block_id]
+        for b in blocks:
             cold = b.in_list
             if b.state is not COLD or cold is None or b.owner is None:
-                raise FenceError(f"block {block_id} revived from state {b.state.name}")
+                raise FenceError(f"block {b.block_id} revived from state {b.state.name}")
             cold.remove(b)
             b.state = ACTIVE
             if self.has_guarantees:

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any, NoReturn
 
+import vllm.v1.core.block_pool as _pool_mod
 import vllm.v1.core.kv_cache_coordinator as _coord_mod
 import vllm.v1.core.sched.scheduler as _sched_mod
 from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
@@ -78,6 +79,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
     generate_block_hash_extra_keys,
     get_request_block_hasher,
     hash_block_tokens,
@@ -161,6 +163,27 @@ for _cls in (FenceFreeCount, TenantFreeCount):
         setattr(_cls, _name, _unfenced(_cls, _name))
 
 
+class FencedKVCacheBlock(KVCacheBlock):  # type: ignore[misc]
+    """vLLM's ``KVCacheBlock`` carrying the fence's state of the block as well: the fields of the
+    reference engine's :class:`~kvfence.engine.blocks.KVBlock` the fence uses (state, owner,
+    generation, the cold lists' links). :class:`FencedBlockPool` builds its blocks as these, and the
+    fence keeps them in its lists, so a block's two states live in one object that vLLM touches anyway
+    (no second object per block, no id lookups between the two on every allocation and release). vLLM's
+    own free-queue links (``prev_free_block``, ``next_free_block``) are left unused: the fence owns the
+    free blocks."""
+
+    __slots__ = ("generation", "in_list", "next", "owner", "prev", "state")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state = BlockState.FREE
+        self.owner: str | None = None
+        self.generation = 0
+        self.prev: Any = None
+        self.next: Any = None
+        self.in_list: Any = None
+
+
 #: vLLM's own method, called directly (cheaper than super() on a path taken for every block filled)
 _vllm_cache_full_blocks = BlockPool.cache_full_blocks
 
@@ -186,6 +209,12 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
 
     # get_num_free_blocks is vLLM's own: free_block_queue.num_free_blocks, the count or, with quotas,
     # what the current request's tenant can obtain.
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM's own constructor, building the pool's blocks as FencedKVCacheBlocks (the name it
+        # constructs them by, for the duration of the call).
+        with _constructing_as(_pool_mod, "KVCacheBlock", FencedKVCacheBlock):
+            super().__init__(*args, **kwargs)
 
     @property
     def unlimited(self) -> bool:
@@ -213,12 +242,13 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         admitted = fence.admitted.get(self.rid)
         acct = admitted[0] if admitted is not None else self._unadmitted_account(num_blocks)
         try:
-            ids = fence.take_for(acct, num_blocks)
+            # vLLM's own blocks (the fence's are this pool's: FencedKVCacheBlock)
+            ret: list[Any] = fence.take_for(acct, num_blocks)
         except AllocationError as e:
             # vLLM asked get_num_free_blocks() first, which answers what take() grants: never expected.
             log.error("kvfence: %s; %d blocks handed out without the quota check", e, num_blocks)
             try:
-                ids = fence.take_any(acct.tenant, num_blocks)
+                ret = fence.take_any(acct.tenant, num_blocks)
             except FenceError as e2:
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool: {e2}") from None
         queue.num_free_blocks -= num_blocks
@@ -228,7 +258,6 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 if released.block_hash is not None:
                     self._maybe_evict_cached_block(released)
             fence.released_ids.clear()
-        ret: list[Any] = list(map(self.blocks.__getitem__, ids))
         if self._reuse_watchers:
             self._notify_reuse(ret)
         collector = self.metrics_collector
@@ -262,7 +291,7 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
         collector = self.metrics_collector
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                revived.append(block.block_id)
+                revived.append(block)
             block.ref_cnt += 1
             if collector:
                 collector.on_block_accessed(block)
@@ -273,8 +302,8 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         # vLLM's own loop, with the fence's lists in place of vLLM's queue: cached blocks turn cold
         # (evicted in this order), the others clean.
-        cold: list[int] = []
-        clean: list[int] = []
+        cold: list[Any] = []
+        clean: list[Any] = []
         caching = self.enable_caching
         other_pools: dict[Any, list[Any]] = {}
         for block in ordered_blocks:
@@ -285,9 +314,9 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
                 if caching and block.block_hash is not None:
-                    cold.append(block.block_id)
+                    cold.append(block)
                 else:
-                    clean.append(block.block_id)
+                    clean.append(block)
         if cold or clean:
             self.free_count.num_free_blocks += len(cold) + len(clean)
             self.fence.release_blocks(cold, clean)
@@ -675,7 +704,7 @@ class FenceMixin:
         pool = mgr.block_pool
         if not isinstance(mgr, FencedKVCacheManager) or not isinstance(pool, FencedBlockPool):
             raise FenceError("vLLM did not build the fenced KV-cache manager and block pool")
-        self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas)
+        self.fence = TenantFence(pool.num_gpu_blocks, self.block_size, quotas, pool.blocks)
         # The fence owns the free blocks from here on; vLLM's queue (all but the null block) becomes a count.
         pool.free_count = pool.free_block_queue = FenceFreeCount(pool.free_block_queue.num_free_blocks)
         tenant_of: dict[str, str] = {}
