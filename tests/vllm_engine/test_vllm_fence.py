@@ -436,7 +436,6 @@ def test_a_fence_refusal_vllm_did_not_expect_never_crashes_the_engine(
     def refuse(acct: Any, n: int) -> Any:
         raise PoolExhausted(acct.tenant, n, 0)
 
-    monkeypatch.setattr(h.fence, "clean_enough", lambda tenant, n: False)  # off the fast path
     monkeypatch.setattr(h.fence, "take_for", refuse)
     r = h.add("alice", [*PROMPT, 1])
     h.run()

@@ -363,15 +363,6 @@ class TenantFence:
         self.version += 1
         return blocks
 
-    def clean_enough(self, tenant: str, n: int) -> bool:
-        """Whether ``n`` blocks for ``tenant`` come from clean free blocks alone (what
-        :func:`plan_allocation` would decide too)."""
-        acct = self.account(tenant)
-        if acct.usage + n > acct.max_blocks:
-            return False
-        reserved = self.book.reserved_for_others(acct) if self.has_guarantees else 0
-        return len(self.pool.free) - reserved >= n
-
     def take(self, tenant: str, n: int) -> list[int]:
         """Hand ``n`` blocks to ``tenant`` (all or nothing, :class:`AllocationError` otherwise): clean
         free blocks, then its own cold ones, then others' beyond their guarantee. Cold blocks handed
@@ -420,10 +411,43 @@ class TenantFence:
                 b.owner = tenant
             self.version += 1
             return out
-        if self.clean_enough(acct.tenant, n):
-            # The common case with quotas, what plan_allocation decides too: clean blocks only.
-            return self._hand_out(acct, self._pop_free(n))
-        return self._take_planned(acct, n)
+        # With quotas. The common case, within the tenant's maximum, what plan_allocation decides too
+        # (tests/vllm_engine/test_vllm_fence_plan.py): the clean blocks others' reservations leave, then
+        # the tenant's own least recently used cold ones; anything else (others' cold blocks, a tenant
+        # above a lowered maximum, too few blocks) goes to the planner.
+        if acct.usage + n > acct.max_blocks:
+            return self._take_planned(acct, n)
+        k = len(free) - self.book.reserved_for_others(acct) if self.has_guarantees else len(free)
+        k = max(0, min(n, k))
+        own = n - k
+        cold = acct.cold
+        if own > len(cold):
+            return self._take_planned(acct, n)
+        out = self._pop_free(k)
+        if own:
+            # Its own cold blocks lose their record and stay charged to it (planned, they would be
+            # uncharged and charged again): its usage grows by the clean blocks only.
+            taken = cold.popleft_n(own)
+            records = self.records
+            for b in taken:
+                records[b.block_id] = None
+            self.counters.evictions_own += own
+            taken.extend(out)
+            out = taken
+        self.moves = gen = self.moves + 1
+        tenant = acct.tenant
+        for b in out:
+            b.generation = gen
+            b.state = ACTIVE
+            b.owner = tenant
+        if self.has_guarantees:
+            if k:
+                self.book.add_usage(acct, k)
+            self._recount(acct)
+        else:  # no reservations to keep current (QuotaBook.add_usage's only other work)
+            acct.usage += k
+        self.version += 1
+        return out
 
     def _take_planned(self, acct: TenantAccount, n: int) -> list[KVBlock]:
         """:meth:`take` by the reference engine's planner: others' cold blocks beyond their guarantee,
