@@ -10,6 +10,7 @@ end in the same books: usage, cold lists, free stack, records, counters, reserva
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvfence.contract.engine_config import QuotasConfig
 from kvfence.engine.quotas import AllocationError
-from kvfence.vllm.fence import TenantFence
+from kvfence.vllm.fence import FenceError, TenantFence
 
 TENANTS = ["a", "b", "c"]
 NUM_BLOCKS = 24
@@ -77,7 +78,6 @@ def test_the_fast_path_hands_out_what_the_planner_would(initial: dict[str, Any],
     for t in TENANTS:  # one open request per tenant: the account the pool allocates with
         fence.admit(t, t, 0)
     held: dict[str, list[Any]] = {t: [] for t in TENANTS}
-    compared = 0
     for _ in range(data.draw(st.integers(1, 40))):
         op = data.draw(st.sampled_from(["take", "take", "take", "release", "requota"]))
         tenant = data.draw(st.sampled_from(TENANTS))
@@ -86,7 +86,6 @@ def test_the_fast_path_hands_out_what_the_planner_would(initial: dict[str, Any],
             planned = copy.deepcopy(fence)
             fast = outcome(fence, fence.take_for, tenant, n)
             assert fast == outcome(planned, planned._take_planned, tenant, n), (tenant, n)
-            compared += 1
             if isinstance(fast[0], list):
                 held[tenant].extend(fence.pool.blocks[i] for i in fast[0])
                 fence.released_ids.clear()  # (what the pool does with them: out of vLLM's cache)
@@ -99,8 +98,6 @@ def test_the_fast_path_hands_out_what_the_planner_would(initial: dict[str, Any],
                 fence.records[b.block_id] = object()  # a cache entry (the fast path must drop it)
             fence.release_blocks(cold, [b for b, c in zip(out, cached, strict=True) if not c])
         elif op == "requota":
-            try:
+            # (guarantees adding up beyond the pool are refused before anything changes)
+            with contextlib.suppress(FenceError):
                 fence.set_quotas(as_config(data.draw(quotas)))
-            except Exception as e:  # guarantees beyond the pool: refused, nothing changed
-                assert "guaranteedKVBlocks" in str(e)
-    assert compared or all(not h for h in held.values())
