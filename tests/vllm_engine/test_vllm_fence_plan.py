@@ -82,7 +82,7 @@ def test_the_fast_path_hands_out_what_the_planner_would(initial: dict[str, Any],
         op = data.draw(st.sampled_from(["take", "take", "take", "release", "requota"]))
         tenant = data.draw(st.sampled_from(TENANTS))
         if op == "take":
-            n = data.draw(st.integers(1, 6))
+            n = data.draw(st.integers(0, 6))  # (vLLM asks for 0 blocks too)
             planned = copy.deepcopy(fence)
             fast = outcome(fence, fence.take_for, tenant, n)
             assert fast == outcome(planned, planned._take_planned, tenant, n), (tenant, n)

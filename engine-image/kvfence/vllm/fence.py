@@ -376,64 +376,40 @@ class TenantFence:
         """:meth:`take` for the tenant of ``acct``, an open account (an admitted request's: the pool
         allocates with the account it admitted the request under), returning the block objects (inside
         vLLM, vLLM's own blocks: what its pool hands out)."""
+        # What plan_allocation decides too, in the common cases, without its helpers (_pop_free,
+        # _uncharge and _hand_out inlined: every allocation comes here; equal decisions:
+        # tests/vllm_engine/test_vllm_fence_plan.py): the clean blocks freed last, as many as others'
+        # reservations leave, then the tenant's own least recently used cold ones. Anything else
+        # (others' cold blocks, a tenant above a lowered maximum, too few blocks) goes to the planner.
         free = self.pool.free
-        if self.unlimited:
-            # No quotas (what plan_allocation decides too, without its helpers): the clean blocks freed
-            # last, then the tenant's own least recently used cold ones. _pop_free, _uncharge and
-            # _hand_out inlined (every allocation of an engine without quotas comes here).
+        if self.unlimited:  # no maximum, no reservation: every clean block may go
             k = len(free)
-            if k >= n:  # clean blocks only
-                out = free[k - n :]
-                del free[k - n :]
-                acct.usage += n
-            else:
-                cold = acct.cold
-                own = n - k
-                if own > len(cold):
-                    return self._take_planned(acct, n)
-                # The tenant's own cold blocks: they lose their record and stay charged to it, so its
-                # usage grows by the clean blocks only (without guarantees there is no reservation to
-                # keep current).
-                out = cold.popleft_n(own)
-                records = self.records
-                for b in out:
-                    records[b.block_id] = None
-                acct.usage += k
-                self.counters.evictions_own += own
-                if k:
-                    out.extend(free)
-                    free.clear()
-            self.moves = gen = self.moves + 1
-            tenant = acct.tenant
-            for b in out:
-                b.generation = gen
-                b.state = ACTIVE
-                b.owner = tenant
-            self.version += 1
-            return out
-        # With quotas. The common case, within the tenant's maximum, what plan_allocation decides too
-        # (tests/vllm_engine/test_vllm_fence_plan.py): the clean blocks others' reservations leave, then
-        # the tenant's own least recently used cold ones; anything else (others' cold blocks, a tenant
-        # above a lowered maximum, too few blocks) goes to the planner.
-        if acct.usage + n > acct.max_blocks:
+        elif acct.usage + n > acct.max_blocks:
             return self._take_planned(acct, n)
-        k = len(free) - self.book.reserved_for_others(acct) if self.has_guarantees else len(free)
-        k = max(0, min(n, k))
-        own = n - k
-        cold = acct.cold
-        if own > len(cold):
-            return self._take_planned(acct, n)
-        out = self._pop_free(k)
-        if own:
-            # Its own cold blocks lose their record and stay charged to it (planned, they would be
-            # uncharged and charged again): its usage grows by the clean blocks only.
-            taken = cold.popleft_n(own)
+        elif self.has_guarantees:
+            k = max(0, len(free) - self.book.reserved_for_others(acct))
+        else:
+            k = len(free)
+        if k >= n:  # clean blocks only
+            cut = len(free) - n  # (not free[-n:]: vLLM asks for 0 blocks too)
+            out = free[cut:]
+            del free[cut:]
+            k = n
+        else:
+            cold = acct.cold
+            own = n - k
+            if own > len(cold):
+                return self._take_planned(acct, n)
+            # The tenant's own cold blocks: they lose their record and stay charged to it (planned,
+            # they would be uncharged and charged again), so its usage grows by the clean blocks only.
+            out = cold.popleft_n(own)
             records = self.records
-            for b in taken:
+            for b in out:
                 records[b.block_id] = None
             self.counters.evictions_own += own
-            taken.extend(out)
-            out = taken
+            if k:
+                out += free[-k:]
+                del free[-k:]
         self.moves = gen = self.moves + 1
         tenant = acct.tenant
         for b in out:
