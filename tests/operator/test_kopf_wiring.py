@@ -9,12 +9,15 @@ from typing import Any
 import kopf
 import pytest
 
-from kvfence.operator import handlers
+from kvfence.operator import handlers, kopf_settings
+from kvfence.operator.builders import ANNOTATION_ROTATE
+from kvfence.operator.keys import ROUTING, ClassKey
+from kvfence.operator.workqueue import Controller
 
 
 def test_the_operator_registers_only_event_handlers() -> None:
     registry = kopf.get_default_registry()
-    handlers.ensure_only_event_handlers(registry)
+    kopf_settings.ensure_only_event_handlers(registry)
     ids = {h.id for h in registry._watching.get_all_handlers()}
     assert {"trustclass_event", "tenantbinding_event", "child-deployments", "signing-key-secrets"} <= ids
 
@@ -27,7 +30,7 @@ def test_a_handler_that_needs_a_diff_base_is_refused_at_start() -> None:
         pass
 
     with pytest.raises(RuntimeError, match=r"on-create.*diff base"):
-        handlers.ensure_only_event_handlers(registry)
+        kopf_settings.ensure_only_event_handlers(registry)
 
 
 def test_an_index_handler_is_refused_at_start() -> None:
@@ -39,14 +42,14 @@ def test_an_index_handler_is_refused_at_start() -> None:
         return name
 
     with pytest.raises(RuntimeError, match=r"by-name.*per-object records"):
-        handlers.ensure_only_event_handlers(registry)
+        kopf_settings.ensure_only_event_handlers(registry)
 
 
 def test_kopf_keeps_no_record_of_the_objects_it_has_seen() -> None:
     """Each event gets a fresh record (kopf's ``ephemeral``), with a copy of the operator's memo."""
 
     async def run() -> None:
-        memories = handlers.EventOnlyMemories()
+        memories = kopf_settings.EventOnlyMemories()
         memo = kopf.Memo(controller="the-controller")
         body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "a", "uid": "u-1"}}
         first = await memories.recall(body, memobase=memo, noticed_by_listing=True)
@@ -61,7 +64,7 @@ def test_kopf_keeps_no_record_of_the_objects_it_has_seen() -> None:
 
 
 def test_no_diff_base_is_copied_or_stored() -> None:
-    storage = handlers.NoDiffBase()
+    storage = kopf_settings.NoDiffBase()
     body = kopf.Body({"metadata": {"name": "a", "annotations": {"x": "1"}}, "spec": {"replicas": 2}})
     assert storage.build(body=body) == {}
     assert storage.fetch(body=body) is None
@@ -90,7 +93,7 @@ class _NoDelay:
         fn(*args)
 
 
-async def _binding_event(c: handlers.Controller, type: str | None, generation: int) -> None:
+async def _binding_event(c: Controller, type: str | None, generation: int) -> None:
     spec = {"tenantId": "t", "trustClassName": "c", "apiKeySecretRef": {"name": "t-keys"}}
     await handlers.tenantbinding_event(
         namespace="ns",
@@ -106,7 +109,7 @@ async def _binding_event(c: handlers.Controller, type: str | None, generation: i
 def test_a_bindings_api_keys_are_read_again_when_its_spec_changes_not_on_its_first_event() -> None:
     async def run() -> list[str]:
         r = _Reconciler()
-        c = handlers.Controller(r)  # type: ignore[arg-type]
+        c = Controller(r)  # type: ignore[arg-type]
         c._loop, c._queue = asyncio.get_running_loop(), asyncio.Queue()
         await _binding_event(c, None, 1)  # first sight: the decision that listed it read its keys
         await _binding_event(c, "MODIFIED", 1)  # its status written: same spec
@@ -124,12 +127,12 @@ def test_a_bindings_own_status_write_coming_back_queues_no_routing_decision() ->
     all. A new binding, a spec change and a deletion do."""
 
     async def run() -> list[bool]:
-        c = handlers.Controller(_Reconciler())  # type: ignore[arg-type]
+        c = Controller(_Reconciler())  # type: ignore[arg-type]
         c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
         queued = []
         for type_, generation in ((None, 1), ("MODIFIED", 1), (None, 1), ("MODIFIED", 2), ("DELETED", 2)):
             await _binding_event(c, type_, generation)
-            queued.append(handlers.ROUTING in c._queued)
+            queued.append(ROUTING in c._queued)
             c._queued.clear()
         return queued
 
@@ -143,7 +146,7 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
     (the reconcile tells the router of a new key itself)."""
 
     async def run() -> list[tuple[bool, bool]]:
-        c = handlers.Controller(_Reconciler())  # type: ignore[arg-type]
+        c = Controller(_Reconciler())  # type: ignore[arg-type]
         c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
         c.watched_body = lambda *_: None  # type: ignore[method-assign]
         out = []
@@ -156,7 +159,7 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
                 {
                     "generation": 1,
                     "finalizers": ["kvfence.dev/cleanup"],
-                    "annotations": {handlers.ANNOTATION_ROTATE: "1"},
+                    "annotations": {ANNOTATION_ROTATE: "1"},
                 },
             ),
             (
@@ -164,7 +167,7 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
                 {
                     "generation": 2,
                     "finalizers": ["kvfence.dev/cleanup"],
-                    "annotations": {handlers.ANNOTATION_ROTATE: "1"},
+                    "annotations": {ANNOTATION_ROTATE: "1"},
                 },
             ),
             ("MODIFIED", {"generation": 3, "deletionTimestamp": "t", "finalizers": ["kvfence.dev/cleanup"]}),
@@ -174,7 +177,7 @@ def test_a_trust_class_event_queues_a_routing_decision_only_for_what_a_decision_
             await handlers.trustclass_event(
                 name="gold", type=type_, meta=meta, body={}, memo=kopf.Memo(controller=c)
             )
-            out.append((handlers.ClassKey("gold") in c._queued, handlers.ROUTING in c._queued))
+            out.append((ClassKey("gold") in c._queued, ROUTING in c._queued))
             c._queued.clear()
         return out
 
@@ -193,20 +196,18 @@ def test_a_namespace_event_queues_a_routing_decision_only_where_bindings_live() 
     """A namespace's labels decide which classes admit its bindings: a label change where bindings live
     queues a decision; the namespaces the operator creates for new classes (no bindings) do not."""
 
-    async def namespace(
-        c: handlers.Controller, name: str, labels: dict[str, str], type_: str = "MODIFIED"
-    ) -> bool:
+    async def namespace(c: Controller, name: str, labels: dict[str, str], type_: str = "MODIFIED") -> bool:
         await handlers.namespace_event(
             name=name, type=type_, labels=labels, meta={"resourceVersion": "1"}, memo=kopf.Memo(controller=c)
         )
-        queued = handlers.ROUTING in c._queued
+        queued = ROUTING in c._queued
         c._queued.clear()
         return queued
 
     async def run() -> list[bool]:
         r = _Reconciler()
         r.child_event = lambda *_: False  # type: ignore[attr-defined]
-        c = handlers.Controller(r)  # type: ignore[arg-type]
+        c = Controller(r)  # type: ignore[arg-type]
         c._loop, c._queue = _NoDelay(), asyncio.Queue()  # type: ignore[assignment]
         out = [await namespace(c, "ns", {"team": "a"})]  # no binding known there yet
         await _binding_event(c, None, 1)  # ns/b

@@ -22,8 +22,9 @@ from kvfence.api.common import API_VERSION
 from kvfence.contract.routing import ROUTING_SECRET_KEY, decode_table_bytes, hash_api_key
 from kvfence.operator import builders, reconciler
 from kvfence.operator.apply import KubeError
+from kvfence.operator.events import Event
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey
-from kvfence.operator.reconciler import Event, Reconciler, Requeue, child_digest
+from kvfence.operator.reconciler import Reconciler, Requeue, child_digest
 
 Obj = dict[str, Any]
 

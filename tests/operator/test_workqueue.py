@@ -7,9 +7,9 @@ import threading
 import time
 from typing import Any
 
-from kvfence.operator.handlers import Controller
 from kvfence.operator.keys import ROUTING, ClassKey, Key
 from kvfence.operator.reconciler import Requeue
+from kvfence.operator.workqueue import Controller
 
 
 class FakeReconciler:

@@ -1,11 +1,7 @@
-"""``kvfence-operator``: run the kopf operator with leader election, health and metrics endpoints and
-JSON logs.
+"""``kvfence-operator``: run the kopf operator with leader election, health and metrics endpoints
+(:mod:`kvfence.operator.health`) and JSON logs.
 
     kvfence-operator [--kubeconfig PATH] [--router-namespace kvfence-system] [--health-port 8080]
-
-``/healthz`` (alive: the event loop ticks), ``/readyz`` (leading and the first routing decision is
-made) and ``/metrics`` (Prometheus) are served on ``--health-port``, also while a replica waits for
-the lease.
 """
 
 from __future__ import annotations
@@ -15,38 +11,41 @@ import asyncio
 import dataclasses
 import datetime as dt
 import faulthandler
-import http.server
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
-import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import kopf
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfence.api.common import API_VERSION
 from kvfence.kube import connection
-from kvfence.operator import handlers as _handlers  # registers the kopf handlers
-from kvfence.operator import metrics
+from kvfence.operator import (
+    handlers,  # noqa: F401 - registers the kopf handlers
+    kopf_settings,
+    metrics,
+)
 from kvfence.operator.apply import RESOURCES, Kube
 from kvfence.operator.builders import (
     DEFAULT_KEY_PROPAGATION_SECONDS,
-    FIELD_MANAGER,
     TENANT_SECRETS_ROLE,
     OperatorOptions,
     parse_labels,
 )
+from kvfence.operator.events import EventRecorder
+from kvfence.operator.health import Health, serve_health
 from kvfence.operator.leader import LeaderElector
-from kvfence.operator.reconciler import Event, Reconciler
+from kvfence.operator.reconciler import Reconciler
 from kvfence.operator.watchcache import WatchCache
+from kvfence.operator.workqueue import Controller
 
 log = logging.getLogger("kvfence.operator")
-HEARTBEAT_STALE_SECONDS = 60.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -84,82 +83,7 @@ def setup_logging(fmt: str, verbose: bool) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
-class EventRecorder:
-    """Posts core/v1 Events about the custom resources (best effort: a failure is only logged)."""
-
-    def __init__(self, kube: Kube, instance: str) -> None:
-        self.kube, self.instance = kube, instance
-
-    def __call__(self, ev: Event) -> None:
-        meta = ev.obj.get("metadata", {})
-        ns = meta.get("namespace") or "default"
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{meta.get('name', 'kvfence')}.", "namespace": ns},
-            "involvedObject": {
-                "apiVersion": ev.obj.get("apiVersion"),
-                "kind": ev.obj.get("kind"),
-                "name": meta.get("name"),
-                "namespace": meta.get("namespace"),
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "reason": ev.reason,
-            "message": ev.message[:1024],
-            "type": ev.type,
-            "source": {"component": FIELD_MANAGER},
-            "reportingComponent": f"kvfence.dev/{FIELD_MANAGER}",
-            "reportingInstance": self.instance,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            self.kube.create(body)
-        except Exception as e:
-            log.warning("could not post event %s: %s", ev.reason, e)
-
-
-class Health:
-    def __init__(self) -> None:
-        self.heartbeat = time.monotonic()
-        self.leading = threading.Event()
-        self.ready = threading.Event()
-
-    def alive(self) -> bool:
-        return not self.leading.is_set() or time.monotonic() - self.heartbeat < HEARTBEAT_STALE_SECONDS
-
-
-def serve_health(port: int, host: str, health: Health) -> http.server.ThreadingHTTPServer:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.startswith("/metrics"):
-                body, ctype, code = generate_latest(metrics.REGISTRY), CONTENT_TYPE_LATEST, 200
-            elif self.path.startswith("/healthz"):
-                ok = health.alive()
-                body, ctype, code = (b"ok\n" if ok else b"stale\n"), "text/plain", 200 if ok else 503
-            elif self.path.startswith("/readyz"):
-                ok = health.ready.is_set()
-                body, ctype, code = (b"ok\n" if ok else b"not leading\n"), "text/plain", 200 if ok else 503
-            else:
-                body, ctype, code = b"not found\n", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            return
-
-    server = http.server.ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
-    return server
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def argument_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvfence-operator", description="The kvfence operator.")
     p.add_argument(
         "--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig (default: in-cluster)"
@@ -205,6 +129,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the ClusterRole a namespace binds to let the operator read its Secrets (named in the "
         "conditions that ask for that grant)",
     )
+    _runtime_arguments(p)
+    return p
+
+
+def _runtime_arguments(p: argparse.ArgumentParser) -> None:
+    """Health endpoint, leader election, work queue and logging."""
     p.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz, /metrics (0: off)")
     p.add_argument("--health-host", default="0.0.0.0")  # noqa: S104 - a pod listens on its own IP
     p.add_argument(
@@ -222,6 +152,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resync-seconds", type=float, default=300.0)
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--verbose", action="store_true")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argument_parser()
     args = p.parse_args(argv)
     try:
         args.router_labels = parse_labels(args.router_pod_label)
@@ -272,23 +206,7 @@ def wait_until_served(kube: Kube, stop: threading.Event, interval: float = 1.0) 
     return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps every thread's stack
-    setup_logging(args.log_format, args.verbose)
-    health = Health()
-    if args.health_port:
-        serve_health(args.health_port, args.health_host, health)
-
-    try:
-        conn = connection.load(args.kubeconfig)
-    except connection.ConfigError as e:
-        raise SystemExit(f"kvfence-operator: {e}") from None
-    _handlers.LOGIN["connection"] = conn
-    kube = Kube(
-        conn, on_request=metrics.count_request, cache=WatchCache(), on_cache_read=metrics.count_cache_read
-    )
-    lease_kube = Kube(conn, on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc())
+def operator_options(args: argparse.Namespace) -> OperatorOptions:
     opts = OperatorOptions(
         router_namespace=args.router_namespace,
         cluster_domain=args.cluster_domain,
@@ -305,31 +223,35 @@ def main(argv: list[str] | None = None) -> int:
             opts.metrics_scraper_namespace_labels,
             opts.metrics_scraper_pod_labels or "(any)",
         )
-    elector: LeaderElector | None = None
-    if args.leader_elect:
-        elector = LeaderElector(
-            lease_kube,
-            args.lease_namespace,
-            args.lease_name,
-            args.identity,
-            lease_seconds=args.lease_seconds,
-            renew_seconds=max(1.0, args.lease_seconds / 3),
-        )
-    current: dict[str, Reconciler] = {}
+    return opts
 
-    async def heartbeat() -> None:
-        while True:
-            health.heartbeat = time.monotonic()
-            r = current.get("reconciler")
-            if r is not None and r.state.routing_ready.is_set():
-                health.ready.set()
-            await asyncio.sleep(2)
 
+def leader_elector(args: argparse.Namespace, conn: connection.Connection) -> LeaderElector | None:
+    if not args.leader_elect:
+        return None
+    lease_kube = Kube(conn, on_request=lambda v, _: metrics.LEASE_REQUESTS.labels(v).inc())
+    return LeaderElector(
+        lease_kube,
+        args.lease_namespace,
+        args.lease_name,
+        args.identity,
+        lease_seconds=args.lease_seconds,
+        renew_seconds=max(1.0, args.lease_seconds / 3),
+    )
+
+
+def beat_while_kopf_runs(health: Health, current: dict[str, Reconciler]) -> None:
+    """kopf ticks ``health``'s heartbeat from its event loop while it runs; ready once the reconciler
+    of the term (``current``) has made its first routing decision."""
     beats: list[asyncio.Task[None]] = []
+
+    def routing_ready() -> bool:
+        r = current.get("reconciler")
+        return r is not None and r.state.routing_ready.is_set()
 
     @kopf.on.startup()
     async def _start_heartbeat(**_: Any) -> None:
-        beats.append(asyncio.get_running_loop().create_task(heartbeat()))
+        beats.append(asyncio.get_running_loop().create_task(health.beat(routing_ready)))
 
     @kopf.on.cleanup()
     async def _stop_heartbeat(**_: Any) -> None:
@@ -337,11 +259,50 @@ def main(argv: list[str] | None = None) -> int:
             t.cancel()
         beats.clear()
 
+
+def lead(
+    args: argparse.Namespace,
+    conn: connection.Connection,
+    kube: Kube,
+    opts: OperatorOptions,
+    health: Health,
+    current: dict[str, Reconciler],
+    stop: threading.Event,
+) -> None:
+    """One term of leadership: a fresh reconciler and work queue, run by kopf until ``stop`` is set."""
+    health.leading.set()
+    metrics.LEADER.set(1)
+    reconciler = Reconciler(kube, opts, emit=EventRecorder(kube, args.identity))
+    current["reconciler"] = reconciler
+    controller = Controller(
+        reconciler,
+        workers=args.workers,
+        resync_seconds=args.resync_seconds,
+        on_stop=stop.set,
+        secrets_conn=conn,
+    )
+    try:
+        if wait_until_served(kube, stop):
+            kopf.run(
+                clusterwide=True,
+                standalone=True,
+                stop_flag=stop,
+                memo=kopf.Memo(controller=controller),
+                memories=kopf_settings.EventOnlyMemories(),
+            )
+    finally:
+        stop.set()
+        metrics.LEADER.set(0)
+        health.ready.clear()
+        health.leading.clear()
+        current.pop("reconciler", None)
+
+
+def run_terms(elector: LeaderElector | None, lead_term: Callable[[threading.Event], None]) -> None:
+    """One term of leadership per iteration. Losing the lease (another replica took it, or the API
+    server could not be reached to renew it in time) stops reconciling at once and goes back to
+    waiting for the lease; only SIGTERM (or SIGINT) ends the loop."""
     terminated = threading.Event()
-    log.info("kvfence-operator %s starting (router namespace %s)", opts.version, opts.router_namespace)
-    # One term of leadership per iteration. Losing the lease (another replica took it, or the API
-    # server could not be reached to renew it in time) stops reconciling at once and goes back to
-    # waiting for the lease; only SIGTERM ends the process.
     while not terminated.is_set():
         # Stops kopf, the lease renewal and a wait for the lease. kopf waits for a threading.Event
         # in an executor thread, so it is also set when kopf stops on its own: see Controller.stop.
@@ -363,37 +324,36 @@ def main(argv: list[str] | None = None) -> int:
                 stop.set()
 
             elector.keep_renewing(stop, _lost)
-        health.leading.set()
-        metrics.LEADER.set(1)
-        reconciler = Reconciler(kube, opts, emit=EventRecorder(kube, args.identity))
-        current["reconciler"] = reconciler
-        controller = _handlers.Controller(
-            reconciler,
-            workers=args.workers,
-            resync_seconds=args.resync_seconds,
-            on_stop=stop.set,
-            secrets_conn=conn,
-        )
         try:
-            if wait_until_served(kube, stop):
-                kopf.run(
-                    clusterwide=True,
-                    standalone=True,
-                    stop_flag=stop,
-                    memo=kopf.Memo(controller=controller),
-                    memories=_handlers.EventOnlyMemories(),
-                )
+            lead_term(stop)
         finally:
-            stop.set()
-            metrics.LEADER.set(0)
-            health.ready.clear()
-            health.leading.clear()
-            current.pop("reconciler", None)
             if elector is not None and not lost.is_set():
                 elector.release()
         if not lost.is_set():
             break  # kopf stopped on SIGTERM/SIGINT (or on its own): the process ends
         log.warning("stopped reconciling after losing the lease; waiting to lead again")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` dumps every thread's stack
+    setup_logging(args.log_format, args.verbose)
+    health = Health()
+    if args.health_port:
+        serve_health(args.health_port, args.health_host, health)
+    try:
+        conn = connection.load(args.kubeconfig)
+    except connection.ConfigError as e:
+        raise SystemExit(f"kvfence-operator: {e}") from None
+    kopf_settings.LOGIN["connection"] = conn
+    kube = Kube(
+        conn, on_request=metrics.count_request, cache=WatchCache(), on_cache_read=metrics.count_cache_read
+    )
+    opts = operator_options(args)
+    current: dict[str, Reconciler] = {}
+    beat_while_kopf_runs(health, current)
+    log.info("kvfence-operator %s starting (router namespace %s)", opts.version, opts.router_namespace)
+    run_terms(leader_elector(args, conn), functools.partial(lead, args, conn, kube, opts, health, current))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Level-based reconciliation: read what is, build what should be, apply only the difference.
 
 Nothing here depends on kopf: :class:`Reconciler` is driven by typed keys (:mod:`kvfence.operator.keys`)
-from the work queue in :mod:`kvfence.operator.handlers`, and is safe to call again
+from the work queue in :mod:`kvfence.operator.workqueue`, and is safe to call again
 at any time, for any reason (a watch event, a resync, a retry, a restart). A reconcile that finds the
 cluster as it should be sends no write request at all.
 """
@@ -37,6 +37,7 @@ from kvfence.operator.bindings import (
     decide,
     routing_secret,
 )
+from kvfence.operator.events import Event
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey, ClassSecretKey, Key, RoutingKey
 from kvfence.operator.status import (
     ACCEPTED_GENERATION,
@@ -184,14 +185,6 @@ def child_digest(body: Obj) -> str:
     elif kind not in STATUS_NOT_READ:
         rest["status"] = body.get("status")
     return spec_hash({**rest, "metadata": meta})
-
-
-@dataclass
-class Event:
-    obj: Obj
-    reason: str
-    message: str
-    type: str = "Normal"
 
 
 @dataclass
