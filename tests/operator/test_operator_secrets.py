@@ -29,7 +29,7 @@ from cluster.manifests import (
 
 from kvfence import contract
 from kvfence.operator import rbac
-from kvfence.operator.reconciler import API_KEYS_LIST_MIN
+from kvfence.operator.apikeys import API_KEYS_LIST_MIN
 
 pytestmark = pytest.mark.cluster
 

@@ -20,11 +20,13 @@ from support.argocd import argocd_health
 from kvfence.api import conditions
 from kvfence.api.common import API_VERSION
 from kvfence.contract.routing import ROUTING_SECRET_KEY, decode_table_bytes, hash_api_key
-from kvfence.operator import builders, reconciler
+from kvfence.operator import apikeys, builders, routing_reconcile
 from kvfence.operator.apply import KubeError
+from kvfence.operator.bookkeeping import child_digest
 from kvfence.operator.events import Event
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassKey
-from kvfence.operator.reconciler import Reconciler, Requeue, child_digest
+from kvfence.operator.reconcile_base import Requeue
+from kvfence.operator.reconciler import Reconciler
 
 Obj = dict[str, Any]
 
@@ -628,7 +630,7 @@ def test_a_decision_waits_for_the_renders_it_queued_only_so_long(
     assert rec.reconcile(ClassKey("gold")) == {ROUTING}
     rec.notify = lambda: None
     rec.renders_meanwhile = True
-    monkeypatch.setattr(reconciler, "RENDER_PRECEDENCE_SECONDS", 0.2)
+    monkeypatch.setattr(routing_reconcile, "RENDER_PRECEDENCE_SECONDS", 0.2)
     at_write = _status_writes_seeing_the_engine(kube)
     rec.reconcile(ROUTING)
     assert at_write == [False]
@@ -764,7 +766,7 @@ def test_a_namespace_full_of_new_bindings_has_its_api_keys_read_by_one_list(worl
     binding names is not kept. A namespace that refuses the LIST has its keys read one by one."""
     kube, rec, _ = world
     kube.put(trust_class(namespaceSelector={}))
-    n = reconciler.API_KEYS_LIST_MIN + 4
+    n = apikeys.API_KEYS_LIST_MIN + 4
     for i in range(n):
         tenant(kube, f"t{i}")
     kube.objs.pop(("v1", "Secret", "team-a", "t3-keys"))

@@ -7,8 +7,9 @@ from typing import Any
 
 from kvfence.api.common import API_VERSION
 from kvfence.operator.apply import _resource_of, is_subset, path_for
+from kvfence.operator.bookkeeping import needs_apply, with_spec_hash
 from kvfence.operator.leader import _parse
-from kvfence.operator.reconciler import list_binding, needs_apply, with_spec_hash
+from kvfence.operator.routing_reconcile import list_binding
 from kvfence.operator.status import set_condition, status_differs
 
 

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from kvfence.operator.keys import ROUTING, ClassKey, Key
-from kvfence.operator.reconciler import Requeue
+from kvfence.operator.reconcile_base import Requeue
 from kvfence.operator.workqueue import Controller
 
 

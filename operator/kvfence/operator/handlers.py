@@ -15,6 +15,7 @@ import kopf
 from kvfence.api.common import GROUP, VERSION
 from kvfence.operator import metrics
 from kvfence.operator.bindings import accepted_key
+from kvfence.operator.bookkeeping import child_digest
 from kvfence.operator.builders import (
     ANNOTATION_ROTATE,
     LABEL_MANAGED_BY,
@@ -24,7 +25,6 @@ from kvfence.operator.builders import (
 from kvfence.operator.builders import FIELD_MANAGER as MANAGER
 from kvfence.operator.keys import ROUTING, ClassKey, ClassSecretKey
 from kvfence.operator.kopf_settings import controller as _controller
-from kvfence.operator.reconciler import child_digest
 from kvfence.operator.secretwatch import DELETED, signing_secret_class
 from kvfence.operator.workqueue import COALESCE_SECONDS, Controller
 

@@ -1,6 +1,6 @@
 """The operator's work-queue keys: what one reconcile is about.
 
-The work queue (:class:`kvfence.operator.handlers.Controller`) de-duplicates and serialises by key;
+The work queue (:class:`kvfence.operator.workqueue.Controller`) de-duplicates and serialises by key;
 :meth:`kvfence.operator.reconciler.Reconciler.reconcile` dispatches on the key's type. ``kind`` labels
 the operator's reconcile metrics.
 """

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvfence.api import conditions
 from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id
@@ -305,3 +307,14 @@ def trust_class_status(
             flipped = ready_c
     status["conditions"] = conds
     return ClassStatus(status, rolled, flipped)
+
+
+def accepted_trust_class(body: Obj) -> TrustClass | None:
+    """The TrustClass as last accepted (``status.acceptedSpec``), or None (none, or it fails too)."""
+    spec = (body.get("status") or {}).get(ACCEPTED_SPEC)
+    if not isinstance(spec, dict):
+        return None
+    try:
+        return TrustClass.model_validate({**body, "spec": spec})
+    except ValidationError:
+        return None

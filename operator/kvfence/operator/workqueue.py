@@ -23,7 +23,8 @@ from typing import Any
 from kvfence.kube.connection import Connection
 from kvfence.operator import metrics
 from kvfence.operator.keys import ROUTING, BindingSecretKey, ClassSecretKey, Key
-from kvfence.operator.reconciler import Reconciler, Requeue
+from kvfence.operator.reconcile_base import Requeue
+from kvfence.operator.reconciler import Reconciler
 from kvfence.operator.secretwatch import (
     DELETED,
     ApiKeyIndex,
