@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,7 @@ class Signer:
 class Reply:
     status: int
     text: str
+    headers: dict[str, str] = field(default_factory=dict)
 
     def json(self) -> Any:
         return json.loads(self.text)
@@ -144,7 +145,7 @@ class Client:
             h.update(self.signer.headers(tenant, method, path, data))
         h.setdefault("Content-Type", "application/json")
         async with session.request(method, self.base + path, data=data or None, headers=h) as r:
-            return Reply(r.status, await r.text())
+            return Reply(r.status, await r.text(), {k.lower(): v for k, v in r.headers.items()})
 
     def run(self, coro_fn: Callable[[aiohttp.ClientSession], Any]) -> Any:
         async def main() -> Any:

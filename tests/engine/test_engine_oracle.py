@@ -181,11 +181,30 @@ def test_requests_that_cannot_fit_fail_cleanly() -> None:
     e = Engine(make_config(numBlocks=8, quotas={"tenants": {"small": {"maxBlocks": 2}}}))
     p = TOKENIZER.encode("x" * 40)  # 41 tokens + 8 = 4 blocks
     out, end = e.generate("small", p, 8)
-    assert out == [] and isinstance(end, Failed) and end.status == 429 and end.code == "quota_exceeded"
+    # beyond the maximum however long it waits: a 400 that clients do not retry, naming the limit
+    assert out == [] and isinstance(end, Failed) and (end.status, end.code) == (400, "max_kv_blocks_exceeded")
+    assert "4 KV blocks" in end.message and "maximum of 2 (maxKVBlocks)" in end.message
+    assert end.retry_after is None
     out, end = e.generate("big", TOKENIZER.encode("y" * 150), 8)  # 10 blocks > the pool
     assert isinstance(end, Failed) and end.status == 503 and end.code == "kv_cache_exhausted"
     acc = check_consistency(e.allocator)
     assert acc.active == acc.fenced == 0 and acc.free == 8
+
+
+def test_a_request_its_tenants_other_requests_keep_out_is_a_429_with_retry_after() -> None:
+    e = Engine(make_config(numBlocks=16, quotas={"tenants": {"small": {"maxBlocks": 3}}}))
+    ends: dict[str, list[Event]] = {"first": [], "second": []}
+    for rid in ends:  # 21 tokens + 8 = 2 blocks each: each fits alone, both do not
+        ctx = e.context(e.expected_namespace("small"), "")
+        e.submit(Request(rid, "small", ctx, TOKENIZER.encode(rid + "y" * 14), 8, ends[rid].append))
+    e.run_until_idle()
+    assert isinstance(ends["first"][-1], Finished)
+    refused = ends["second"][-1]
+    assert isinstance(refused, Failed) and (refused.status, refused.code) == (429, "quota_exceeded")
+    assert refused.retry_after == 1
+    _, end = e.generate("small", TOKENIZER.encode("second" + "y" * 14), 8)  # the retry fits
+    assert isinstance(end, Finished)
+    check_consistency(e.allocator)
 
 
 @pytest.mark.parametrize("length", [15, 16, 17, 18, 31, 32, 33, 49])

@@ -207,7 +207,7 @@ def test_a_tenant_request_that_fails_keeps_pinned_blocks_intact() -> None:
     engine = Engine(shared_config(quotas={"tenants": {"acme": {"maxBlocks": 1}}}))
     pinned = engine.allocator.num_pinned
     _, end = engine.generate("acme", prompt(SYSTEM + "x" * 100), 8)
-    assert isinstance(end, Failed) and end.status == 429
+    assert isinstance(end, Failed) and (end.status, end.code) == (400, "max_kv_blocks_exceeded")
     assert engine.allocator.num_pinned == pinned
     check_consistency(engine.allocator)
 

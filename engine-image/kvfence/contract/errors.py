@@ -15,6 +15,12 @@ TYPE_BY_STATUS = {
     429: "rate_limit_error",
 }
 
+#: The error ``code`` of a request that needs more KV blocks than its tenant's hard maximum
+#: (``maxKVBlocks``) however long it waits (its prompt, or on the reference engine its prompt and
+#: ``max_tokens``): HTTP 400, which OpenAI clients do not retry. What waiting cures is a 429 with
+#: ``Retry-After``.
+CODE_MAX_KV_BLOCKS_EXCEEDED = "max_kv_blocks_exceeded"
+
 
 def error_type(status: int) -> str:
     return TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")

@@ -36,6 +36,7 @@ from kvfence.engine.prefix_cache import CacheContext, PrefixCache
 from kvfence.engine.quotas import (
     SHARED_OWNER,
     AllocationError,
+    BeyondMaximum,
     PoolExhausted,
     QuotaBook,
     QuotaExceeded,
@@ -45,6 +46,7 @@ from kvfence.engine.shared_prefixes import Pinned
 
 __all__ = [
     "AllocationError",
+    "BeyondMaximum",
     "FencedAllocator",
     "InconsistentPool",
     "PoolExhausted",
@@ -275,8 +277,11 @@ class FencedAllocator:
             plan = plan_allocation(
                 self.pool, self.book, acct, needed, revived_own=revived_own, revived_by_owner=revived_by_owner
             )
-        except QuotaExceeded:
+        except QuotaExceeded as e:
             self.metrics.quota_rejected.labels(acct.tenant).inc()
+            own = self.blocks_for(num_tokens) - num_shared  # all it holds but the declared shared prefix
+            if own > acct.max_blocks:
+                raise BeyondMaximum(acct.tenant, own, acct.max_blocks, self.block_size) from e
             raise
         # --- commit: nothing below may fail ---
         for b in hits:

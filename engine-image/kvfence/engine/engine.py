@@ -26,8 +26,10 @@ import numpy as np
 
 from kvfence.contract import cache_namespace
 from kvfence.contract.engine_config import EngineConfig, SharedPrefixConfig
+from kvfence.contract.errors import CODE_MAX_KV_BLOCKS_EXCEEDED
 from kvfence.engine.allocator import (
     AllocationError,
+    BeyondMaximum,
     FencedAllocator,
     PoolExhausted,
     QuotaExceeded,
@@ -71,6 +73,8 @@ class Failed:
     status: int
     code: str
     message: str
+    #: seconds after which a retry may succeed (the ``Retry-After`` of a 429); None: no header
+    retry_after: int | None = None
 
 
 Event = Admitted | Token | Finished | Failed
@@ -414,8 +418,11 @@ class Engine:
                     prompt=req.prompt,
                     shared=self.shared.match(req.adapter, req.prompt) if self.shared.pinned else None,
                 )
-            except QuotaExceeded as e:
-                self._drop_waiting(req, Failed(429, "quota_exceeded", str(e)))
+            except BeyondMaximum as e:  # no wait makes it fit: a 4xx that clients do not retry
+                self._drop_waiting(req, Failed(400, CODE_MAX_KV_BLOCKS_EXCEEDED, str(e)))
+                continue
+            except QuotaExceeded as e:  # the tenant's other requests hold its blocks: fits once they end
+                self._drop_waiting(req, Failed(429, "quota_exceeded", str(e), retry_after=1))
                 continue
             except PoolExhausted as e:
                 blocked.add(req.tenant)

@@ -8,15 +8,22 @@ from typing import Any
 
 from aiohttp import web
 
-from kvfence.contract.errors import error_body
-from kvfence.engine.engine import Finished
+from kvfence.contract.errors import error_body, error_type
+from kvfence.engine.engine import Failed, Finished
 
 
 class ApiError(Exception):
     """An OpenAI-shaped error response."""
 
     def __init__(
-        self, status: int, message: str, *, type_: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -24,10 +31,25 @@ class ApiError(Exception):
         self.type = type_
         self.code = code
         self.param = param
+        self.retry_after = retry_after
 
     def response(self) -> web.Response:
         body = error_body(self.message, self.code, self.type, self.param)
-        return web.Response(body=body, status=self.status, content_type="application/json")
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return web.Response(body=body, status=self.status, content_type="application/json", headers=headers)
+
+
+def failed_error(ev: Failed, param: str | None = None) -> ApiError:
+    """The answer to a request the engine failed before its first token; ``param`` (the prompt's
+    field) is named by a 400, the request's own fault."""
+    return ApiError(
+        ev.status,
+        ev.message,
+        type_=error_type(ev.status),
+        code=ev.code,
+        param=param if ev.status == 400 else None,
+        retry_after=ev.retry_after,
+    )
 
 
 def int_field(data: dict[str, Any], name: str, default: int) -> int:

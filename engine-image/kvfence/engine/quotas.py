@@ -6,7 +6,8 @@ prefix-cache hit (scope TrustClass) stay charged to the tenant that computed the
 
 * **Hard maximum** (``maxBlocks``): a tenant's usage never exceeds it. When a tenant at its maximum
   needs blocks, its own cold cached blocks are evicted to make room; if its *active* blocks alone
-  would exceed the maximum, the request is refused (:class:`QuotaExceeded`).
+  would exceed the maximum, the request is refused (:class:`QuotaExceeded`; :class:`BeyondMaximum`
+  when the request alone needs more than the maximum).
 * **Guaranteed share** (``guaranteedBlocks``): ``max(0, guaranteed - usage)`` blocks of the clean free
   list are reserved for the tenant (other tenants cannot allocate them), and other tenants may evict
   the tenant's cold blocks only while its usage is above its guarantee.
@@ -45,6 +46,22 @@ class QuotaExceeded(AllocationError):
         self.tenant = tenant
         self.needed = needed
         self.active = active
+        self.maximum = maximum
+
+
+class BeyondMaximum(QuotaExceeded):
+    """The request alone needs more blocks than the tenant's hard maximum: no wait can make it fit."""
+
+    def __init__(self, tenant: str, needed: int, maximum: int, block_size: int) -> None:
+        AllocationError.__init__(
+            self,
+            f"KV-block quota exceeded for tenant {tenant!r}: the prompt and max_tokens need {needed} KV "
+            f"blocks of {block_size} tokens, more than the tenant's maximum of {maximum} (maxKVBlocks); "
+            "the request can never be served within it",
+        )
+        self.tenant = tenant
+        self.needed = needed
+        self.active = 0
         self.maximum = maximum
 
 

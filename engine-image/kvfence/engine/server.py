@@ -158,7 +158,7 @@ class EngineServer:
         try:
             first = await events.get()
             if isinstance(first, Failed):
-                raise ApiError(first.status, first.message, type_=error_type(first.status), code=first.code)
+                raise openai.failed_error(first, param)
             assert isinstance(first, Admitted)
             if stream:
                 return await self._stream(request, events, rid, model, chat, endpoint, include_usage)
