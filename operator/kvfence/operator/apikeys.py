@@ -13,6 +13,7 @@ from kvfence.contract.routing import hash_api_key
 from kvfence.operator.apply import KubeError
 from kvfence.operator.bindings import (
     KeyLookup,
+    accepted_key,
     api_keys_from_secret,
 )
 from kvfence.operator.reconcile_base import Obj, ReconcilerBase
@@ -126,3 +127,25 @@ class ApiKeyCache(ReconcilerBase):
             version = str(((secret or {}).get("metadata") or {}).get("resourceVersion", ""))
             self.state.keys[cache_key] = (ident, lookup, version)
         return lookup
+
+    def api_key_lookups(self, bindings: list[TenantBinding]) -> dict[str, KeyLookup]:
+        """The API keys of every binding (by its key) and, where its last accepted spec names another
+        Secret, of that one too (by :func:`bindings.accepted_key`); what is cached for a binding gone
+        or a Secret no longer named is dropped."""
+        self._list_api_keys(bindings)
+        lookups = dict(
+            zip(
+                [b.key for b in bindings],
+                self._fanout.map(lambda b: self._api_keys(b, b.spec, b.key), bindings),
+                strict=True,
+            )
+        )
+        for b in bindings:
+            accepted = b.accepted_spec()
+            if accepted is not None and accepted.api_key_secret_ref != b.spec.api_key_secret_ref:
+                lookups[accepted_key(b.key)] = self._api_keys(b, accepted, accepted_key(b.key))
+        live_keys = set(lookups)
+        for k in list(self.state.keys):
+            if k not in live_keys:
+                del self.state.keys[k]
+        return lookups

@@ -39,6 +39,10 @@ FINALIZER_MANAGER = "kvfence-operator-finalizer"
 TOKEN_RETRY_SECONDS = 3.0
 
 
+class Refused(Exception):
+    """The class is refused: its status and a Warning Event say why, and nothing more is applied."""
+
+
 class ClassReconcile(ChildBookkeeping):
     def reconcile_class(self, name: str) -> set[Key]:
         # Only a reconcile that started after the decision marked the class renders for it (one in
@@ -70,10 +74,46 @@ class ClassReconcile(ChildBookkeeping):
         if FINALIZER not in (meta.get("finalizers") or []):
             self._set_finalizer(body, present=True)
         try:
-            tc = TrustClass.model_validate(body)
+            return self._apply_class(body)
+        except Refused:
+            return set()
+
+    def _apply_class(self, body: Obj) -> set[Key]:
+        """Apply what the TrustClass ``body`` asks for, in order: its namespace, its signing key, the
+        wait for its first routing decision, a requested rotation, its children; then its status and
+        the keys the router signs with. :class:`Refused` when the class is refused (its status says why)."""
+        tc = self._validated(body)
+        name = tc.name
+        self.state.class_namespace[name] = tc.target_namespace
+        owner = builders.owner_reference(body)
+        changed: list[str] = []
+        fresh = self._apply_namespace(body, tc, owner, changed)
+        routed_keys = self.state.signing.get(name)
+        rotation = (body["metadata"].get("annotations") or {}).get(builders.ANNOTATION_ROTATE)
+        live_secret, live_keys = self._first_signing_key(tc, owner, fresh, rotation, changed)
+        waiting = self._wait_for_routing(name, changed)
+        if waiting and not fresh:
+            # The engine config holds the class's tenants' quotas: rendered once a routing decision
+            # has routed the class (that decision queues this class again). A running engine keeps
+            # the config it has until then (after an operator restart, say).
+            return {ROUTING}
+        keys = self._plan_signing_keys(body, live_keys, rotation)
+        objs = self._desired_children(body, tc, keys, waiting, owner)
+        lives = self._read_children(body, tc, objs, live_secret, fresh)
+        deployment_live = self._apply_children(body, tc, objs, lives, changed)
+        changed[:0] = self.state.applied_early.pop(name, [])
+        if changed:
+            self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
+        return self._publish_signing_keys(body, tc, keys, routed_keys, deployment_live)
+
+    def _validated(self, body: Obj) -> TrustClass:
+        """The TrustClass ``body`` validated; else :class:`Refused`, with nothing applied: the class
+        stays routed with its last accepted spec, if it has one (see :func:`accepted_trust_class`),
+        as its engines keep running as last rendered."""
+        meta = body["metadata"]
+        try:
+            return TrustClass.model_validate(body)
         except ValidationError as e:
-            # Nothing is applied; the class stays routed with its last accepted spec, if it has one
-            # (see :func:`accepted_trust_class`), as its engines keep running as last rendered.
             last = accepted_trust_class(body)
             msg = str(e)
             if last is not None:
@@ -88,12 +128,14 @@ class ClassReconcile(ChildBookkeeping):
             ):
                 self._emit(Event(body, conditions.REASON_INVALID_SPEC, msg[:1024], "Warning"))
             self._class_status(body, None, degraded=(conditions.REASON_INVALID_SPEC, msg))
-            return set()
-        ns_name = tc.target_namespace
-        self.state.class_namespace[name] = ns_name
-        owner = builders.owner_reference(body)
+            raise Refused from None
+
+    def _apply_namespace(self, body: Obj, tc: TrustClass, owner: Obj, changed: list[str]) -> bool:
+        """Apply the class's namespace; return whether it is new (it then holds none of the children:
+        nothing to read). :class:`Refused` when it exists and belongs to someone else; :class:`Requeue`
+        while it is terminating."""
+        name, ns_name = tc.name, tc.target_namespace
         desired_ns = builders.namespace(tc, self.opts, owner)
-        changed: list[str] = []
         # Ours and as desired when last seen, and its watch reported no other version since: it is
         # still ours, not terminating, nothing to read.
         known_ns = self._unchanged(desired_ns)
@@ -105,50 +147,56 @@ class ClassReconcile(ChildBookkeeping):
             msg = f"namespace {ns_name!r} exists and does not belong to TrustClass {name!r}"
             self._class_status(body, tc, degraded=(conditions.REASON_NAMESPACE_CONFLICT, msg))
             self._emit(Event(body, conditions.REASON_NAMESPACE_CONFLICT, msg, "Warning"))
-            return set()
+            raise Refused
         if live_ns is not None and live_ns["metadata"].get("deletionTimestamp"):
             raise Requeue(f"namespace {ns_name} is still terminating", delay=5)
         if not known_ns:
             self._ensure(desired_ns, live_ns, changed)
-        # A namespace that did not exist a moment ago holds none of the children: nothing to read.
-        fresh = live_ns is None and not known_ns
+        return live_ns is None and not known_ns
 
-        # The signing key: kept, created once, rotated on request; a second rotation waits until the
-        # first has reached every engine (the key it would retire may still be the one signing).
+    def _first_signing_key(
+        self, tc: TrustClass, owner: Obj, fresh: bool, rotation: str | None, changed: list[str]
+    ) -> tuple[Obj | None, builders.SigningKeys]:
+        """The class's signing-key Secret as it is, and its keys; a class without one gets its key
+        here, before its engine is rendered, so that the routing decision the engine config waits for
+        can already route the class and bind its tenants. That key is news to the decision."""
+        ns_name = tc.target_namespace
         live_secret = None if fresh else self.kube.get("v1", "Secret", builders.SIGNING_SECRET_NAME, ns_name)
         live_keys = builders.read_signing_secret(live_secret)
-        rotation = (meta.get("annotations") or {}).get(builders.ANNOTATION_ROTATE)
-        # The keys the router held before this reconcile: a key made below (a new class's, or one put
-        # back after its Secret was deleted) is news to the routing decision unless the class waits
-        # for one anyway.
-        routed_keys = self.state.signing.get(name)
         if live_keys is None:
-            # A new class's key first, before the engine is rendered: the routing decision that the
-            # engine config waits for (below) can then already route the class and bind its tenants.
             live_keys = builders.plan_signing_keys(None, rotation, self._new_key(), now_rfc3339())
             live_secret = self._ensure(
                 builders.signing_secret(tc, live_keys, self.opts, owner), live_secret, changed
             )
-            self.state.signing[name] = builders.router_signing_keys(live_keys, propagated=True)
+            self.state.signing[tc.name] = builders.router_signing_keys(live_keys, propagated=True)
+        return live_secret, live_keys
+
+    def _wait_for_routing(self, name: str, changed: list[str]) -> bool:
+        """Whether the class waits for a routing decision that routes it (its engine config holds its
+        tenants' quotas); what was applied so far is then told in the one "Applied" Event of the
+        reconcile that renders the engine.
+
+        A new class (its namespace made just now) renders its engine at once all the same, its config
+        marked ``tenantsPending``: its pods start (image, model) while the routing decision computes
+        the tenants' quotas, and are not ready until the config the decision's wake-up rewrites, with
+        those quotas and without the mark, reaches them. The router routes none of its tenants before
+        that decision either (it writes the routing table)."""
         with self._routed_lock:
             waiting = name not in self.state.routed
             if waiting:
                 self.state.awaiting_routing.add(name)
         if waiting:
-            # Told in the one "Applied" Event of the reconcile that renders the engine.
             self.state.applied_early.setdefault(name, []).extend(changed)
             changed.clear()
-            if not fresh:
-                # The engine config holds the class's tenants' quotas: rendered once a routing
-                # decision has routed the class (that decision queues this class again). A running
-                # engine keeps the config it has until then (after an operator restart, say).
-                return {ROUTING}
-        # A new class (its namespace made just now) renders its engine at once, its config marked
-        # ``tenantsPending``: its pods start (image, model) while the routing decision computes the
-        # tenants' quotas, and are not ready until the config the decision's wake-up rewrites, with
-        # those quotas and without the mark, reaches them. The router routes none of its tenants
-        # before that decision either (it writes the routing table).
-        if live_keys is not None and rotation and rotation != live_keys.rotated_for:
+        return waiting
+
+    def _plan_signing_keys(
+        self, body: Obj, live_keys: builders.SigningKeys, rotation: str | None
+    ) -> builders.SigningKeys:
+        """The keys to apply: kept, or rotated on request. A second rotation waits until the first has
+        reached every engine (the key it would retire may still be the one signing)."""
+        name = body["metadata"]["name"]
+        if rotation and rotation != live_keys.rotated_for:
             wait = builders.key_propagation_left(
                 live_keys, self._clock(), self.opts.signing_key_propagation_seconds
             )
@@ -156,11 +204,11 @@ class ClassReconcile(ChildBookkeeping):
                 log.info("class %s: rotation %r waits %.0fs for the previous one", name, rotation, wait)
                 self.later(ClassKey(name), wait + 0.5)
                 rotation = live_keys.rotated_for
-        needs_key = live_keys is None or bool(rotation and rotation != live_keys.rotated_for)
+        needs_key = bool(rotation and rotation != live_keys.rotated_for)
         keys = builders.plan_signing_keys(
             live_keys, rotation, self._new_key() if needs_key else b"", now_rfc3339()
         )
-        if live_keys is not None and keys.current != live_keys.current:
+        if keys.current != live_keys.current:
             self._emit(
                 Event(
                     body,
@@ -169,33 +217,48 @@ class ClassReconcile(ChildBookkeeping):
                     f"once every engine holds it ({self.opts.signing_key_propagation_seconds:.0f}s)",
                 )
             )
+        return keys
+
+    def _desired_children(
+        self, body: Obj, tc: TrustClass, keys: builders.SigningKeys, waiting: bool, owner: Obj
+    ) -> list[Obj]:
+        """The children the class asks for. :class:`Refused` (or :class:`Requeue` for what may appear:
+        a shared-prefix ConfigMap, the model token Secret) with nothing applied: the engines keep
+        serving with the last config they were given, and never with a refused flag."""
+        ns_name = tc.target_namespace
         try:
             shared_texts = self._shared_prefix_texts(tc, ns_name)
         except LookupError as e:
-            # Nothing is applied: the engines keep serving with the last config they were given.
             self._class_status(body, tc, degraded=(conditions.REASON_SHARED_PREFIX_UNRESOLVED, str(e)))
             self._emit(Event(body, conditions.REASON_SHARED_PREFIX_UNRESOLVED, str(e), "Warning"))
             raise Requeue(str(e), delay=10) from None
         if self._model_token_unavailable(body, tc, ns_name):
             raise Requeue("the model token Secret is not available", delay=TOKEN_RETRY_SECONDS)
         try:
-            objs = builders.children(
+            return builders.children(
                 tc,
                 signing=keys,
-                tenant_quotas=None if waiting else self.state.tenant_quotas.get(name),
+                tenant_quotas=None if waiting else self.state.tenant_quotas.get(tc.name),
                 tenants_pending=waiting,
                 opts=self.opts,
                 owner=owner,
                 shared_texts=shared_texts,
             )
         except builders.RefusedExtraArgs as e:
-            # Nothing is applied: the engine keeps running as last rendered, and never with the flag.
             self._class_status(body, tc, degraded=(conditions.REASON_FORBIDDEN_EXTRA_ARGS, str(e)))
             self._emit(Event(body, conditions.REASON_FORBIDDEN_EXTRA_ARGS, str(e), "Warning"))
-            return set()
+            raise Refused from None
         except ValueError as e:
             self._class_status(body, tc, degraded=(conditions.REASON_INVALID_ENGINE_CONFIG, str(e)))
-            return set()
+            raise Refused from None
+
+    def _read_children(
+        self, body: Obj, tc: TrustClass, objs: list[Obj], live_secret: Obj | None, fresh: bool
+    ) -> dict[int, Obj | None]:
+        """The live object of each child to apply, by its index in ``objs``; a child left out is as
+        desired when last seen, and its watch reported no other version since (nothing to apply).
+        The model cache claim is planned against the live one (``objs`` updated); :class:`Refused`
+        when it cannot be, and the engine keeps the claim it mounts, as last rendered."""
         lives: dict[int, Obj | None] = {}
         for i, obj in enumerate(objs):
             if obj["kind"] == "Secret":
@@ -203,19 +266,28 @@ class ClassReconcile(ChildBookkeeping):
             elif fresh:
                 lives[i] = None
             elif obj["kind"] not in ("Deployment", "PersistentVolumeClaim") and self._unchanged(obj):
-                continue  # as desired when last seen, and its watch reported no other version since
+                continue
             else:
-                lives[i] = self.kube.get(obj["apiVersion"], obj["kind"], obj["metadata"]["name"], ns_name)
+                lives[i] = self.kube.get(
+                    obj["apiVersion"], obj["kind"], obj["metadata"]["name"], tc.target_namespace
+                )
             if obj["kind"] == "PersistentVolumeClaim":
                 objs[i], refusal = modelcache.plan_claim(obj, lives[i])
                 if refusal is not None:
-                    # Nothing is applied: the engine keeps the claim it mounts, as last rendered.
                     self._refuse(body, tc, conditions.REASON_MODEL_CACHE_CLAIM_REFUSED, refusal)
-                    return set()
+                    raise Refused
+        return lives
+
+    def _apply_children(
+        self, body: Obj, tc: TrustClass, objs: list[Obj], lives: dict[int, Obj | None], changed: list[str]
+    ) -> Obj | None:
+        """Apply the children read in ``lives``; return the engine Deployment as applied (None: not
+        applied). A claim the API server refuses (say, an expansion the StorageClass does not allow)
+        is :class:`Refused`: the engine is left as it was, with the claim as it is."""
         deployment_live: Obj | None = None
         for i, obj in enumerate(objs):
             if i not in lives:
-                continue  # unchanged (above): nothing to apply
+                continue
             live = lives[i]
             if obj["kind"] == "Deployment" and tc.spec.replicas_managed_externally:
                 self._hand_over_replicas(live)
@@ -224,35 +296,43 @@ class ClassReconcile(ChildBookkeeping):
             except KubeError as e:
                 if obj["kind"] != "PersistentVolumeClaim" or e.status not in (403, 422):
                     raise
-                # The API server's word (say, an expansion the StorageClass does not allow): the engine
-                # is left as it was, with the claim as it is.
-                msg = f"engine.modelCache.volumeClaim: claim {ns_name}/{obj['metadata']['name']}: {e}"
+                claim = f"{tc.target_namespace}/{obj['metadata']['name']}"
+                msg = f"engine.modelCache.volumeClaim: claim {claim}: {e}"
                 self._refuse(body, tc, conditions.REASON_MODEL_CACHE_CLAIM_REFUSED, msg[:2048])
-                return set()
+                raise Refused from None
             if obj["kind"] == "Deployment":
                 deployment_live = applied
-        changed[:0] = self.state.applied_early.pop(name, [])
-        if changed:
-            self._emit(Event(body, "Applied", "applied " + ", ".join(changed)))
-        # After a rotation the router keeps signing with the previous key until every engine holds the
-        # new one: the kubelet refreshes the mounted Secret in place (no new pod) and the engines reload
-        # it, within the propagation delay counted from the rotation time on the Secret (it survives an
-        # operator restart). Then the new key goes first. Engines verify both keys throughout.
+        return deployment_live
+
+    def _publish_signing_keys(
+        self,
+        body: Obj,
+        tc: TrustClass,
+        keys: builders.SigningKeys,
+        routed_keys: tuple[bytes, ...] | None,
+        deployment_live: Obj | None,
+    ) -> set[Key]:
+        """Write the class's status and hand the router its keys (a routing decision follows when they
+        changed from ``routed_keys``, those it held before this reconcile).
+
+        After a rotation the router keeps signing with the previous key until every engine holds the
+        new one: the kubelet refreshes the mounted Secret in place (no new pod) and the engines reload
+        it, within the propagation delay counted from the rotation time on the Secret (it survives an
+        operator restart). Then the new key goes first. Engines verify both keys throughout."""
+        name = tc.name
         wait = builders.key_propagation_left(keys, self._clock(), self.opts.signing_key_propagation_seconds)
         if wait > 0:
             self.later(ClassKey(name), wait + 0.5)
         router_keys = builders.router_signing_keys(keys, propagated=wait == 0)
         self._class_status(body, tc, deployment=deployment_live, key=router_keys[0])
-        follow: set[Key] = set()
-        old = routed_keys
-        if old != router_keys:
-            if old is not None and old[0] != router_keys[0]:
-                self._emit(
-                    Event(body, "SigningKeyActive", f"the router signs with key id {key_id(router_keys[0])}")
-                )
-            self.state.signing[name] = router_keys
-            follow.add(ROUTING)
-        return follow
+        if routed_keys == router_keys:
+            return set()
+        if routed_keys is not None and routed_keys[0] != router_keys[0]:
+            self._emit(
+                Event(body, "SigningKeyActive", f"the router signs with key id {key_id(router_keys[0])}")
+            )
+        self.state.signing[name] = router_keys
+        return {ROUTING}
 
     def _refuse(self, body: Obj, tc: TrustClass, reason: str, msg: str) -> None:
         """Degraded and Stalled for ``reason``; a Warning Event when that is news (not at every retry)."""

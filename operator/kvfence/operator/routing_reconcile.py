@@ -22,7 +22,7 @@ from kvfence.operator.apikeys import ApiKeyCache
 from kvfence.operator.bindings import (
     ClassState,
     Decision,
-    accepted_key,
+    Outcome,
     decide,
     routing_secret,
 )
@@ -33,11 +33,11 @@ from kvfence.operator.reconcile_base import Obj
 from kvfence.operator.status import (
     ACCEPTED_GENERATION,
     ACCEPTED_SPEC,
+    BindingStatus,
     accepted_trust_class,
-    kstatus_conditions,
-    set_condition,
     status_differs,
     status_patch,
+    tenant_binding_status,
 )
 
 log = logging.getLogger("kvfence.operator")
@@ -120,6 +120,35 @@ class RoutingReconcile(ApiKeyCache):
             n["metadata"]["name"]: dict(n["metadata"].get("labels") or {})
             for n in self.kube.list("v1", "Namespace")
         }
+        classes = self._class_states(tc_bodies)
+        bindings = [lb.model for lb in listed]
+        raw = {lb.model.key: lb for lb in listed}
+        del listed
+        out = decide(classes, bindings, namespaces, self.api_key_lookups(bindings), self.opts)
+        follow = self._remember_decision(classes, out)
+        woken, precedence = self._wake_routed(classes)
+        follow |= {ClassKey(n) for n in woken}
+        self.state.routing_ready.set()
+        classes_next = {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
+        if self.notify is not None:
+            # Queued now, not after the bindings' status writes below: the woken classes render their
+            # engines while those are sent.
+            for ck in classes_next:
+                self.later(ck, 0)
+        else:
+            self.state.pending_follow |= classes_next
+        to_write = self._statuses_to_write(classes, bindings, out, tried)
+        self._write_routing_table(out)
+        if precedence:
+            self._await_renders(len(woken))
+        # list(): wait for every write, and raise the first failure (the routing key is retried).
+        list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), to_write))
+        done, self.state.pending_follow = self.state.pending_follow, set()
+        return done
+
+    def _class_states(self, tc_bodies: list[Obj]) -> dict[str, ClassState]:
+        """Each listed TrustClass as the decision sees it: validated (else its last accepted spec;
+        neither: left out), with the keys the router holds for it, and whether it is being deleted."""
         classes: dict[str, ClassState] = {}
         for body in tc_bodies:
             try:
@@ -132,27 +161,11 @@ class RoutingReconcile(ApiKeyCache):
             deleting = bool(body["metadata"].get("deletionTimestamp"))
             keys = () if deleting else self._signing_keys(tc)
             classes[tc.name] = ClassState(tc, keys, deleting)
-        bindings = [lb.model for lb in listed]
-        raw = {lb.model.key: lb for lb in listed}
-        del listed
-        self._list_api_keys(bindings)
-        lookups = dict(
-            zip(
-                [b.key for b in bindings],
-                self._fanout.map(lambda b: self._api_keys(b, b.spec, b.key), bindings),
-                strict=True,
-            )
-        )
-        for b in bindings:
-            accepted = b.accepted_spec()
-            if accepted is not None and accepted.api_key_secret_ref != b.spec.api_key_secret_ref:
-                lookups[accepted_key(b.key)] = self._api_keys(b, accepted, accepted_key(b.key))
-        live_keys = set(lookups)
-        for k in list(self.state.keys):
-            if k not in live_keys:
-                del self.state.keys[k]
-        out = decide(classes, bindings, namespaces, lookups, self.opts)
+        return classes
 
+    def _remember_decision(self, classes: dict[str, ClassState], out: Outcome) -> set[Key]:
+        """Remember the decision's tenant quotas and bound counts; return the classes whose engine
+        config or status changes with them."""
         follow: set[Key] = set()
         bound: dict[str, int] = {}
         for d in out.decisions.values():
@@ -166,30 +179,33 @@ class RoutingReconcile(ApiKeyCache):
                 follow.add(ClassKey(name))
         self.state.tenant_quotas = out.tenant_quotas
         self.state.bound_count = bound
-        # The decisions are made: engines can be configured even if the write below fails (say, the
-        # router's namespace does not exist yet); the follow-ups survive a failed attempt.
+        return follow
+
+    def _wake_routed(self, classes: dict[str, ClassState]) -> tuple[set[str], bool]:
+        """The classes waiting for a decision that routes them which this one does (woken), and
+        whether the bindings' status writes wait for their renders (see :meth:`_await_renders`).
+
+        The decisions are made: engines can be configured even if the table's write fails (say, the
+        router's namespace does not exist yet); the follow-ups survive a failed attempt."""
         with self._routed_lock:
             self.state.routed = {n for n, c in classes.items() if c.signing_keys}
             woken = self.state.awaiting_routing & self.state.routed
             self.state.awaiting_routing -= woken
-        follow |= {ClassKey(n) for n in woken}
         precedence = bool(woken) and self.notify is not None and self.renders_meanwhile
         if precedence:
             with self._renders:
                 self._rendering |= woken
-        self.state.routing_ready.set()
-        classes_next = {k for k in follow if isinstance(k, ClassKey) and k.name in classes}
-        if self.notify is not None:
-            # Queued now, not after the bindings' status writes below: the woken classes render their
-            # engines while those are sent.
-            for ck in classes_next:
-                self.later(ck, 0)
-        else:
-            self.state.pending_follow |= classes_next
-        # A class not reconciled yet in this process and without a key is about to get one: its
-        # bindings keep their status until the decision it queues (no "not ready" flip first).
+        return woken, precedence
+
+    @staticmethod
+    def _statuses_to_write(
+        classes: dict[str, ClassState], bindings: list[TenantBinding], out: Outcome, tried: set[str]
+    ) -> list[TenantBinding]:
+        """The bindings whose status this decision writes. A class not reconciled yet in this process
+        and without a key is about to get one: its bindings keep their status until the decision it
+        queues (no "not ready" flip first)."""
         untried = {n for n, c in classes.items() if not c.signing_keys and not c.deleting and n not in tried}
-        to_write = [
+        return [
             b
             for b in bindings
             if not (
@@ -198,6 +214,7 @@ class RoutingReconcile(ApiKeyCache):
             )
         ]
 
+    def _write_routing_table(self, out: Outcome) -> None:
         secret = with_spec_hash(routing_secret(out.table, self.opts))
         live = self.kube.get("v1", "Secret", ROUTING_SECRET_NAME, self.opts.router_namespace)
         if needs_apply(secret, live):
@@ -207,12 +224,6 @@ class RoutingReconcile(ApiKeyCache):
                 len(out.table.trust_classes),
                 len(out.table.tenants),
             )
-        if precedence:
-            self._await_renders(len(woken))
-        # list(): wait for every write, and raise the first failure (the routing key is retried).
-        list(self._fanout.map(lambda b: self._binding_status(raw[b.key], out.decisions[b.key]), to_write))
-        done, self.state.pending_follow = self.state.pending_follow, set()
-        return done
 
     def _await_renders(self, count: int) -> None:
         """Wait (at most :data:`RENDER_PRECEDENCE_SECONDS`) until the classes this decision routed for
@@ -257,91 +268,34 @@ class RoutingReconcile(ApiKeyCache):
     def _binding_status(self, listed: ListedBinding, d: Decision) -> None:
         body = listed.body()
         meta = body["metadata"]
-        gen = meta.get("generation")
         live_status: Obj = body["status"]
-        existing = live_status.get("conditions", [])
-        bound_reason = d.reason if not d.bound else conditions.REASON_BOUND
-        conds = [
-            set_condition(existing, conditions.BOUND, d.bound, bound_reason, d.message, gen),
-            set_condition(
-                existing,
-                conditions.DENIED,
-                d.denied,
-                d.reason if d.denied else conditions.REASON_NOT_DENIED,
-                d.message if d.denied else "",
-                gen,
-            ),
-            set_condition(existing, conditions.READY, d.bound, bound_reason, d.message, gen),
-        ]
-        accepted_spec, accepted_gen = live_status.get(ACCEPTED_SPEC), live_status.get(ACCEPTED_GENERATION)
-        refused = d.refused
-        if d.bound and refused is None and d.served_spec is not None:
-            accepted_spec, accepted_gen = d.served_spec.wire(), gen
-        if refused is not None:
-            refusal = (
-                f"generation {gen} is not accepted: {refused.message}; the tenant is served with its last "
-                f"accepted spec (generation {accepted_gen})"
-            )
-            spec_c = set_condition(existing, conditions.SPEC_ACCEPTED, False, refused.reason, refusal, gen)
-        elif d.bound:
-            spec_c = set_condition(
-                existing, conditions.SPEC_ACCEPTED, True, conditions.REASON_ACCEPTED, "", gen
-            )
-        else:
-            spec_c = set_condition(existing, conditions.SPEC_ACCEPTED, False, d.reason, d.message, gen)
-        # The class edited under the spec in force: served within the class's current bounds.
-        if d.bound and d.clamped:
-            clamp = (
-                f"the spec in force (generation {accepted_gen}) asks for more than TrustClass "
-                f"{d.trust_class!r} allows now; the tenant is served within it: " + "; ".join(d.clamped)
-            )
-            clamp_c = set_condition(existing, conditions.CLAMPED, True, conditions.REASON_CLAMPED, clamp, gen)
-        elif d.bound:
-            clamp_c = set_condition(
-                existing, conditions.CLAMPED, False, conditions.REASON_WITHIN_CLASS_LIMITS, "", gen
-            )
-        else:
-            clamp_c = set_condition(existing, conditions.CLAMPED, False, conditions.REASON_NOT_BOUND, "", gen)
-        conds += [spec_c, clamp_c]
-        # A refused edit or a clamped spec needs a change by someone (the tenant is served meanwhile).
-        stalled: tuple[str, str] | None = None
-        if d.denied:
-            stalled = (d.reason, d.message)
-        elif refused is not None:
-            stalled = (refused.reason, spec_c["message"])
-        elif clamp_c["status"] == "True":
-            stalled = (conditions.REASON_CLAMPED, clamp_c["message"])
-        conds += kstatus_conditions(
-            existing,
-            reconciling=None
-            if d.bound or d.denied or refused is not None
-            else {"reason": d.reason, "message": d.message},
-            stalled=stalled,
-            generation=gen,
-        )
-        status: Obj = {"observedGeneration": gen, "conditions": conds}
-        if accepted_spec is not None:
-            status[ACCEPTED_SPEC] = accepted_spec
-            status[ACCEPTED_GENERATION] = accepted_gen
-        if d.trust_class:
-            status["trustClass"] = d.trust_class
-        if d.api_keys is not None:
-            status["apiKeys"] = d.api_keys
-        if not status_differs(status, live_status):
+        out = tenant_binding_status(live_status, d, meta.get("generation"))
+        if not status_differs(out.status, live_status):
             return
         self.kube.patch_status(
-            API_VERSION, "TenantBinding", meta["name"], meta["namespace"], status_patch(status, live_status)
+            API_VERSION,
+            "TenantBinding",
+            meta["name"],
+            meta["namespace"],
+            status_patch(out.status, live_status),
         )
+        self._binding_events(body, d, live_status.get("conditions", []), out)
+
+    def _binding_events(self, body: Obj, d: Decision, existing: list[Obj], out: BindingStatus) -> None:
+        """One Event per transition of a binding's status (its conditions were ``existing``)."""
         old = {c.get("type"): c for c in existing}
-        # One Event per transition; none for a new binding's first decision when it binds (its
-        # status says so; an Event is for news: a denial, a binding waiting, a change of fate).
+        bound_c, denied_c = out.status["conditions"][0], out.status["conditions"][1]
+        spec_c, clamp_c = out.spec_accepted, out.clamped
+        # None for a new binding's first decision when it binds (its status says so; an Event is for
+        # news: a denial, a binding waiting, a change of fate).
         first_bind = d.bound and conditions.BOUND not in old
         if not first_bind and (
-            old.get(conditions.BOUND, {}).get("status") != conds[0]["status"]
-            or old.get(conditions.DENIED, {}).get("reason") != conds[1]["reason"]
+            old.get(conditions.BOUND, {}).get("status") != bound_c["status"]
+            or old.get(conditions.DENIED, {}).get("reason") != denied_c["reason"]
         ):
             self._emit(Event(body, d.reason, d.message, "Normal" if d.bound or not d.denied else "Warning"))
         was = old.get(conditions.SPEC_ACCEPTED, {})
+        refused = d.refused
         if refused is not None and (was.get("status"), was.get("reason")) != ("False", refused.reason):
             self._emit(Event(body, refused.reason, spec_c["message"], "Warning"))
         # Told when a clamp starts or changes (the class edited again, the guarantees of older

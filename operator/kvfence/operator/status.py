@@ -1,6 +1,7 @@
-"""TrustClass status, computed: conditions (Ready, Progressing, Degraded, and kstatus's Reconciling
-and Stalled), replica counts, the spec in force. Pure functions over the objects the reconciler read;
-:class:`kvfence.operator.reconciler.Reconciler` only patches what they return and emits the Event.
+"""TrustClass and TenantBinding status, computed: conditions (Ready, Progressing, Degraded, Bound,
+Denied, SpecAccepted, Clamped, and kstatus's Reconciling and Stalled), replica counts, the spec in
+force. Pure functions over the objects the reconciler read; :class:`kvfence.operator.reconciler.Reconciler`
+only patches what they return and emits the Events.
 
 One predicate says whether the engine rolled out (:func:`rolled_out`); everything that depends on it
 (Ready, Progressing, the router's key switch before keys reloaded without a restart) reads it here.
@@ -18,6 +19,7 @@ from kvfence.api.trustclass import TrustClass
 from kvfence.contract import key_id
 from kvfence.operator import builders
 from kvfence.operator.apply import now_rfc3339
+from kvfence.operator.bindings import Decision
 
 Obj = dict[str, Any]
 
@@ -203,12 +205,38 @@ def trust_class_status(
     engine keeps running as last rendered, and its status says how many of its pods run. A class that
     does not validate has no spec to ask for replicas: its ``desiredReplicas`` is what the Deployment
     (rendered from the last accepted spec) asks for."""
-    meta = body["metadata"]
-    gen = meta.get("generation")
-    rolled = False
-    flipped: Obj | None = None
+    gen = body["metadata"].get("generation")
+    existing = (body.get("status") or {}).get("conditions", [])
+    status = _class_status_fields(body, tc, endpoint, bound_tenants, deployment, key, degraded)
+    if degraded is not None:
+        reason, msg = degraded
+        status["conditions"] = [
+            set_condition(existing, conditions.READY, False, reason, msg, gen),
+            set_condition(existing, conditions.PROGRESSING, False, reason, msg, gen),
+            set_condition(existing, conditions.DEGRADED, True, reason, msg, gen),
+            *kstatus_conditions(existing, reconciling=None, stalled=(reason, msg), generation=gen),
+        ]
+        return ClassStatus(status, False)
+    assert tc is not None
+    want = desired_replicas(tc, deployment)
+    status["conditions"], flipped = _rollout_conditions(
+        existing, deployment, want, status["readyReplicas"], gen
+    )
+    return ClassStatus(status, rolled_out(deployment, want), flipped)
+
+
+def _class_status_fields(
+    body: Obj,
+    tc: TrustClass | None,
+    endpoint: str | None,
+    bound_tenants: int,
+    deployment: Obj | None,
+    key: bytes | None,
+    degraded: tuple[str, str] | None,
+) -> Obj:
+    """Every field of :func:`trust_class_status` but the conditions."""
+    gen = body["metadata"].get("generation")
     live_status: Obj = body.get("status") or {}
-    existing = live_status.get("conditions", [])
     status: Obj = {"observedGeneration": gen}
     if tc is not None:
         status["namespace"] = tc.target_namespace
@@ -229,84 +257,63 @@ def trust_class_status(
     elif isinstance(live_status.get(ACCEPTED_SPEC), dict):
         status[ACCEPTED_SPEC] = live_status[ACCEPTED_SPEC]
         status[ACCEPTED_GENERATION] = live_status.get(ACCEPTED_GENERATION)
-    if degraded is not None:
-        reason, msg = degraded
-        conds = [
-            set_condition(existing, conditions.READY, False, reason, msg, gen),
-            set_condition(existing, conditions.PROGRESSING, False, reason, msg, gen),
-            set_condition(existing, conditions.DEGRADED, True, reason, msg, gen),
-            *kstatus_conditions(existing, reconciling=None, stalled=(reason, msg), generation=gen),
-        ]
+    return status
+
+
+def _rollout_conditions(
+    existing: list[Obj], deployment: Obj | None, want: int, ready: int, gen: Any
+) -> tuple[list[Obj], Obj | None]:
+    """The conditions of a class that applied what it asks for, from its engine's rollout (``want``
+    replicas, ``ready`` of them ready), and its Ready condition when that flipped (else None)."""
+    dstat: Obj = (deployment or {}).get("status") or {}
+    available = int(dstat.get("availableReplicas", 0) or 0)
+    updated = int(dstat.get("updatedReplicas", 0) or 0)
+    dconds = {c.get("type"): c for c in dstat.get("conditions", [])}
+    rolled = rolled_out(deployment, want)
+    replicas = f"{available}/{want} engine replicas available"
+    if want == 0:
+        ready_c = set_condition(
+            existing, conditions.READY, False, conditions.REASON_SCALED_TO_ZERO, "replicas is 0", gen
+        )
+    elif rolled:
+        ready_c = set_condition(existing, conditions.READY, True, conditions.REASON_AVAILABLE, replicas, gen)
     else:
-        assert tc is not None
-        want = desired_replicas(tc, deployment)
-        dstat: Obj = (deployment or {}).get("status") or {}
-        ready = status["readyReplicas"]
-        available = int(dstat.get("availableReplicas", 0) or 0)
-        updated = int(dstat.get("updatedReplicas", 0) or 0)
-        dconds = {c.get("type"): c for c in dstat.get("conditions", [])}
-        stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
-        failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
-        rolled = rolled_out(deployment, want)
-        if want == 0:
-            ready_c = set_condition(
-                existing, conditions.READY, False, conditions.REASON_SCALED_TO_ZERO, "replicas is 0", gen
-            )
-        elif rolled:
-            ready_c = set_condition(
-                existing,
-                conditions.READY,
-                True,
-                conditions.REASON_AVAILABLE,
-                f"{available}/{want} engine replicas available",
-                gen,
-            )
-        else:
-            ready_c = set_condition(
-                existing,
-                conditions.READY,
-                False,
-                conditions.REASON_UNAVAILABLE,
-                f"{available}/{want} engine replicas available",
-                gen,
-            )
-        if rolled or want == 0:
-            prog = set_condition(
-                existing, conditions.PROGRESSING, False, conditions.REASON_ROLLOUT_COMPLETE, "", gen
-            )
-        else:
-            prog = set_condition(
-                existing,
-                conditions.PROGRESSING,
-                True,
-                conditions.REASON_ROLLING_OUT,
-                f"{updated}/{want} updated, {ready}/{want} ready",
-                gen,
-            )
-        if stuck or failure:
-            why = (dconds.get("ReplicaFailure") or dconds.get("Progressing") or {}).get("message", "")
-            deg = set_condition(existing, conditions.DEGRADED, True, conditions.REASON_UNAVAILABLE, why, gen)
-        else:
-            deg = set_condition(existing, conditions.DEGRADED, False, conditions.REASON_AS_EXPECTED, "", gen)
-        conds = [
-            ready_c,
-            prog,
-            deg,
-            *kstatus_conditions(
-                existing,
-                reconciling=None if deg["status"] == "True" or prog["status"] != "True" else prog,
-                stalled=(deg["reason"], deg["message"]) if deg["status"] == "True" else None,
-                generation=gen,
-            ),
-        ]
-        old_ready = find_condition(existing, conditions.READY)
-        # A new class whose engine is rolling out is no news (nor a problem): its first Ready is
-        # told when it becomes True, or when the rollout is stuck (Degraded).
-        first_rollout = not old_ready and prog["status"] == "True" and deg["status"] == "False"
-        if old_ready.get("status") != ready_c["status"] and not first_rollout:
-            flipped = ready_c
-    status["conditions"] = conds
-    return ClassStatus(status, rolled, flipped)
+        ready_c = set_condition(
+            existing, conditions.READY, False, conditions.REASON_UNAVAILABLE, replicas, gen
+        )
+    if rolled or want == 0:
+        prog = set_condition(
+            existing, conditions.PROGRESSING, False, conditions.REASON_ROLLOUT_COMPLETE, "", gen
+        )
+    else:
+        progress = f"{updated}/{want} updated, {ready}/{want} ready"
+        prog = set_condition(
+            existing, conditions.PROGRESSING, True, conditions.REASON_ROLLING_OUT, progress, gen
+        )
+    stuck = dconds.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
+    failure = dconds.get("ReplicaFailure", {}).get("status") == "True"
+    if stuck or failure:
+        why = (dconds.get("ReplicaFailure") or dconds.get("Progressing") or {}).get("message", "")
+        deg = set_condition(existing, conditions.DEGRADED, True, conditions.REASON_UNAVAILABLE, why, gen)
+    else:
+        deg = set_condition(existing, conditions.DEGRADED, False, conditions.REASON_AS_EXPECTED, "", gen)
+    conds = [
+        ready_c,
+        prog,
+        deg,
+        *kstatus_conditions(
+            existing,
+            reconciling=None if deg["status"] == "True" or prog["status"] != "True" else prog,
+            stalled=(deg["reason"], deg["message"]) if deg["status"] == "True" else None,
+            generation=gen,
+        ),
+    ]
+    old_ready = find_condition(existing, conditions.READY)
+    # A new class whose engine is rolling out is no news (nor a problem): its first Ready is
+    # told when it becomes True, or when the rollout is stuck (Degraded).
+    first_rollout = not old_ready and prog["status"] == "True" and deg["status"] == "False"
+    flipped = ready_c if old_ready.get("status") != ready_c["status"] and not first_rollout else None
+    return conds, flipped
 
 
 def accepted_trust_class(body: Obj) -> TrustClass | None:
@@ -318,3 +325,84 @@ def accepted_trust_class(body: Obj) -> TrustClass | None:
         return TrustClass.model_validate({**body, "spec": spec})
     except ValidationError:
         return None
+
+
+@dataclass(frozen=True)
+class BindingStatus:
+    """What a TenantBinding's status should be after a routing decision, with the two conditions
+    its Events are told from."""
+
+    status: Obj
+    spec_accepted: Obj
+    clamped: Obj
+
+
+def _spec_accepted_condition(existing: list[Obj], d: Decision, gen: Any, accepted_gen: Any) -> Obj:
+    refused = d.refused
+    if refused is not None:
+        refusal = (
+            f"generation {gen} is not accepted: {refused.message}; the tenant is served with its last "
+            f"accepted spec (generation {accepted_gen})"
+        )
+        return set_condition(existing, conditions.SPEC_ACCEPTED, False, refused.reason, refusal, gen)
+    if d.bound:
+        return set_condition(existing, conditions.SPEC_ACCEPTED, True, conditions.REASON_ACCEPTED, "", gen)
+    return set_condition(existing, conditions.SPEC_ACCEPTED, False, d.reason, d.message, gen)
+
+
+def _clamped_condition(existing: list[Obj], d: Decision, gen: Any, accepted_gen: Any) -> Obj:
+    """The class edited under the spec in force: the tenant is served within the class's current bounds."""
+    if d.bound and d.clamped:
+        clamp = (
+            f"the spec in force (generation {accepted_gen}) asks for more than TrustClass "
+            f"{d.trust_class!r} allows now; the tenant is served within it: " + "; ".join(d.clamped)
+        )
+        return set_condition(existing, conditions.CLAMPED, True, conditions.REASON_CLAMPED, clamp, gen)
+    if d.bound:
+        return set_condition(
+            existing, conditions.CLAMPED, False, conditions.REASON_WITHIN_CLASS_LIMITS, "", gen
+        )
+    return set_condition(existing, conditions.CLAMPED, False, conditions.REASON_NOT_BOUND, "", gen)
+
+
+def tenant_binding_status(live_status: Obj, d: Decision, gen: Any) -> BindingStatus:
+    """The status of a TenantBinding (its status as listed: ``live_status``; its generation: ``gen``)
+    after the routing decision ``d``. A bound binding's spec becomes the spec in force
+    (``acceptedSpec``) unless its edit is refused; a refused edit or a clamped spec is Stalled, as it
+    needs a change by someone (the tenant is served meanwhile)."""
+    existing = live_status.get("conditions", [])
+    bound_reason = d.reason if not d.bound else conditions.REASON_BOUND
+    denied_reason = d.reason if d.denied else conditions.REASON_NOT_DENIED
+    conds = [
+        set_condition(existing, conditions.BOUND, d.bound, bound_reason, d.message, gen),
+        set_condition(
+            existing, conditions.DENIED, d.denied, denied_reason, d.message if d.denied else "", gen
+        ),
+        set_condition(existing, conditions.READY, d.bound, bound_reason, d.message, gen),
+    ]
+    accepted_spec, accepted_gen = live_status.get(ACCEPTED_SPEC), live_status.get(ACCEPTED_GENERATION)
+    spec_c = _spec_accepted_condition(existing, d, gen, accepted_gen)
+    if d.bound and d.refused is None and d.served_spec is not None:
+        accepted_spec, accepted_gen = d.served_spec.wire(), gen
+    clamp_c = _clamped_condition(existing, d, gen, accepted_gen)
+    conds += [spec_c, clamp_c]
+    stalled: tuple[str, str] | None = None
+    if d.denied:
+        stalled = (d.reason, d.message)
+    elif d.refused is not None:
+        stalled = (d.refused.reason, spec_c["message"])
+    elif clamp_c["status"] == "True":
+        stalled = (conditions.REASON_CLAMPED, clamp_c["message"])
+    reconciling = (
+        None if d.bound or d.denied or d.refused is not None else {"reason": d.reason, "message": d.message}
+    )
+    conds += kstatus_conditions(existing, reconciling=reconciling, stalled=stalled, generation=gen)
+    status: Obj = {"observedGeneration": gen, "conditions": conds}
+    if accepted_spec is not None:
+        status[ACCEPTED_SPEC] = accepted_spec
+        status[ACCEPTED_GENERATION] = accepted_gen
+    if d.trust_class:
+        status["trustClass"] = d.trust_class
+    if d.api_keys is not None:
+        status["apiKeys"] = d.api_keys
+    return BindingStatus(status, spec_c, clamp_c)
