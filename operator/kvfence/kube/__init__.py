@@ -9,6 +9,6 @@
 The operator's blocking requests (its reconcile workers) are :class:`kvfence.operator.apply.Kube`,
 over ``urllib3`` with the same connection. There is no code generated from the OpenAPI here: every
 caller reads and writes plain JSON objects, which is what the operator builds and what the router
-reads. (The ``kubernetes`` package did this before; importing it cost each process ~20-30 MiB, and
-kopf imports it whenever it is installed.)
+reads. The ``kubernetes`` package is not used: importing it costs each process ~20-30 MiB, and kopf
+imports it whenever it is installed.
 """

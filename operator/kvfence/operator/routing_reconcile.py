@@ -229,15 +229,15 @@ class RoutingReconcile(ApiKeyCache):
         """Wait (at most :data:`RENDER_PRECEDENCE_SECONDS`) until the classes this decision routed for
         the first time have been reconciled, so their engine configs name their tenants' quotas
         before the bindings are told ``Bound``. The bindings' status writes (one per binding) only
-        report what the routing table written above already does; sent beside the renders,
-        ROUTING_CONCURRENCY at a time against the renders' one per worker, they held the renders
-        back (docs/operator.md, issue 16, eighth pass)."""
+        report what the routing table, written first, already does; sent beside the renders,
+        ROUTING_CONCURRENCY at a time against the renders' one per worker, they would hold the
+        renders back."""
         started = time.monotonic()
         with self._renders:
             done = self._renders.wait_for(lambda: not self._rendering, RENDER_PRECEDENCE_SECONDS)
             left = len(self._rendering)
             if not done:
-                # what is left renders beside the status writes, as before this wait
+                # what is left renders beside the status writes
                 self._rendering.clear()
         waited = time.monotonic() - started
         if not done:

@@ -2,9 +2,9 @@
 reconcile reads them from memory instead of GETting them (an informer's cache, for three kinds).
 
 Which objects: the TrustClasses, the engine Deployments (the children watch) and the classes'
-signing-key Secrets (their own watch, which carries the keys). A class reconcile used to GET all
-three every time, and most reconciles are caused by an engine Deployment's rollout reporting its
-status: each event already carried what the GET then read again.
+signing-key Secrets (their own watch, which carries the keys). A class reconcile reads all three,
+and most reconciles are caused by an engine Deployment's rollout reporting its status: each event
+already carries what a GET would read again.
 
 When a cached body may be read (:meth:`WatchCache.read`), it is never older than anything the
 operator itself has seen of that object: every version the operator learns from a request (a GET,
@@ -12,7 +12,7 @@ its own apply or status patch: :meth:`WatchCache.learnt`) makes the object's cac
 watch delivers that version (events arrive in order, so the cache is then at least that new), or
 until a GET finds the cache at the version it holds. A reconcile therefore never acts on a view
 older than one it acted on before (a status flipping back, an Event told twice), and what the
-watch has not delivered yet is read from the API server as before. An object not in the cache is
+watch has not delivered yet is read from the API server. An object not in the cache is
 read from the API server too: an absent entry never means an absent object.
 
 The bodies are kept as compact JSON without ``metadata.managedFields`` (a few KB each) and parsed
