@@ -7,7 +7,14 @@ import json
 from typing import Any
 
 from kvfence.api import conditions as C
-from kvfence.contract.routing import ROUTING_SECRET_KEY, ROUTING_SECRET_NAME, RoutingTable, hash_api_key
+from kvfence.contract.routing import (
+    ROUTING_SECRET_KEY,
+    ROUTING_SECRET_NAME,
+    RequestLimits,
+    RoutingTable,
+    encode_table,
+    hash_api_key,
+)
 from kvfence.operator import bindings as R
 from kvfence.operator import builders
 from kvfence.operator.builders import OperatorOptions
@@ -507,3 +514,22 @@ def test_bindings_asking_the_same_quotas_share_one_object_and_keep_their_own_cla
     s = out.decisions["team-a/s0"]
     assert s.bound and s.quotas.requests_per_minute == 100
     assert s.clamped == ("quotas lowered to the limits: requestsPerMinute 300 -> 100",)
+
+
+def test_a_class_request_limits_reach_the_routing_table_and_the_router(make_tc: Any, make_tb: Any) -> None:
+    from kvfence.router.table import compile_table
+
+    classes = {
+        "gold": R.ClassState(make_tc(requestLimits={"maxN": 4, "maxPromptsPerRequest": 300}), (KEY,)),
+        "plain": R.ClassState(make_tc("plain"), (KEY,)),
+    }
+    out = R.decide(classes, [make_tb("acme", "acme")], NS, keys(("team-a/acme", "s")), OPTS)
+    gold, plain = out.table.trust_classes["gold"], out.table.trust_classes["plain"]
+    assert gold.request_limits is not None and gold.request_limits.max_n == 4
+    assert gold.request_limits.max_prompts_per_request == 300
+    assert gold.request_limits.max_stop_sequences == RequestLimits().max_stop_sequences  # unset: default
+    stored = json.loads(encode_table(out.table))  # what the Secret holds: nothing for a class that sets none
+    assert plain.request_limits is None and "requestLimits" not in stored["trustClasses"]["plain"]
+    compiled = compile_table(RoutingTable.model_validate_json(R.table_json(out.table)))
+    assert compiled.classes["gold"].request_limits.max_n == 4
+    assert compiled.classes["plain"].request_limits == RequestLimits()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ from kvfence.contract import (
     derive_cache_salt,
     strip_client_headers,
 )
-from kvfence.contract.routing import Quotas, RoutingTable, encode_table, hash_api_key
+from kvfence.contract.routing import Quotas, RequestLimits, RoutingTable, encode_table, hash_api_key
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.endpoints import ClassEndpoints, Endpoint
 from kvfence.router.metrics import RouterMetrics
@@ -41,6 +42,7 @@ from kvfence.router.proxy import (
 )
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
+from kvfence.router.surface import Shape, check_request
 from kvfence.router.table import ClassPlan, TableError, TableWatcher, compile_table, parse_table
 
 
@@ -161,6 +163,37 @@ def test_quota_concurrency_and_rpm() -> None:
     assert isinstance(q.acquire("t", quotas, 10), Reservation)
 
 
+def test_quota_charges_sequences() -> None:
+    clock = Clock()
+    q = QuotaManager(clock=clock)
+    quotas = Quotas(maxConcurrentRequests=1500, requestsPerMinute=2000)
+    q.sync([("t", quotas)])
+    big = q.acquire("t", quotas, 10, 1200)  # 300 prompts x n=4
+    assert isinstance(big, Reservation)
+    st = q.state("t")
+    assert st is not None and st.inflight == 1200 and st.rpm is not None and st.rpm.level == 800
+    over = q.acquire("t", quotas, 10, 301)  # 1501 > 1500: waiting cures it
+    assert isinstance(over, Rejection) and over.quota == "concurrency" and not over.limit
+    fits = q.acquire("t", quotas, 10, 300)
+    assert isinstance(fits, Reservation) and st.inflight == 1500
+    q.release(big, None)
+    q.release(fits, None)
+    assert st.inflight == 0
+    # more sequences than a limit at all: final, names the limit, charges nothing
+    never = q.acquire("t", quotas, 10, 1501)
+    assert isinstance(never, Rejection) and never.limit == "maxConcurrentRequests"
+    rpm_only = Quotas(requestsPerMinute=100)
+    q.sync([("t", quotas), ("u", rpm_only)])
+    never = q.acquire("u", rpm_only, 10, 101)
+    assert isinstance(never, Rejection) and never.limit == "requestsPerMinute"
+    u = q.state("u")
+    assert u is not None and u.inflight == 0 and u.rpm is not None and u.rpm.level == 100
+    # with two replicas each admits half: 60 sequences can never pass one of them
+    q.set_replicas(2)
+    never = q.acquire("u", rpm_only, 10, 60)
+    assert isinstance(never, Rejection) and never.limit == "requestsPerMinute" and "50" in never.message
+
+
 def test_quota_tokens_reserve_and_correct() -> None:
     clock = Clock()
     q = QuotaManager(clock=clock)
@@ -250,13 +283,22 @@ def test_parse_body_and_reservation() -> None:
         assert e.value.status == 400
     assert parse_body(b'{"temperature": 0.7, "top_p": 1e-300}') == {"temperature": 0.7, "top_p": 1e-300}
     raw = b'{"model":"m","prompt":"abc","max_tokens":10,"n":2}'
-    assert reserve_tokens(len(raw), parse_body(raw), 99) == len(raw) + 20
-    assert reserve_tokens(5, {"max_completion_tokens": 7}, 99) == 12
-    assert reserve_tokens(5, {"max_completion_tokens": 7, "max_tokens": 3}, 99) == 12
-    assert reserve_tokens(5, {}, 99) == 104
+    assert reserve_tokens(len(raw), shape_of(parse_body(raw))) == len(raw) + 20
+    raw = b'{"model":"m","prompt":["a","b","c"],"max_tokens":10,"n":2}'
+    assert reserve_tokens(len(raw), shape_of(parse_body(raw))) == len(raw) + 60  # 6 sequences
+    chat = "/v1/chat/completions"
+    assert reserve_tokens(5, shape_of({"messages": [{}], "max_completion_tokens": 7}, chat)) == 12
+    both = {"messages": [{}], "max_completion_tokens": 7, "max_tokens": 3}
+    assert reserve_tokens(5, shape_of(both, chat)) == 12
+    assert reserve_tokens(5, shape_of({"prompt": "x"})) == 104
     for bad_body in ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": "3"}, {"n": 0}, {"n": 1000}):
-        with pytest.raises(RouterError):
-            reserve_tokens(5, bad_body, 99)
+        with pytest.raises(RouterError) as e:
+            shape_of({"prompt": "x", **bad_body})
+        assert e.value.status == 400 and e.value.param == next(iter(bad_body))
+
+
+def shape_of(body: dict[str, Any], path: str = "/v1/completions") -> Shape:
+    return check_request(body, path, RequestLimits(), 99)[0]
 
 
 _JSON_TEXT = st.one_of(

@@ -50,6 +50,24 @@ class Quotas(_Model):
     max_kv_blocks: int | None = Field(None, alias="maxKVBlocks", ge=1)
 
 
+class RequestLimits(_Model):
+    """What one request may ask of a trust class's engine: the router refuses a request beyond any of
+    these with a 400 naming the field (see :mod:`kvfence.router.surface`). A sequence is one prompt
+    times one choice (``n``, or ``best_of`` when larger)."""
+
+    max_prompts_per_request: int = Field(32, alias="maxPromptsPerRequest", ge=1, le=4096)
+    max_n: int = Field(16, alias="maxN", ge=1, le=1024)
+    max_best_of: int = Field(16, alias="maxBestOf", ge=1, le=1024)
+    max_sequences_per_request: int = Field(64, alias="maxSequencesPerRequest", ge=1, le=1 << 20)
+    max_stop_sequences: int = Field(16, alias="maxStopSequences", ge=0, le=4096)
+    max_stop_sequence_length: int = Field(256, alias="maxStopSequenceLength", ge=1, le=65536)
+    max_logit_bias_entries: int = Field(300, alias="maxLogitBiasEntries", ge=0, le=1 << 20)
+    max_logprobs: int = Field(20, alias="maxLogprobs", ge=0, le=1 << 20)
+    max_grammar_bytes: int = Field(32768, alias="maxGrammarBytes", ge=0, le=16 << 20)
+    max_messages: int = Field(1024, alias="maxMessages", ge=1, le=1 << 20)
+    max_tools: int = Field(128, alias="maxTools", ge=0, le=4096)
+
+
 class TrustClassRoute(_Model):
     """One trust class's engine, as the router addresses it."""
 
@@ -62,6 +80,9 @@ class TrustClassRoute(_Model):
         alias="signingKeys",
         min_length=1,
         description="base64 signing keys; the first signs, all verify (rotation)",
+    )
+    request_limits: RequestLimits | None = Field(
+        None, alias="requestLimits", description="unset: RequestLimits' defaults"
     )
 
 

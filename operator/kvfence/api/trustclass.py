@@ -20,6 +20,7 @@ from kvfence.api.common import (
     TenantQuotas,
     conditions_field,
 )
+from kvfence.api.request_limits import RequestLimitsSpec
 from kvfence.contract import CacheScope
 
 KIND = "TrustClass"
@@ -1300,6 +1301,12 @@ class TrustClassSpec(KubeModel):
         default_factory=QuotaSpec,
         description="Per-tenant quota defaults and limits.",
         json_schema_extra={"default": {}},
+    )
+    request_limits: RequestLimitsSpec | None = Field(
+        None,
+        alias="requestLimits",
+        description="What one request may ask of the engine (prompts, n, stop strings, grammar size, "
+        "...); the router refuses more with a 400 naming the field. Unset fields: the defaults.",
     )
     namespace_selector: LabelSelector | None = Field(
         None,

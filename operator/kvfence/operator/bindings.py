@@ -195,6 +195,7 @@ def decide(
             adapters=[a.name for a in eng.adapters],
             cache_scope=state.tc.spec.prefix_cache.scope,
             signing_keys=[base64.b64encode(k).decode() for k in state.signing_keys],
+            request_limits=limits.route() if (limits := state.tc.spec.request_limits) else None,
         )
 
     def evaluate(

@@ -3,7 +3,11 @@
 * Rates are token buckets holding one minute's worth (capacity = the per-minute limit, refilled
   continuously at limit/60 per second), so a tenant can burst up to its minute's allowance and then
   proceeds at the steady rate.
-* Tokens per minute: a request reserves ``prompt estimate + max_tokens`` (times ``n``) up front; when
+* A request is charged by its sequences (prompts x ``n``, or ``best_of`` when larger;
+  :class:`kvfence.router.surface.Shape`): it holds that many units of the concurrency limit and takes
+  that many requests from the requests-per-minute bucket. A request with more sequences than a limit
+  itself can never be admitted: its refusal names the limit (``Rejection.limit``) and is final.
+* Tokens per minute: a request reserves ``prompt estimate + max_tokens`` per sequence up front; when
   the answer ends, the reservation is corrected to what the engine reports in ``usage`` (refund or
   extra charge). A single request larger than the whole allowance is admitted only when the bucket is
   full, and then drives it into debt, so it is neither refused forever nor free.
@@ -173,6 +177,7 @@ class Reservation:
     quota: TenantQuota
     tokens: float  # reserved from the tokens-per-minute bucket
     released: bool = False
+    sequences: int = 1  # units of the concurrency limit held
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +185,7 @@ class Rejection:
     quota: str  # "concurrency" | "requests" | "tokens"
     retry_after: int  # whole seconds, >= 1
     message: str
+    limit: str = ""  # the limit the request alone exceeds (never admitted); "": waiting cures it
 
 
 class QuotaManager:
@@ -245,31 +251,43 @@ class QuotaManager:
     def state(self, tenant: str) -> TenantQuota | None:
         return self._state.get(tenant)
 
-    def acquire(self, tenant: str, quotas: Quotas, tokens: int) -> Reservation | Rejection:
-        """Admit one request that may use up to ``tokens`` tokens, or say why not. All or nothing.
-        With a shared store, the check and the charge are one step under its lock: two workers cannot
-        both take the last unit."""
+    def acquire(
+        self, tenant: str, quotas: Quotas, tokens: int, sequences: int = 1
+    ) -> Reservation | Rejection:
+        """Admit one request of ``sequences`` sequences that may use up to ``tokens`` tokens, or say
+        why not. All or nothing. With a shared store, the check and the charge are one step under its
+        lock: two workers cannot both take the last unit."""
         with self.store.lock:
             st = self._state.get(tenant)
             now = self.clock()
             if st is None:  # a table swap raced with this request: start the tenant's state now
                 st = self._new_state(tenant, self.limits_for(quotas), now, True)
-            return self._admit(st, tenant, tokens, now)
+            if sequences > 1:
+                never = _never(st.limits, sequences)
+                if never is not None:
+                    return never
+            return self._admit(st, tenant, tokens, now, sequences)
 
-    def _admit(self, st: TenantQuota, tenant: str, tokens: int, now: float) -> Reservation | Rejection:
+    def _admit(
+        self, st: TenantQuota, tenant: str, tokens: int, now: float, sequences: int = 1
+    ) -> Reservation | Rejection:
         lim = st.limits
-        if lim.concurrent is not None and st.inflight >= lim.concurrent:
+        if lim.concurrent is not None and st.inflight + sequences > lim.concurrent:
             return Rejection(
                 "concurrency",
                 1,
-                f"Too many concurrent requests: this tenant may have {lim.concurrent} at once.",
+                f"Too many concurrent requests: this tenant may have {lim.concurrent} sequences at once "
+                f"(prompts x n; this request has {sequences}).",
             )
         if st.rpm is not None:
             st.rpm.refill(now)
-            wait = st.rpm.wait_for(1.0)
+            wait = st.rpm.wait_for(float(sequences))
             if wait > 0:
                 return Rejection(
-                    "requests", _ceil(wait), f"Requests-per-minute quota exceeded ({lim.rpm}/min)."
+                    "requests",
+                    _ceil(wait),
+                    f"Requests-per-minute quota exceeded ({lim.rpm}/min, counted in sequences; this "
+                    f"request has {sequences}).",
                 )
         need = 0.0
         if st.tpm is not None:
@@ -285,9 +303,9 @@ class QuotaManager:
                 )
             st.tpm.level -= need
         if st.rpm is not None:
-            st.rpm.level -= 1.0
-        st.inflight += 1
-        return Reservation(tenant, st, need)
+            st.rpm.level -= float(sequences)
+        st.inflight += sequences
+        return Reservation(tenant, st, need, sequences=sequences)
 
     def release(self, r: Reservation, used_tokens: int | None) -> float:
         """End a request. ``used_tokens``: what the engine reported (None: keep the reservation).
@@ -297,7 +315,7 @@ class QuotaManager:
         r.released = True
         st = r.quota
         with self.store.lock:
-            st.inflight -= 1
+            st.inflight -= r.sequences
             if used_tokens is None:
                 return r.tokens
             bucket = st.tpm
@@ -305,6 +323,25 @@ class QuotaManager:
                 bucket.refill(self.clock())
                 bucket.level = min(bucket.capacity, bucket.level + r.tokens - float(used_tokens))
         return float(used_tokens)
+
+
+def _never(lim: Limits, sequences: int) -> Rejection | None:
+    """The refusal of a request whose sequences alone exceed this router's share of a limit (it
+    could wait forever), or None."""
+    if lim.concurrent is not None and sequences > lim.concurrent:
+        limit, value, quota = "maxConcurrentRequests", lim.concurrent, "concurrency"
+    elif lim.rpm is not None and sequences > lim.rpm:
+        limit, value, quota = "requestsPerMinute", lim.rpm, "requests"
+    else:
+        return None
+    return Rejection(
+        quota,
+        0,
+        f"This request has {sequences} sequences (prompts x n), more than this tenant's {limit} "
+        f"({value} on this router) admits at once: it can never be served. Send fewer prompts or a "
+        "smaller n.",
+        limit=limit,
+    )
 
 
 def _ceil(seconds: float) -> int:

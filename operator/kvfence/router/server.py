@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS
 from kvfence.contract.routing import ROUTING_SECRET_KEY
 from kvfence.kube import connection
 from kvfence.router.auth import AuthError, authenticate
@@ -40,15 +39,12 @@ from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.siblings import SiblingError, Siblings
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
 from kvfence.router.source import SecretSource
+from kvfence.router.surface import CHAT_COMPLETIONS, COMPLETIONS, Shape, check_request
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
 
 log = logging.getLogger("kvfence.router")
 access_log = logging.getLogger("kvfence.router.access")
 
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
-MAX_N = 128
-MAX_TOKENS_LIMIT = 1 << 30
 GC_YOUNG_THRESHOLD = 10_000
 
 
@@ -169,17 +165,6 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise RouterError(
-            400, f"'{name}' must be an integer between {lo} and {hi}.", "invalid_value", param=name
-        )
-    return v
-
-
 def _finite_float(text: str) -> float:
     value = float(text)
     if value in (float("inf"), float("-inf")):  # 1e400: re-sent as Infinity, which is not JSON
@@ -213,19 +198,25 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def reserve_tokens(raw_len: int, body: dict[str, Any], default_max_tokens: int) -> int:
-    """Tokens to reserve: an upper bound of the prompt (the body's length in bytes: every tokenizer
+def reserve_tokens(raw_len: int, shape: Shape) -> int:
+    """Tokens to reserve: an upper bound of the prompts (the body's length in bytes: every tokenizer
     in use yields at most one token per byte, and the JSON keys cover the chat template) plus the
-    completion allowance, times the number of choices."""
-    max_tokens = _int_field(body, "max_tokens", 0, MAX_TOKENS_LIMIT)
-    completion = _int_field(body, "max_completion_tokens", 0, MAX_TOKENS_LIMIT)
-    if completion is not None:
-        # Engines differ in which of the two wins when both are given: reserve the larger.
-        max_tokens = completion if max_tokens is None else max(max_tokens, completion)
-    elif max_tokens is None:
-        max_tokens = default_max_tokens
-    n = _int_field(body, "n", 1, MAX_N) or 1
-    return raw_len + max_tokens * n
+    completion allowance of every sequence."""
+    return raw_len + shape.max_tokens * shape.sequences
+
+
+def _refusal(r: Rejection) -> RouterError:
+    """A quota's refusal: 429 with Retry-After for what waiting cures; a 400 that clients do not retry,
+    naming the limit, for a request that exceeds the limit itself and can never be admitted."""
+    if r.limit:
+        return RouterError(400, r.message, "request_exceeds_quota", param=r.limit)
+    return RouterError(
+        429,
+        r.message,
+        f"{r.quota}_quota_exceeded",
+        "rate_limit_error",
+        headers={"Retry-After": str(r.retry_after)},
+    )
 
 
 # --- handlers ---------------------------------------------------------------------------------------
@@ -271,30 +262,25 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
                 "permission_error",
                 param="model",
             )
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise RouterError(400, "'stream' must be a boolean.", "invalid_value", param="stream")
-        tokens = reserve_tokens(len(raw), body, state.config.default_max_tokens)
-        if not body.keys().isdisjoint(CLIENT_FORBIDDEN_BODY_FIELDS):
-            for f in CLIENT_FORBIDDEN_BODY_FIELDS:
-                if f in body:
-                    state.metrics.stripped.inc(("body",))
+        shape, stripped_fields, dropped = check_request(
+            body, path, cls.request_limits, state.config.default_max_tokens
+        )
+        tokens = reserve_tokens(len(raw), shape)
+        if stripped_fields:
+            state.metrics.stripped.inc(("body",), len(stripped_fields))
+        if dropped:
+            state.metrics.stripped.inc(("dropped",), len(dropped))
+            body = {k: v for k, v in body.items() if k not in dropped}
         client_headers, stripped = forwarded_headers(request.headers, request.names)
         if stripped:
             state.metrics.stripped.inc(("header",), stripped)
         state.proxy.check_available(cls)
         payload = build_body(plan, body)
 
-        grant = state.quotas.acquire(plan.name, plan.quotas, tokens)
+        grant = state.quotas.acquire(plan.name, plan.quotas, tokens, shape.sequences)
         if isinstance(grant, Rejection):
             state.metrics.quota_rejections.inc((plan.name, grant.quota))
-            raise RouterError(
-                429,
-                grant.message,
-                f"{grant.quota}_quota_exceeded",
-                "rate_limit_error",
-                headers={"Retry-After": str(grant.retry_after)},
-            )
+            raise _refusal(grant)
         inflight = state.metrics.inflight
         inflight.inc((cls.name,))
         used: int | None = None

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from kvfence.contract import CacheScope, Identity, Signer, cache_namespace, derive_cache_salt, key_id
-from kvfence.contract.routing import KEY_HASH_PREFIX, Quotas, RoutingTable, decode_table_bytes
+from kvfence.contract.routing import KEY_HASH_PREFIX, Quotas, RequestLimits, RoutingTable, decode_table_bytes
 from kvfence.router.balance import hash64
 
 log = logging.getLogger("kvfence.router.table")
@@ -51,6 +51,7 @@ class ClassPlan:
     cache_scope: CacheScope
     signing_key: bytes  # the first key of the list: the one that signs
     signing_key_id: str
+    request_limits: RequestLimits = field(default_factory=RequestLimits)  # kvfence.router.surface
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,7 @@ def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
             cache_scope=tc.cache_scope,
             signing_key=key,
             signing_key_id=key_id(key),
+            request_limits=tc.request_limits or RequestLimits(),
         )
 
     tenants: dict[str, TenantPlan] = {}
