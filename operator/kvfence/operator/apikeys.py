@@ -5,20 +5,12 @@ Secrets to read is read with one paged LIST.
 
 from __future__ import annotations
 
-import logging
-
 from kvfence.api import conditions
 from kvfence.api.tenantbinding import TenantBinding, TenantBindingSpec
 from kvfence.contract.routing import hash_api_key
 from kvfence.operator.apply import KubeError
-from kvfence.operator.bindings import (
-    KeyLookup,
-    accepted_key,
-    api_keys_from_secret,
-)
+from kvfence.operator.bindings import KeyLookup, accepted_key, api_keys_from_secret
 from kvfence.operator.reconcile_base import Obj, ReconcilerBase
-
-log = logging.getLogger("kvfence.operator")
 
 #: A namespace with at least this many API-key Secrets to read (the first routing decision after a
 #: start, a namespace full of new bindings) has them read by one paged LIST instead of a GET each.

@@ -12,9 +12,7 @@ import logging
 from kvfence.operator import builders, secretwatch
 from kvfence.operator.apply import is_subset
 from kvfence.operator.reconcile_base import ChildRef, Obj, ReconcilerBase
-from kvfence.operator.status import (
-    deployment_status_read,
-)
+from kvfence.operator.status import deployment_status_read
 
 log = logging.getLogger("kvfence.operator")
 

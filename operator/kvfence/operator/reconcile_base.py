@@ -9,7 +9,6 @@ the routing decision (:mod:`kvfence.operator.routing_reconcile`) and its API-key
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,13 +20,9 @@ from kvfence.api.common import TenantQuotas
 from kvfence.contract import new_signing_key
 from kvfence.operator import builders
 from kvfence.operator.apply import Kube
-from kvfence.operator.bindings import (
-    KeyLookup,
-)
+from kvfence.operator.bindings import KeyLookup
 from kvfence.operator.events import Event
 from kvfence.operator.keys import Key
-
-log = logging.getLogger("kvfence.operator")
 
 Obj = dict[str, Any]
 
