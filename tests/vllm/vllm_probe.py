@@ -12,6 +12,8 @@ what kvfence renders. Reads a JSON request on stdin, writes a JSON answer on std
 * ``bodies``: request bodies as the middleware hands them to vLLM, validated with vLLM's own request
   models for the three salted endpoints.
 * ``options``: every long option of ``vllm serve``'s parser (what ``engine.extraArgs`` could reach).
+* ``fields``: the body fields of vLLM's request models for ``/v1/completions`` and
+  ``/v1/chat/completions`` (what the router's request surface must classify).
 * ``middleware``: vLLM's own middleware registration (``init_entrypoints_middleware``) applied to a
   FastAPI app with ``--middleware kvfence.vllm.middleware.KvfenceMiddleware``, exercised with
   signed and unsigned requests.
@@ -124,6 +126,17 @@ def validate_bodies(bodies: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def request_fields() -> dict[str, list[str]]:
+    """The body fields of vLLM's own request models for the two paths the router forwards."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return {
+        "/v1/completions": sorted(CompletionRequest.model_fields),
+        "/v1/chat/completions": sorted(ChatCompletionRequest.model_fields),
+    }
+
+
 def run_middleware(spec: dict[str, Any]) -> dict[str, Any]:
     """vLLM's middleware loader around a FastAPI app, driven with Starlette's TestClient."""
     from fastapi import FastAPI, Request
@@ -181,6 +194,8 @@ def main() -> int:
             answer["bodies"] = validate_bodies(req["bodies"])
         if req.get("options"):
             answer["options"] = serve_options()
+        if req.get("fields"):
+            answer["fields"] = request_fields()
         if "middleware" in req:
             answer["middleware"] = run_middleware(req["middleware"])
     json.dump(answer, sys.stdout)

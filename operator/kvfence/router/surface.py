@@ -62,7 +62,7 @@ REFUSED: dict[str, str] = {
 Check = Callable[[Any, RequestLimits, str], None]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Shape:
     """What a checked request asks for: ``sequences`` = ``prompts`` x ``choices`` (``n``, or
     ``best_of`` when larger), each allowed up to ``max_tokens`` completion tokens."""
@@ -185,7 +185,8 @@ def _logprobs(v: Any, limits: RequestLimits, field: str) -> None:
 
 
 def _messages(v: Any, limits: RequestLimits, field: str) -> None:
-    if not isinstance(v, list) or not v or not all(isinstance(m, dict) for m in v):
+    """Counted; each message's shape is the engine's to check (it costs nothing by itself)."""
+    if type(v) is not list or not v:
         raise _bad(field, f"'{field}' must be a non-empty list of message objects.")
     if len(v) > limits.max_messages:
         raise _over(field, "messages", len(v), limits.max_messages, "maxMessages")
@@ -375,24 +376,33 @@ def _choices(body: dict[str, Any], limits: RequestLimits) -> int:
     return best_of
 
 
+_NONE: list[str] = []  # never appended to
+
+
 def check_request(
     body: dict[str, Any], path: str, limits: RequestLimits, default_max_tokens: int
 ) -> tuple[Shape, list[str], list[str]]:
     """Check ``body`` (a parsed JSON object) for ``path``: (its shape, the stripped fields present,
     the dropped fields present), or a 400 :class:`RouterError` naming the first field at fault."""
-    stripped: list[str] = []
-    dropped: list[str] = []
+    stripped, dropped = _NONE, _NONE
     if not _KNOWN[path].issuperset(body):
         stripped, dropped = unknown_fields(body, path)
-    stream = body.get("stream", False)
+    stream = body.get("stream")
     if stream is not None and type(stream) is not bool:
         raise _bad("stream", "'stream' must be a boolean.")
-    checks = FORWARDED[path]
-    for f in _CHECKED[path].intersection(body):
-        checks[f](body[f], limits, f)
-    choices, max_tokens = _choices(body, limits), _max_tokens(body, default_max_tokens)
-    prompts = count_prompts(body.get("prompt"), limits) if path == COMPLETIONS else 1
-    if path == CHAT_COMPLETIONS and "messages" not in body:
+    checked = _CHECKED[path].intersection(body)
+    if checked:
+        checks = FORWARDED[path]
+        for f in checked:
+            checks[f](body[f], limits, f)
+    choices = _choices(body, limits) if "n" in body or "best_of" in body else 1
+    max_tokens = _max_tokens(body, default_max_tokens)
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        prompts = 1 if type(prompt) is str else count_prompts(prompt, limits)
+    elif "messages" in body:
+        prompts = 1
+    else:
         raise _bad("messages", "'messages' is required.")
     shape = Shape(prompts, choices, max_tokens)
     if shape.sequences > limits.max_sequences_per_request:
