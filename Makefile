@@ -16,9 +16,12 @@ VLLM_LANE_ADDOPTS = -ra --strict-markers --import-mode=importlib -p no:cacheprov
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/'
 
+# The compiled modules are abi3 builds (setup.py): a per-version build left in the tree by an older
+# install would be imported before them, so it is removed first.
 $(VENV)/.installed: pyproject.toml setup.py engine-image/kvfence/engine/_prefix_walk.c engine-image/kvfence/vllm/_records.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	rm -f engine-image/kvfence/engine/_prefix_walk.cpython-*.so engine-image/kvfence/vllm/_records.cpython-*.so
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 

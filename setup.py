@@ -2,14 +2,21 @@
 ``operator/`` (API, operator, router) and ``engine-image/`` (contract, engine, vLLM plugin). setuptools'
 declarative config cannot map one namespace onto two roots, so this file does that mapping, and
 declares the compiled modules: the prefix cache's verified walk (``_prefix_walk.c``, linked against
-OpenSSL's libcrypto) and the vLLM fence's prefix-cache records (``_records.c``). ``KVFENCE_PURE_PYTHON=1``
-builds without them (a wheel for any Python, as the GPU vLLM image needs: its Python is vLLM's; the
-fence then uses its pure-Python records, see kvfence.vllm.records); everything else lives in
-pyproject.toml."""
+OpenSSL's libcrypto) and the vLLM fence's prefix-cache records (``_records.c``); everything else lives
+in pyproject.toml.
 
-import os
+Both are built against CPython's stable ABI (``Py_LIMITED_API`` of 3.11, the oldest Python kvfence
+supports), and the wheel is tagged ``cp311-abi3``: one wheel loads in CPython 3.11 and every later
+release, so the GPU vLLM image (whose Python is vLLM's own, not the one that builds the wheel) installs
+the same compiled modules that the tests and benchmarks here run."""
 
 from setuptools import Extension, find_namespace_packages, setup
+
+#: CPython 3.11's stable ABI: the C sources refuse to build without it.
+LIMITED_API = ("Py_LIMITED_API", "0x030B0000")
+ABI3_TAG = "cp311"
+#: a function the limited API does not declare is an error, not an implicit int-returning declaration
+COMPILE_ARGS = ["-O2", "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types"]
 
 ROOTS = ("operator", "engine-image")
 packages: list[str] = []
@@ -19,22 +26,27 @@ for root in ROOTS:
         packages.append(pkg)
         package_dir[pkg] = f"{root}/{pkg.replace('.', '/')}"
 
-ext_modules = []
-if os.environ.get("KVFENCE_PURE_PYTHON") != "1":
-    ext_modules.append(
-        Extension(
-            "kvfence.engine._prefix_walk",
-            ["engine-image/kvfence/engine/_prefix_walk.c"],
-            libraries=["crypto"],
-            extra_compile_args=["-O2"],
-        )
-    )
-    ext_modules.append(
-        Extension(
-            "kvfence.vllm._records",
-            ["engine-image/kvfence/vllm/_records.c"],
-            extra_compile_args=["-O2"],
-        )
-    )
+ext_modules = [
+    Extension(
+        "kvfence.engine._prefix_walk",
+        ["engine-image/kvfence/engine/_prefix_walk.c"],
+        libraries=["crypto"],
+        extra_compile_args=COMPILE_ARGS,
+        define_macros=[LIMITED_API],
+        py_limited_api=True,
+    ),
+    Extension(
+        "kvfence.vllm._records",
+        ["engine-image/kvfence/vllm/_records.c"],
+        extra_compile_args=COMPILE_ARGS,
+        define_macros=[LIMITED_API],
+        py_limited_api=True,
+    ),
+]
 
-setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules)
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    ext_modules=ext_modules,
+    options={"bdist_wheel": {"py_limited_api": ABI3_TAG}},
+)

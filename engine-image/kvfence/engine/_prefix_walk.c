@@ -22,9 +22,23 @@
  * counted here. The GIL is held throughout (nothing here is shared between calls but interned names). */
 #define PY_SSIZE_T_CLEAN
 #define OPENSSL_SUPPRESS_DEPRECATED
+/* The stable ABI of CPython 3.11 (setup.py builds with Py_LIMITED_API): one abi3 wheel for CPython 3.11
+ * and every later release. Bytes are read through PyBytes_AsStringAndSize, never their layout. */
+#ifndef Py_LIMITED_API
+#error "_prefix_walk.c is built against the stable ABI: setup.py defines Py_LIMITED_API"
+#endif
 #include <Python.h>
 #include <string.h>
 #include <openssl/sha.h>
+
+#ifndef Py_SETREF
+#define Py_SETREF(dst, src)                                                                                  \
+    do {                                                                                                     \
+        PyObject *_old = (PyObject *)(dst);                                                                  \
+        (dst) = (src);                                                                                       \
+        Py_DECREF(_old);                                                                                     \
+    } while (0)
+#endif
 
 static PyObject *s_context, *s_parent, *s_tokens, *s_state, *s_cache_handle;
 
@@ -44,7 +58,13 @@ takes(PyObject *cand, PyObject *ctx, PyObject *parent, PyObject *fenced, const c
         goto done;
     if (!(t = PyObject_GetAttr(cand, s_tokens)))
         goto error;
-    if (!PyBytes_CheckExact(t) || PyBytes_GET_SIZE(t) != blen || memcmp(PyBytes_AS_STRING(t), block, (size_t)blen) != 0)
+    if (!PyBytes_CheckExact(t))
+        goto done;
+    char *tbuf;
+    Py_ssize_t tlen;
+    if (PyBytes_AsStringAndSize(t, &tbuf, &tlen) < 0)
+        goto error;
+    if (tlen != blen || memcmp(tbuf, block, (size_t)blen) != 0)
         goto done;
     if (!(s = PyObject_GetAttr(cand, s_state)))
         goto error;
@@ -59,6 +79,7 @@ error:
     Py_XDECREF(c);
     Py_XDECREF(p);
     Py_XDECREF(t);
+    Py_XDECREF(s);
     return -1;
 }
 
@@ -71,11 +92,14 @@ walk(PyObject *Py_UNUSED(self), PyObject *args)
                           &end, &bb, &PyBytes_Type, &key, &matched, &ctx, &parent, &fenced, &PyList_Type,
                           &blocks))
         return NULL;
-    if (bb <= 0 || pos < 0 || end > PyBytes_GET_SIZE(raw)) {
+    char *data;
+    Py_ssize_t raw_len;
+    if (PyBytes_AsStringAndSize(raw, &data, &raw_len) < 0)
+        return NULL;
+    if (bb <= 0 || pos < 0 || end > raw_len) {
         PyErr_SetString(PyExc_ValueError, "block_bytes must be positive and [pos, end) inside raw");
         return NULL;
     }
-    const char *data = PyBytes_AS_STRING(raw);
     unsigned char out[SHA256_DIGEST_LENGTH];
     SHA256_CTX sha;
     PyObject *cand = Py_None;
@@ -83,7 +107,11 @@ walk(PyObject *Py_UNUSED(self), PyObject *args)
     Py_INCREF(matched);
     Py_INCREF(parent);
     while (pos + bb <= end) {
-        if (!SHA256_Init(&sha) || !SHA256_Update(&sha, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key))
+        char *kbuf;
+        Py_ssize_t klen;
+        if (PyBytes_AsStringAndSize(key, &kbuf, &klen) < 0)
+            goto error;
+        if (!SHA256_Init(&sha) || !SHA256_Update(&sha, kbuf, (size_t)klen)
             || !SHA256_Update(&sha, data + pos, (size_t)bb) || !SHA256_Final(out, &sha)) {
             PyErr_SetString(PyExc_RuntimeError, "OpenSSL SHA-256 failed");
             goto error;

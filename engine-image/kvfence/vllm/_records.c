@@ -38,10 +38,27 @@
  * Token ids are Python ints; anything else, or an int outside int32, raises (TypeError,
  * OverflowError) rather than compare unequal: a token list that is not one is a bug, never a miss. */
 #define PY_SSIZE_T_CLEAN
+/* The stable ABI of CPython 3.11 (setup.py builds with Py_LIMITED_API): one abi3 wheel loads in CPython
+ * 3.11 and every later release, so the GPU vLLM image, whose Python is vLLM's, runs this module, and the
+ * build benchmarked and tested on CPU is the very one it ships. Nothing below reaches into an object's
+ * layout: list items and int values are read through the API's functions, and Record is a heap type. */
+#ifndef Py_LIMITED_API
+#error "_records.c is built against the stable ABI: setup.py defines Py_LIMITED_API"
+#endif
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#ifndef Py_SETREF
+#define Py_SETREF(dst, src)                                                                                  \
+    do {                                                                                                     \
+        PyObject *_old = (PyObject *)(dst);                                                                  \
+        (dst) = (src);                                                                                       \
+        Py_DECREF(_old);                                                                                     \
+    } while (0)
+#endif
 
 /* Token ids are stored as int32, vLLM's own type for them (its input batch holds them in int32 arrays,
  * and its input processor refuses ids outside the vocabulary before the scheduler sees them): a record
@@ -51,8 +68,9 @@
 typedef int32_t token_t;
 
 /* The tokens live in the record itself (one allocation, not a record and a bytes object), and records
- * come from the C heap, not from CPython's small-object pools, where vLLM's own short-lived objects
- * live: a record lives as long as its block stays cached. Timed, recording cost the plugin about two
+ * come from the C heap (malloc: PyMem_RawMalloc, the same allocator, is outside the stable ABI before
+ * 3.13), not from CPython's small-object pools, where vLLM's own short-lived objects live: a record
+ * lives as long as its block stays cached. Timed, recording cost the plugin about two
  * points, many times what callgrind counts for it; this layout took part of that off (docs/engine.md,
  * "What the plugin costs inside vLLM"). */
 typedef struct {
@@ -64,38 +82,29 @@ typedef struct {
     token_t tokens[];    /* ntokens token ids */
 } RecordObject;
 
-static PyTypeObject RecordType;
+static PyTypeObject *RecordType; /* a heap type, made by PyInit__records */
 
-/* One token id as int32; -1 with an exception set on error. Token ids are small ints: those are read
- * from the int object directly (one machine word, no call), anything else the general way. */
+/* One token id as int32; -1 with an exception set on error. Token ids are exact ints (a pointer
+ * comparison), their value read with one call; an int subclass takes the same path, anything else is a
+ * TypeError (never its __index__: a token list that holds other objects is a bug). The caller has
+ * checked that i is inside the list. */
 static inline int
 token_at(PyObject *list, Py_ssize_t i, token_t *out)
 {
-    PyObject *o = PyList_GET_ITEM(list, i);
-#if PY_VERSION_HEX >= 0x030C0000
-    if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
-        Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)o);
-        if (v >= INT32_MIN && v <= INT32_MAX) {
-            *out = (token_t)v;
-            return 0;
+    PyObject *o = PyList_GetItem(list, i); /* borrowed */
+    if (o == NULL)
+        return -1;
+    if (!PyLong_CheckExact(o) && !PyLong_Check(o)) {
+        PyObject *name = PyType_GetName(Py_TYPE(o));
+        if (name != NULL) {
+            PyErr_Format(PyExc_TypeError, "token %zd is %U, not an int", i, name);
+            Py_DECREF(name);
         }
-    }
-#else
-    if (PyLong_CheckExact(o)) {
-        Py_ssize_t size = Py_SIZE(o); /* digits, signed: 0 for zero, +-1 below 2**30 */
-        if (size == 0 || size == 1 || size == -1) {
-            *out = (token_t)size * (token_t)((PyLongObject *)o)->ob_digit[0]; /* below 2**30 */
-            return 0;
-        }
-    }
-#endif
-    if (!PyLong_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "token %zd is %.100s, not an int", i, Py_TYPE(o)->tp_name);
         return -1;
     }
     int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (v == -1 && PyErr_Occurred())
+    long v = PyLong_AsLongAndOverflow(o, &overflow);
+    if (v == -1 && !overflow && PyErr_Occurred())
         return -1;
     if (overflow || v < INT32_MIN || v > INT32_MAX) {
         PyErr_Format(PyExc_OverflowError, "token %zd is outside int32 (vLLM's token id type)", i);
@@ -125,7 +134,9 @@ clamp_slice(Py_ssize_t *start, Py_ssize_t *stop, Py_ssize_t len)
 static Py_ssize_t
 packed_count(PyObject *packed, const char *who)
 {
-    Py_ssize_t size = PyBytes_GET_SIZE(packed);
+    Py_ssize_t size = PyBytes_Size(packed);
+    if (size < 0)
+        return -1;
     if (size % (Py_ssize_t)sizeof(token_t) != 0) {
         PyErr_Format(PyExc_ValueError, "%s: packed tokens are not a whole number of int32 token ids", who);
         return -1;
@@ -138,7 +149,9 @@ packed_count(PyObject *packed, const char *who)
 static int
 list_holds(const char *buf, Py_ssize_t n, PyObject *list, Py_ssize_t start)
 {
-    Py_ssize_t len = PyList_GET_SIZE(list);
+    Py_ssize_t len = PyList_Size(list);
+    if (len < 0)
+        return -1;
     if (start > len || n > len - start)
         return 0;
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -159,12 +172,16 @@ pack(PyObject *list, Py_ssize_t start, Py_ssize_t stop)
         PyErr_SetString(PyExc_TypeError, "Record: tokens must be a list");
         return NULL;
     }
-    if (clamp_slice(&start, &stop, PyList_GET_SIZE(list)) < 0)
+    if (clamp_slice(&start, &stop, PyList_Size(list)) < 0)
         return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, (stop - start) * (Py_ssize_t)sizeof(token_t));
     if (out == NULL)
         return NULL;
-    char *buf = PyBytes_AS_STRING(out);
+    char *buf = PyBytes_AsString(out); /* a new bytes object, written before anyone else sees it */
+    if (buf == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
     for (Py_ssize_t i = start; i < stop; i++) {
         token_t v;
         if (token_at(list, i, &v) < 0) {
@@ -185,7 +202,7 @@ record_make(PyObject *parent, const char *buf, PyObject *list, Py_ssize_t lo, Py
         PyErr_SetString(PyExc_ValueError, "Record: too many tokens for one block");
         return NULL;
     }
-    RecordObject *self = (RecordObject *)PyMem_RawMalloc(sizeof(RecordObject) + (size_t)n * sizeof(token_t));
+    RecordObject *self = (RecordObject *)malloc(sizeof(RecordObject) + (size_t)n * sizeof(token_t));
     if (self == NULL)
         return PyErr_NoMemory();
     if (buf != NULL) {
@@ -193,12 +210,12 @@ record_make(PyObject *parent, const char *buf, PyObject *list, Py_ssize_t lo, Py
     } else {
         for (Py_ssize_t k = 0; k < n; k++) {
             if (token_at(list, lo + k, &self->tokens[k]) < 0) {
-                PyMem_RawFree(self);
+                free(self);
                 return NULL;
             }
         }
     }
-    PyObject_Init((PyObject *)self, &RecordType);
+    PyObject_Init((PyObject *)self, RecordType); /* a heap type: the record holds a reference to it */
     self->parent = Py_NewRef(parent);
     self->namespace = Py_NewRef(namespace);
     self->ntokens = (int32_t)n;
@@ -216,7 +233,7 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOnnO|p:Record", kwlist, &parent, &list, &start, &stop,
                                      &namespace, &root))
         return NULL;
-    if (parent != Py_None && !Py_IS_TYPE(parent, &RecordType)) {
+    if (parent != Py_None && !Py_IS_TYPE(parent, RecordType)) {
         PyErr_SetString(PyExc_TypeError, "Record: parent must be a Record or None");
         return NULL;
     }
@@ -224,14 +241,14 @@ record_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_ssize_t len = packed_count(list, "Record");
         if (len < 0 || clamp_slice(&start, &stop, len) < 0)
             return NULL;
-        return record_make(parent, PyBytes_AS_STRING(list) + start * (Py_ssize_t)sizeof(token_t), NULL, 0,
+        return record_make(parent, PyBytes_AsString(list) + start * (Py_ssize_t)sizeof(token_t), NULL, 0,
                            stop - start, namespace, root);
     }
     if (!PyList_Check(list)) {
         PyErr_SetString(PyExc_TypeError, "Record: tokens must be a list");
         return NULL;
     }
-    if (clamp_slice(&start, &stop, PyList_GET_SIZE(list)) < 0)
+    if (clamp_slice(&start, &stop, PyList_Size(list)) < 0)
         return NULL;
     return record_make(parent, NULL, list, start, stop - start, namespace, root);
 }
@@ -240,6 +257,15 @@ static void
 record_clear_fields(RecordObject *r)
 {
     Py_CLEAR(r->namespace);
+}
+
+/* A record's memory, and the reference to its (heap) type that PyObject_Init gave it. */
+static void
+record_free(RecordObject *r)
+{
+    PyTypeObject *type = Py_TYPE((PyObject *)r);
+    free(r);
+    Py_DECREF(type);
 }
 
 /* Iterative over the parent chain: freeing the last record of a long chain (a 128k-token context is
@@ -251,14 +277,13 @@ record_dealloc(RecordObject *self)
     PyObject *parent = self->parent;
     self->parent = NULL;
     record_clear_fields(self);
-    PyMem_RawFree(self);
-    while (parent != NULL && Py_IS_TYPE(parent, &RecordType) && Py_REFCNT(parent) == 1) {
+    record_free(self);
+    while (parent != NULL && Py_IS_TYPE(parent, RecordType) && Py_REFCNT(parent) == 1) {
         RecordObject *p = (RecordObject *)parent;
         parent = p->parent;
         p->parent = NULL;
         record_clear_fields(p);
-        Py_SET_REFCNT(p, 0);
-        PyMem_RawFree(p);
+        record_free(p);
     }
     Py_XDECREF(parent);
 }
@@ -294,20 +319,25 @@ static PyGetSetDef record_getset[] = {
     {NULL},
 };
 
-static PyTypeObject RecordType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvfence.vllm._records.Record",
-    .tp_basicsize = sizeof(RecordObject),
-    .tp_itemsize = 0, /* the tokens are allocated with the record by record_make, from the C heap */
-    .tp_dealloc = (destructor)record_dealloc,
-    .tp_repr = (reprfunc)record_repr,
-    /* Not Py_TPFLAGS_HAVE_GC, on purpose: see the top of this file. Not a base type either: a subclass
-     * could add what makes a cycle. */
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "What a cached block holds (see kvfence.vllm.records).",
-    .tp_members = record_members,
-    .tp_getset = record_getset,
-    .tp_new = record_new,
+static PyType_Slot record_slots[] = {
+    {Py_tp_dealloc, (void *)record_dealloc},
+    {Py_tp_repr, (void *)record_repr},
+    {Py_tp_doc, (void *)"What a cached block holds (see kvfence.vllm.records)."},
+    {Py_tp_members, record_members},
+    {Py_tp_getset, record_getset},
+    {Py_tp_new, (void *)record_new},
+    {0, NULL},
+};
+
+/* The basic size counts no tokens: they are allocated with the record by record_make, from the C heap.
+ * Not Py_TPFLAGS_HAVE_GC, on purpose: see the top of this file. Not a base type either: a subclass could
+ * add what makes a cycle. Immutable, as a static type is. */
+static PyType_Spec record_spec = {
+    "kvfence.vllm._records.Record",
+    sizeof(RecordObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    record_slots,
 };
 
 static PyObject *
@@ -332,7 +362,7 @@ records_equal(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t n = packed_count(packed, "equal");
     if (n < 0)
         return NULL;
-    int held = list_holds(PyBytes_AS_STRING(packed), n, list, start);
+    int held = list_holds(PyBytes_AsString(packed), n, list, start);
     if (held < 0)
         return NULL;
     return PyBool_FromLong(held);
@@ -345,15 +375,16 @@ records_pack(PyObject *self, PyObject *list)
         PyErr_SetString(PyExc_TypeError, "pack: tokens must be a list");
         return NULL;
     }
-    return pack(list, 0, PyList_GET_SIZE(list));
+    return pack(list, 0, PyList_Size(list));
 }
 
 /* Whether record r's tokens are tokens[lo:lo + n], n its token count: from packed where it reaches
- * (memcmp), else from the list. 1 equal, 0 not, -1 error. */
+ * (memcmp), else from the list. len: the list's length (list_holds reads it again before it reads the
+ * list). 1 equal, 0 not, -1 error. */
 static int
-record_holds(RecordObject *r, PyObject *list, const char *packed, Py_ssize_t npacked, Py_ssize_t lo)
+record_holds(RecordObject *r, PyObject *list, Py_ssize_t len, const char *packed, Py_ssize_t npacked, Py_ssize_t lo)
 {
-    Py_ssize_t n = r->ntokens, len = PyList_GET_SIZE(list);
+    Py_ssize_t n = r->ntokens;
     size_t size = (size_t)n * sizeof(token_t);
     const char *buf = (const char *)r->tokens;
     if (packed != NULL && lo <= len && n <= len - lo && lo + n <= npacked)
@@ -376,12 +407,12 @@ records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *packed = NULL;
     Py_ssize_t npacked = 0;
     if (packed_obj != Py_None) {
-        if (!PyBytes_Check(packed_obj) || PyBytes_GET_SIZE(packed_obj) % (Py_ssize_t)sizeof(token_t) != 0) {
+        if (!PyBytes_Check(packed_obj) || PyBytes_Size(packed_obj) % (Py_ssize_t)sizeof(token_t) != 0) {
             PyErr_SetString(PyExc_TypeError, "verify_chain: packed must be bytes from pack() or None");
             return NULL;
         }
-        packed = PyBytes_AS_STRING(packed_obj);
-        npacked = PyBytes_GET_SIZE(packed_obj) / (Py_ssize_t)sizeof(token_t);
+        packed = PyBytes_AsString(packed_obj);
+        npacked = PyBytes_Size(packed_obj) / (Py_ssize_t)sizeof(token_t);
     }
     Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
     if (bs == -1 && PyErr_Occurred())
@@ -390,18 +421,24 @@ records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "verify_chain: block_size must be positive");
         return NULL;
     }
-    Py_ssize_t nids = PyList_GET_SIZE(ids), nrec = PyList_GET_SIZE(records), i;
+    /* Both lengths are read once: PyList_GetItem checks every index against the list as it is. */
+    Py_ssize_t nids = PyList_Size(ids), nrec = PyList_Size(records), len = PyList_Size(list), i;
     PyObject *parent = Py_None;
     for (i = 0; i < nids; i++) {
-        Py_ssize_t bid = PyLong_AsSsize_t(PyList_GET_ITEM(ids, i));
+        PyObject *id_obj = PyList_GetItem(ids, i);
+        if (id_obj == NULL)
+            return NULL;
+        Py_ssize_t bid = PyLong_AsSsize_t(id_obj);
         if (bid == -1 && PyErr_Occurred())
             return NULL;
         if (bid < 0 || bid >= nrec) {
             PyErr_Format(PyExc_IndexError, "verify_chain: block id %zd has no record slot", bid);
             return NULL;
         }
-        PyObject *o = PyList_GET_ITEM(records, bid);
-        if (!Py_IS_TYPE(o, &RecordType))
+        PyObject *o = PyList_GetItem(records, bid);
+        if (o == NULL)
+            return NULL;
+        if (!Py_IS_TYPE(o, RecordType))
             break; /* None (no record) or not a compiled record: not verified here */
         RecordObject *r = (RecordObject *)o;
         if (r->parent != parent || r->ntokens != bs)
@@ -417,7 +454,7 @@ records_verify_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         } else if (r->namespace != Py_None) {
             break;
         }
-        int held = record_holds(r, list, packed, npacked, i * bs);
+        int held = record_holds(r, list, len, packed, npacked, i * bs);
         if (held < 0)
             return NULL;
         if (!held)
@@ -465,7 +502,7 @@ records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "record_chain: records, blocks and tokens must be lists");
         return NULL;
     }
-    if (parent != Py_None && !Py_IS_TYPE(parent, &RecordType)) {
+    if (parent != Py_None && !Py_IS_TYPE(parent, RecordType)) {
         PyErr_SetString(PyExc_TypeError, "record_chain: parent must be a Record or None");
         return NULL;
     }
@@ -473,21 +510,25 @@ records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t bs = PyLong_AsSsize_t(args[7]), root = PyLong_AsSsize_t(args[8]);
     if (PyErr_Occurred())
         return NULL;
-    if (start < 0 || bs <= 0 || stop > PyList_GET_SIZE(blocks)) {
+    if (start < 0 || bs <= 0 || stop > PyList_Size(blocks)) {
         PyErr_SetString(PyExc_ValueError, "record_chain: start, stop or block_size out of range");
         return NULL;
     }
     Py_ssize_t npacked = 0;
+    const char *packed = NULL;
     if (packed_obj != Py_None) {
         if (!PyBytes_Check(packed_obj) || (npacked = packed_count(packed_obj, "record_chain")) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "record_chain: packed must be bytes from pack() or None");
             return NULL;
         }
+        packed = PyBytes_AsString(packed_obj);
     }
     Py_INCREF(parent);
     for (Py_ssize_t i = start; i < stop; i++) {
-        PyObject *block = PyList_GET_ITEM(blocks, i);
+        PyObject *block = PyList_GetItem(blocks, i); /* borrowed */
+        if (block == NULL)
+            goto fail;
         int null = attr_is_true(block, str_is_null);
         if (null < 0)
             goto fail;
@@ -507,7 +548,7 @@ records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(id_obj);
         if (bid == -1 && PyErr_Occurred())
             goto fail;
-        if (bid < 0 || bid >= PyList_GET_SIZE(records)) {
+        if (bid < 0 || bid >= PyList_Size(records)) {
             PyErr_Format(PyExc_IndexError, "record_chain: block id %zd has no record slot", bid);
             goto fail;
         }
@@ -515,15 +556,19 @@ records_record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (i < root || (i > 0 && parent == Py_None)) {
             rec = Py_NewRef(Py_None);
         } else {
-            Py_ssize_t lo = i * bs, hi = lo + bs;
-            if (hi > PyList_GET_SIZE(list))
-                hi = PyList_GET_SIZE(list) > lo ? PyList_GET_SIZE(list) : lo; /* clamped, as slicing does */
-            const char *buf = hi <= npacked ? PyBytes_AS_STRING(packed_obj) + lo * (Py_ssize_t)sizeof(token_t) : NULL;
+            Py_ssize_t lo = i * bs, hi = lo + bs, len = PyList_Size(list);
+            if (hi > len)
+                hi = len > lo ? len : lo; /* clamped, as slicing does */
+            const char *buf = hi <= npacked ? packed + lo * (Py_ssize_t)sizeof(token_t) : NULL;
             rec = record_make(parent, buf, list, lo, hi - lo, i == root ? ns : Py_None, i == root);
             if (rec == NULL)
                 goto fail;
         }
-        PyList_SetItem(records, bid, Py_NewRef(rec)); /* steals the new reference; drops the old record */
+        /* PyList_SetItem steals the new reference (also when it fails) and drops the old record. */
+        if (PyList_SetItem(records, bid, Py_NewRef(rec)) < 0) {
+            Py_DECREF(rec);
+            goto fail;
+        }
         Py_SETREF(parent, rec);
     }
     Py_DECREF(parent);
@@ -549,13 +594,14 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvfence.vllm._records",
     "The vLLM fence's prefix-cache records, compiled (see _records.c and kvfence.vllm.records).", -1,
-    methods,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
 PyInit__records(void)
 {
-    if (PyType_Ready(&RecordType) < 0)
+    RecordType = (PyTypeObject *)PyType_FromSpec(&record_spec);
+    if (RecordType == NULL)
         return NULL;
     str_is_null = PyUnicode_InternFromString("is_null");
     str_block_hash = PyUnicode_InternFromString("block_hash");
@@ -569,9 +615,8 @@ PyInit__records(void)
         Py_DECREF(m);
         return NULL;
     }
-    Py_INCREF(&RecordType);
-    if (PyModule_AddObject(m, "Record", (PyObject *)&RecordType) < 0) {
-        Py_DECREF(&RecordType);
+    /* The module holds one reference to the type, RecordType (for the module's life) another. */
+    if (PyModule_AddObjectRef(m, "Record", (PyObject *)RecordType) < 0) {
         Py_DECREF(m);
         return NULL;
     }
