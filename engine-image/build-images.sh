@@ -8,8 +8,10 @@
 #    is made with debootstrap (python3, python3-venv, ca-certificates) and imported as
 #    localhost/kvfence/debian-base:bookworm. The root filesystem tarball is kept in $OUT, so later
 #    runs need no Debian mirror either.
-# 2. Wheels: the kvfence wheel and every dependency, built on this machine into $OUT/context/wheels
-#    (pip needs a package index, or an earlier run's wheelhouse with KVFENCE_OFFLINE=1).
+# 2. Wheels: the kvfence wheel (engine-image/build-wheel.sh: one cp311-abi3 wheel, its compiled modules
+#    built against CPython's stable ABI, so every image installs the same one, the vLLM image's Python
+#    included) and every dependency, built on this machine into $OUT/context/wheels (pip needs a
+#    package index, or an earlier run's wheelhouse with KVFENCE_OFFLINE=1).
 # 3. Images, built with --network none from that context: nothing is downloaded during the build.
 #      kvfence/control-plane:<version>     kvfence-operator and kvfence-router (the Helm chart's image)
 #      kvfence/engine-reference:<version>  the CPU reference engine
@@ -18,9 +20,9 @@
 #                                          machine (engine-image/vllm-wheelhouse.sh, cached in
 #                                          ~/.cache/kvfence/wheels): about 6 GB, what the e2e suite's
 #                                          vLLM class runs
-#      kvfence/engine-vllm:<version>       vLLM + the kvfence middleware and scheduler: needs the
-#                                          vllm/vllm-openai base pulled beforehand (VLLM_IMAGE), so
-#                                          never built offline
+#      kvfence/engine-vllm:<version>       vLLM + the kvfence middleware and scheduler (the same abi3
+#                                          kvfence wheel, in vLLM's Python): needs the vllm/vllm-openai
+#                                          base pulled beforehand (VLLM_IMAGE), so never built offline
 # 4. Smoke test of each image (its entry point runs as non-root on a read-only root filesystem), and
 #    an archive per image in $OUT, kvfence-<image>-<version>.oci.tar (an OCI archive with podman, a
 #    docker archive with docker; `kind load image-archive` and `ctr images import` read both).
@@ -119,15 +121,13 @@ CTX="$OUT/context"
 mkdir -p "$CTX/wheels"
 rm -f "$CTX"/wheels/kvfence-*.whl
 log "wheels into $CTX/wheels"
-# The build backend's own wheels (setuptools, wheel) are kept apart, so offline runs can build kvfence.
-pip_args=(wheel --quiet --find-links "$OUT/build-system")
-if [ "${KVFENCE_OFFLINE:-0}" = 1 ]; then
-  pip_args+=(--no-index --find-links "$CTX/wheels")
-else
-  "$PYTHON" -m pip wheel --quiet --wheel-dir "$OUT/build-system" "setuptools>=77" wheel \
-    || die "pip wheel setuptools failed (no package index? set KVFENCE_OFFLINE=1 after one online run)"
-fi
-"$PYTHON" -m pip "${pip_args[@]}" --wheel-dir "$CTX/wheels" "$ROOT" \
+# The kvfence wheel first (the build backend's own wheels are kept in $OUT/build-system, so offline runs
+# can build it), then its dependencies beside it.
+KVFENCE_WHEEL="$(PYTHON="$PYTHON" BUILD_SYSTEM="$OUT/build-system" "$ROOT/engine-image/build-wheel.sh" "$OUT/kvfence-wheel")" \
+  || die "building the kvfence wheel failed"
+pip_args=(wheel --quiet)
+[ "${KVFENCE_OFFLINE:-0}" != 1 ] || pip_args+=(--no-index --find-links "$CTX/wheels")
+"$PYTHON" -m pip "${pip_args[@]}" --wheel-dir "$CTX/wheels" "$KVFENCE_WHEEL" \
   || die "pip wheel failed (no package index? set KVFENCE_OFFLINE=1 after one online run)"
 ls "$CTX"/wheels/kvfence-*.whl >/dev/null
 
@@ -267,13 +267,12 @@ assert len(list(safe_open('/opt/kvfence/models/tiny/model.safetensors', 'pt').ke
       ;;
     vllm)
       image_exists "$VLLM_IMAGE" || die "the vLLM base $VLLM_IMAGE is not a local image: pull it where a registry is reachable (pin it by digest), or set VLLM_IMAGE"
-      # vLLM's image has a Python of its own, not this host's: a pure-Python kvfence wheel (without the
-      # reference engine's compiled prefix walk, which vLLM does not use).
+      # vLLM's image has a Python of its own, not this host's: the abi3 kvfence wheel loads there too
+      # (Dockerfile.vllm fails the build if its compiled records do not).
       gctx="$OUT/vllm-context"
       rm -rf "$gctx"
       mkdir -p "$gctx/wheels"
-      KVFENCE_PURE_PYTHON=1 "$PYTHON" -m pip "${pip_args[@]}" --no-deps --wheel-dir "$gctx/wheels" "$ROOT" \
-        || die "pip wheel (pure Python) failed"
+      cp "$KVFENCE_WHEEL" "$gctx/wheels/"
       BUILD_CTX="$gctx" build engine-vllm Dockerfile.vllm --build-arg "VLLM_IMAGE=$VLLM_IMAGE"
       rm -rf "$gctx"
       save engine-vllm
