@@ -277,6 +277,25 @@ def test_the_compiled_walk_is_built() -> None:
     assert setup().prefix_cache is not None and setup().prefix_cache.compiled
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "walk"),
+    [
+        ({}, "compiled"),
+        ({"compiled": False}, "python"),
+        ({"hash_algorithm": "blake2b"}, "python"),
+        ({"hash_fn": hash_function("sha256")}, "python"),
+    ],
+)
+def test_metrics_name_the_walk_that_runs(kwargs: dict[str, Any], walk: str) -> None:
+    m = EngineMetrics()
+    assert m.value("kvfence_engine_info", {"prefix_walk": "none"}) == 1
+    pc = PrefixCache(BS, m, **kwargs)
+    assert pc.walk == walk
+    assert m.value("kvfence_engine_info", {"prefix_walk": walk}) == 1
+    samples = [s for f in m.registry.collect() if f.name == "kvfence_engine_info" for s in f.samples]
+    assert [s.labels for s in samples] == [{"prefix_walk": walk}]
+
+
 @pytest.mark.parametrize("algo", [*WALKS, "generic"])
 def test_lookup_across_split_windows_stops_at_the_first_bad_block(algo: str) -> None:
     """The walk splits the prompt a window of blocks at a time: a prompt longer than several windows

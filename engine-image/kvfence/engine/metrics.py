@@ -82,6 +82,18 @@ class EngineMetrics:
             "kvfence_engine_generated_tokens_total", "Tokens generated", registry=r
         )
         self._gauges: dict[str, Gauge] = {}
+        self._info = Gauge(
+            "kvfence_engine_info",
+            "The engine's build: which prefix-cache walk runs (compiled, python, or none without a cache)",
+            labelnames=["prefix_walk"],
+            registry=r,
+        )
+        self._info.labels(prefix_walk="none").set(1)
+
+    def prefix_walk(self, walk: str) -> None:
+        """``kvfence_engine_info{prefix_walk=walk} 1``, the only series (the prefix cache sets it)."""
+        self._info.clear()
+        self._info.labels(prefix_walk=walk).set(1)
 
     def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         """A gauge whose value is read from ``fn`` at scrape time (block counts, queue lengths)."""

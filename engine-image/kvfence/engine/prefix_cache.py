@@ -165,6 +165,12 @@ class PrefixCache:
         self._split = re.compile(b".{%d}" % self.block_bytes, re.DOTALL)
         #: walk in C (sha256 only: BLAKE2b through OpenSSL is slower than hashlib's own)
         self.compiled = compiled and COMPILED_WALK and hash_fn is None and hash_algorithm == "sha256"
+        metrics.prefix_walk(self.walk)
+
+    @property
+    def walk(self) -> str:
+        """Which walk runs: "compiled" (``_prefix_walk.c``) or "python"."""
+        return "compiled" if self.compiled else "python"
 
     def __len__(self) -> int:
         return len(self.index)

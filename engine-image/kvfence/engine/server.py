@@ -356,8 +356,13 @@ async def serve(
     site = web.TCPSite(runner, config.listen.host, config.listen.port)
     await site.start()
     port = int(runner.addresses[0][1]) if runner.addresses else config.listen.port
+    pc = server.engine.prefix_cache
     log.info(
-        "kvfence engine for trust class %s listening on %s:%d", config.trust_class, config.listen.host, port
+        "kvfence engine for trust class %s listening on %s:%d (prefix-cache walk: %s)",
+        config.trust_class,
+        config.listen.host,
+        port,
+        pc.walk if pc is not None else "none",
     )
     if ready is not None:
         ready(port)

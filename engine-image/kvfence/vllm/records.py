@@ -1,9 +1,12 @@
 """What a cached block holds, for the fence to verify a prefix hit against: its tokens, the record of
 the block before it, and at the root the cache namespace (salt and adapter).
 
-Two implementations of the same interface, chosen at import (:data:`COMPILED` says which):
+Two implementations of the same interface, chosen at import (:data:`COMPILED` and
+:data:`IMPLEMENTATION` say which; the scheduler names it in its start-up log line, and ``/metrics`` as
+``kvfence_engine_info{records="compiled"|"python"} 1``, see kvfence.vllm.stats):
 
-* compiled (``_records.c``, built by ``setup.py``): the tokens packed as native int32 bytes
+* compiled (``_records.c``, built by ``setup.py`` against CPython's stable ABI, so the one abi3 wheel
+  that every image installs, the GPU vLLM image included, carries it): the tokens packed as native int32 bytes
   (:data:`TOKEN_BYTES` each: vLLM's own token id type, and half the memory of int64, which matters as
   a verification reads the records of every block a hit reuses), and a record that is no container
   for Python's garbage collector (records form a tree, so no cycle can pass through one). vLLM's
@@ -11,9 +14,10 @@ Two implementations of the same interface, chosen at import (:data:`COMPILED` sa
   collection walking the token lists of the requests that arrived meanwhile; a Python object per
   cached block made the fenced scheduler collect about twice as often as vLLM alone.
   :func:`equal` reads each of the request's tokens once and copies nothing.
-* pure Python (an install built with ``KVFENCE_PURE_PYTHON=1``, such as the GPU vLLM image, whose
-  Python is vLLM's own): :class:`PyRecord`, whose tokens are the list slice itself, compared with the
-  request's slice (what the plugin did before the compiled records).
+* pure Python, the fallback where the compiled module does not load (a source tree nobody built, a
+  platform the wheel was not built for): :class:`PyRecord`, whose tokens are the list slice itself,
+  compared with the request's slice. Slower (``bench/bench_records.py`` times both), so the fallback
+  is logged as a warning with the reason the compiled module did not load.
 
 ``Record(parent, tokens, start, stop, namespace, root=False)`` records ``tokens[start:stop]``; the fence
 never looks inside ``record.tokens`` except through :func:`equal` and :func:`verify_chain` (and compares
@@ -33,7 +37,10 @@ filled, instead of one ``Record`` call per block).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, Literal
+
+log = logging.getLogger("kvfence.vllm.records")
 
 
 class PyRecord:
@@ -136,14 +143,19 @@ else:
         from kvfence.vllm._records import TOKEN_BYTES, Record, equal, pack, record_chain, verify_chain
 
         COMPILED = True
-    except ImportError:  # a pure-Python install (KVFENCE_PURE_PYTHON=1)
+    except ImportError as e:  # the fallback: see the module docstring
+        log.warning("kvfence: the compiled prefix-cache records did not load (%s): pure-Python records", e)
         Record, equal, verify_chain, pack = PyRecord, py_equal, py_verify_chain, None
         record_chain = py_record_chain
         COMPILED = False
         TOKEN_BYTES = 0  # nothing is packed
 
+#: which records run: the label value of ``kvfence_engine_info{records=...}`` on /metrics
+IMPLEMENTATION: Literal["compiled", "python"] = "compiled" if COMPILED else "python"
+
 __all__ = [
     "COMPILED",
+    "IMPLEMENTATION",
     "TOKEN_BYTES",
     "PyRecord",
     "Record",

@@ -19,7 +19,10 @@ treat a vLLM class like a reference one:
   ``kvfence_engine_tenant_kv_blocks_limit{tenant,kind="max"|"guaranteed"}``,
   ``kvfence_engine_kv_blocks_total``, ``kvfence_engine_kv_blocks_free``, ``kvfence_engine_kv_blocks_active``,
   ``kvfence_engine_kv_blocks_cached`` (the reference engine's names, so the chart's dashboard shows
-  both runtimes).
+  both runtimes);
+* ``kvfence_engine_info{records="compiled"|"python"}`` (always 1): which prefix-cache records the fence
+  runs (kvfence.vllm.records), as the engine core reports it in its snapshot; before its first
+  snapshot, what this process imported (the same install, so the same answer).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvfence.contract import (
     METRIC_STALE_REFERENCE,
 )
 from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
+from kvfence.vllm import records
 
 log = logging.getLogger("kvfence.vllm.stats")
 
@@ -90,6 +94,7 @@ class StatsWriter:
                 continue
         else:
             return
+        snap = {**snap, "records": records.IMPLEMENTATION}
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -238,3 +243,10 @@ class FenceCollector:
             limits.add_metric([tenant, "guaranteed"], t.get("guaranteed", 0))
         yield usage
         yield limits
+        info = GaugeMetricFamily(
+            "kvfence_engine_info",
+            "The engine's build: which prefix-cache records the fence runs (compiled or python)",
+            labels=["records"],
+        )
+        info.add_metric([str(s.get("records") or records.IMPLEMENTATION)], 1)
+        yield info
