@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,24 @@ def test_the_wheel_is_one_abi3_wheel_with_both_compiled_modules(wheel: Path) -> 
     assert "Root-Is-Purelib: false" in lines
     # Both modules, and no build for one Python only, which would shadow an abi3 module where it loads.
     assert {n for n in names if n.endswith(".so")} == COMPILED
+
+
+def test_the_compiled_modules_need_no_newer_glibc_than_manylinux_2_28(wheel: Path, tmp_path: Path) -> None:
+    """The wheel is built on this machine but runs in the GPU image, on another distribution: its
+    modules may ask glibc (and, for the walk, OpenSSL 3's libcrypto) for nothing newer than the
+    manylinux_2_28 baseline (glibc 2.28), which vLLM's images are well above."""
+    objdump = shutil.which("objdump")
+    assert objdump, "objdump (binutils) is needed to read the modules' symbol versions"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp_path, members=sorted(COMPILED))
+    for name in sorted(COMPILED):
+        table = subprocess.run(
+            [objdump, "-T", str(tmp_path / name)], capture_output=True, text=True, check=True
+        )
+        glibc = {tuple(int(x) for x in v.split(".")) for v in re.findall(r"GLIBC_([0-9.]+)", table.stdout)}
+        assert glibc and max(glibc) <= (2, 28), (name, sorted(glibc))
+        others = set(re.findall(r"\b([A-Z]+)_[0-9][0-9.]*\b", table.stdout)) - {"GLIBC"}
+        assert others <= {"OPENSSL"}, (name, others)
 
 
 def test_a_second_cpython_is_there_to_load_the_wheel_in() -> None:
