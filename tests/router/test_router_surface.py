@@ -17,6 +17,7 @@ from kvfence.router.surface import (
     FORWARDED,
     REFUSED,
     check_request,
+    count_prompts,
 )
 
 LIMITS = RequestLimits()
@@ -39,25 +40,22 @@ def test_the_classes_do_not_overlap() -> None:
     assert not stripped & DROPPED and not stripped & set(REFUSED) and not DROPPED & set(REFUSED)
 
 
-def test_common_requests_pass_with_their_shape() -> None:
-    shape, stripped, dropped = check_request(
-        {**PLAIN, "max_tokens": 5, "temperature": 0.5}, COMPLETIONS, LIMITS, 16
+def test_common_requests_pass_with_their_sequences() -> None:
+    body = {**PLAIN, "max_tokens": 5, "temperature": 0.5}
+    assert check_request(body, COMPLETIONS, LIMITS, 16) == (1, 5, [], [])
+    assert check_request({**CHAT, "n": 3, "stream": True}, CHAT_COMPLETIONS, LIMITS, 16)[:2] == (3, 16)
+    assert check_request({"model": "m", "prompt": [1, 2, 3]}, COMPLETIONS, LIMITS, 16)[0] == 1
+    assert check_request({"model": "m", "prompt": [[1], [2, 3]], "n": 4}, COMPLETIONS, LIMITS, 8)[:2] == (
+        8,
+        8,
     )
-    assert (shape.prompts, shape.choices, shape.max_tokens, shape.sequences) == (1, 1, 5, 1)
-    assert stripped == [] and dropped == []
-    shape, _, _ = check_request({**CHAT, "n": 3, "stream": True}, CHAT_COMPLETIONS, LIMITS, 16)
-    assert (shape.prompts, shape.choices, shape.max_tokens) == (1, 3, 16)
-    shape, _, _ = check_request({"model": "m", "prompt": [1, 2, 3]}, COMPLETIONS, LIMITS, 16)
-    assert shape.prompts == 1  # a list of token ids is one prompt
-    shape, _, _ = check_request(
-        {"model": "m", "prompt": [[1], [2, 3]], "n": 2, "best_of": 4}, COMPLETIONS, LIMITS, 8
-    )
-    assert (shape.prompts, shape.choices, shape.sequences) == (2, 4, 8)
+    assert count_prompts([1, 2, 3], LIMITS) == 1  # a list of token ids is one prompt
+    assert count_prompts(["a", "b"], LIMITS) == 2 and count_prompts([[1], [2]], LIMITS) == 2
 
 
 def test_stripped_and_dropped_fields_are_reported_not_refused() -> None:
     body = {**PLAIN, "cache_salt": "x", "vllm_xargs": {}, "user": "u", "metadata": {"a": "b"}}
-    _, stripped, dropped = check_request(body, COMPLETIONS, LIMITS, 16)
+    _, _, stripped, dropped = check_request(body, COMPLETIONS, LIMITS, 16)
     assert stripped == ["cache_salt", "vllm_xargs"] and dropped == ["metadata", "user"]
 
 
@@ -88,7 +86,6 @@ def test_unknown_fields_are_refused_by_name() -> None:
         ({"prompt": ["p"] * 33}, "prompt", "maxPromptsPerRequest"),
         ({"prompt": [[1, 2, 3]] * 300, "n": 4}, "prompt", "maxPromptsPerRequest"),
         ({"prompt": "p", "n": 17}, "n", "maxN"),
-        ({"prompt": "p", "n": 2, "best_of": 17}, "best_of", "maxBestOf"),
         ({"prompt": ["p"] * 8, "n": 16}, "n", "maxSequencesPerRequest"),
         ({"prompt": ["p"] * 32, "n": 3}, "n", "maxSequencesPerRequest"),
         ({"prompt": "p", "stop": ["s"] * 17}, "stop", "maxStopSequences"),
@@ -135,8 +132,10 @@ def test_chat_limits() -> None:
 
 def test_a_class_can_raise_a_limit() -> None:
     raised = RequestLimits(maxPromptsPerRequest=300, maxN=4, maxSequencesPerRequest=1200)
-    shape, _, _ = check_request({"model": "m", "prompt": [[1, 2, 3]] * 300, "n": 4}, COMPLETIONS, raised, 16)
-    assert shape.sequences == 1200
+    sequences, _, _, _ = check_request(
+        {"model": "m", "prompt": [[1, 2, 3]] * 300, "n": 4}, COMPLETIONS, raised, 16
+    )
+    assert sequences == 1200
     assert refused({"model": "m", "prompt": "p", "n": 5}, limits=raised).param == "n"
 
 
@@ -150,7 +149,7 @@ def test_a_class_can_raise_a_limit() -> None:
         ({}, "prompt"),
         ({"prompt": "p", "n": "2"}, "n"),
         ({"prompt": "p", "n": True}, "n"),
-        ({"prompt": "p", "n": 4, "best_of": 2}, "best_of"),
+        ({"prompt": "p", "n": 1.0}, "n"),
         ({"prompt": "p", "stream": "yes"}, "stream"),
         ({"prompt": "p", "stop": [1]}, "stop"),
         ({"prompt": "p", "logit_bias": {"1": "high"}}, "logit_bias"),

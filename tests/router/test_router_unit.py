@@ -42,7 +42,7 @@ from kvfence.router.proxy import (
 )
 from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.server import RouterError, config_from_args, parse_args, parse_body, reserve_tokens
-from kvfence.router.surface import Shape, check_request
+from kvfence.router.surface import check_request
 from kvfence.router.table import ClassPlan, TableError, TableWatcher, compile_table, parse_table
 
 
@@ -283,22 +283,24 @@ def test_parse_body_and_reservation() -> None:
         assert e.value.status == 400
     assert parse_body(b'{"temperature": 0.7, "top_p": 1e-300}') == {"temperature": 0.7, "top_p": 1e-300}
     raw = b'{"model":"m","prompt":"abc","max_tokens":10,"n":2}'
-    assert reserve_tokens(len(raw), shape_of(parse_body(raw))) == len(raw) + 20
+    assert reserve_tokens(len(raw), *shape_of(parse_body(raw))) == len(raw) + 20
     raw = b'{"model":"m","prompt":["a","b","c"],"max_tokens":10,"n":2}'
-    assert reserve_tokens(len(raw), shape_of(parse_body(raw))) == len(raw) + 60  # 6 sequences
+    assert reserve_tokens(len(raw), *shape_of(parse_body(raw))) == len(raw) + 60  # 6 sequences
     chat = "/v1/chat/completions"
-    assert reserve_tokens(5, shape_of({"messages": [{}], "max_completion_tokens": 7}, chat)) == 12
+    assert reserve_tokens(5, *shape_of({"messages": [{}], "max_completion_tokens": 7}, chat)) == 12
     both = {"messages": [{}], "max_completion_tokens": 7, "max_tokens": 3}
-    assert reserve_tokens(5, shape_of(both, chat)) == 12
-    assert reserve_tokens(5, shape_of({"prompt": "x"})) == 104
+    assert reserve_tokens(5, *shape_of(both, chat)) == 12
+    assert reserve_tokens(5, *shape_of({"prompt": "x"})) == 104
     for bad_body in ({"max_tokens": -1}, {"max_tokens": True}, {"max_tokens": "3"}, {"n": 0}, {"n": 1000}):
         with pytest.raises(RouterError) as e:
             shape_of({"prompt": "x", **bad_body})
         assert e.value.status == 400 and e.value.param == next(iter(bad_body))
 
 
-def shape_of(body: dict[str, Any], path: str = "/v1/completions") -> Shape:
-    return check_request(body, path, RequestLimits(), 99)[0]
+def shape_of(body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, int]:
+    """(sequences, max_tokens) of ``body``."""
+    sequences, max_tokens, _, _ = check_request(body, path, RequestLimits(), 99)
+    return sequences, max_tokens
 
 
 _JSON_TEXT = st.one_of(

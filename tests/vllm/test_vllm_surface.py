@@ -25,7 +25,7 @@ from kvfence.contract import (
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
 )
-from kvfence.router.surface import DROPPED, FORWARDED, REFUSED
+from kvfence.router.surface import DROPPED, FORWARDED, REFUSED, UNIMPLEMENTED
 
 from .test_vllm_args import probe
 from .test_vllm_server import Stack, start_stack
@@ -43,6 +43,12 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 def test_every_vllm_request_field_is_classified(vllm_python: Any) -> None:
     fields = probe(vllm_python.require(), {"fields": True})["fields"]
     classified = set(CLIENT_FORBIDDEN_BODY_FIELDS) | DROPPED | set(REFUSED)
+    # every refusal's reason is about a field this vLLM has (on one path at least), but for the
+    # OpenAI fields it lacks
+    known = {f for names in fields.values() for f in names}
+    assert not set(REFUSED) - UNIMPLEMENTED - known and not UNIMPLEMENTED & known
+    # every refusal's reason is about a field this vLLM has (on one path at least)
+    assert not set(REFUSED) - {f for names in fields.values() for f in names}
     for path, forwarded in FORWARDED.items():
         theirs = set(fields[path])
         assert theirs, path

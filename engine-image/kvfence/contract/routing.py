@@ -53,11 +53,10 @@ class Quotas(_Model):
 class RequestLimits(_Model):
     """What one request may ask of a trust class's engine: the router refuses a request beyond any of
     these with a 400 naming the field (see :mod:`kvfence.router.surface`). A sequence is one prompt
-    times one choice (``n``, or ``best_of`` when larger)."""
+    times one choice (``n``)."""
 
     max_prompts_per_request: int = Field(32, alias="maxPromptsPerRequest", ge=1, le=4096)
     max_n: int = Field(16, alias="maxN", ge=1, le=1024)
-    max_best_of: int = Field(16, alias="maxBestOf", ge=1, le=1024)
     max_sequences_per_request: int = Field(64, alias="maxSequencesPerRequest", ge=1, le=1 << 20)
     max_stop_sequences: int = Field(16, alias="maxStopSequences", ge=0, le=4096)
     max_stop_sequence_length: int = Field(256, alias="maxStopSequenceLength", ge=1, le=65536)

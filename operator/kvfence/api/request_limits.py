@@ -23,7 +23,7 @@ def _limit(alias: str, what: str, default: int, lo: int, hi: int) -> Any:
 
 class RequestLimitsSpec(KubeModel):
     """Per-request limits of this class's API surface. A sequence is one prompt times one choice
-    (n, or best_of when larger); quotas count sequences."""
+    (n); quotas count sequences."""
 
     max_prompts_per_request: int | None = _limit(
         "maxPromptsPerRequest",
@@ -31,12 +31,9 @@ class RequestLimitsSpec(KubeModel):
         _D.max_prompts_per_request, 1, 4096,
     )  # fmt: skip
     max_n: int | None = _limit("maxN", "Choices (n) of one request.", _D.max_n, 1, 1024)
-    max_best_of: int | None = _limit(
-        "maxBestOf", "Candidates (best_of) of one request.", _D.max_best_of, 1, 1024
-    )
     max_sequences_per_request: int | None = _limit(
         "maxSequencesPerRequest",
-        "Sequences of one request: prompts x n (or best_of).",
+        "Sequences of one request: prompts x n.",
         _D.max_sequences_per_request, 1, 1 << 20,
     )  # fmt: skip
     max_stop_sequences: int | None = _limit(

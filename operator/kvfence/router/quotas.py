@@ -3,9 +3,9 @@
 * Rates are token buckets holding one minute's worth (capacity = the per-minute limit, refilled
   continuously at limit/60 per second), so a tenant can burst up to its minute's allowance and then
   proceeds at the steady rate.
-* A request is charged by its sequences (prompts x ``n``, or ``best_of`` when larger;
-  :class:`kvfence.router.surface.Shape`): it holds that many units of the concurrency limit and takes
-  that many requests from the requests-per-minute bucket. A request with more sequences than a limit
+* A request is charged by its sequences (prompts x ``n``; :func:`kvfence.router.surface.check_request`):
+  it holds that many units of the concurrency limit and takes that many requests from the
+  requests-per-minute bucket. A request with more sequences than a limit
   itself can never be admitted: its refusal names the limit (``Rejection.limit``) and is final.
 * Tokens per minute: a request reserves ``prompt estimate + max_tokens`` per sequence up front; when
   the answer ends, the reservation is corrected to what the engine reports in ``usage`` (refund or

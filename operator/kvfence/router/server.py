@@ -39,7 +39,7 @@ from kvfence.router.quotas import QuotaManager, Rejection
 from kvfence.router.siblings import SiblingError, Siblings
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
 from kvfence.router.source import SecretSource
-from kvfence.router.surface import CHAT_COMPLETIONS, COMPLETIONS, Shape, check_request
+from kvfence.router.surface import CHAT_COMPLETIONS, COMPLETIONS, check_request
 from kvfence.router.table import CompiledTable, TableWatcher, TenantPlan
 
 log = logging.getLogger("kvfence.router")
@@ -198,11 +198,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def reserve_tokens(raw_len: int, shape: Shape) -> int:
+def reserve_tokens(raw_len: int, sequences: int, max_tokens: int) -> int:
     """Tokens to reserve: an upper bound of the prompts (the body's length in bytes: every tokenizer
     in use yields at most one token per byte, and the JSON keys cover the chat template) plus the
     completion allowance of every sequence."""
-    return raw_len + shape.max_tokens * shape.sequences
+    return raw_len + max_tokens * sequences
 
 
 def _refusal(r: Rejection) -> RouterError:
@@ -262,10 +262,10 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
                 "permission_error",
                 param="model",
             )
-        shape, stripped_fields, dropped = check_request(
+        sequences, max_tokens, stripped_fields, dropped = check_request(
             body, path, cls.request_limits, state.config.default_max_tokens
         )
-        tokens = reserve_tokens(len(raw), shape)
+        tokens = reserve_tokens(len(raw), sequences, max_tokens)
         if stripped_fields:
             state.metrics.stripped.inc(("body",), len(stripped_fields))
         if dropped:
@@ -277,7 +277,7 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         state.proxy.check_available(cls)
         payload = build_body(plan, body)
 
-        grant = state.quotas.acquire(plan.name, plan.quotas, tokens, shape.sequences)
+        grant = state.quotas.acquire(plan.name, plan.quotas, tokens, sequences)
         if isinstance(grant, Rejection):
             state.metrics.quota_rejections.inc((plan.name, grant.quota))
             raise _refusal(grant)

@@ -4,7 +4,7 @@ forwards, and how much one request may ask for.
 Every field of a body falls in one class:
 
 * **forwarded** (:data:`FORWARDED`): checked for its type, and where it costs the engine work, against
-  the trust class's :class:`~kvfence.contract.routing.RequestLimits` (prompts, ``n``, ``best_of``, stop
+  the trust class's :class:`~kvfence.contract.routing.RequestLimits` (prompts, ``n``, stop
   strings, ``logit_bias`` entries, logprobs, grammar and schema size, messages, tools);
 * **stripped** (:data:`kvfence.contract.CLIENT_FORBIDDEN_BODY_FIELDS`): fields that choose a KV-cache
   namespace or carry KV state; removed, counted, and the request goes on;
@@ -16,14 +16,14 @@ Every field of a body falls in one class:
 * anything else is unknown: a 400 naming it (vLLM would accept and ignore it).
 
 :func:`check_request` is the whole check. A request with only the common fields costs two set
-operations and one check per field that carries a limit.
+operations and one check per field that carries a limit. A sequence is one prompt times one choice
+(``n``); quotas count sequences (:mod:`.quotas`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS
@@ -50,30 +50,19 @@ REFUSED: dict[str, str] = {
     "prompt_embeds": "the engine would deserialise tensors a client sends; send prompt text or token ids",
     "chat_template": "the engine would render a Jinja template a client sends; the model's own template "
     "is used",
-    "logits_processors": "the engine would load code a client names",
     "ec_transfer_params": "it carries encoder-cache state between engines",
     "mm_processor_kwargs": "it changes the engine's multimodal preprocessing",
     "media_io_kwargs": "it changes how the engine loads media",
     "return_token_offsets": "it is honoured only by the render endpoints, which are not served",
     "return_mm_kwargs": "it is honoured only by the render endpoints, which are not served",
+    "mm_payload": "it is honoured only by the render endpoints, which are not served",
+    "best_of": "the engine does not implement it (it would ignore it); send n",
     "routed_experts_prompt_start": "routed-expert data is not served",
 }
+#: OpenAI fields the engine lacks: refused with a reason (the engine would accept and ignore them).
+UNIMPLEMENTED = frozenset({"best_of"})
 
 Check = Callable[[Any, RequestLimits, str], None]
-
-
-@dataclass(slots=True)
-class Shape:
-    """What a checked request asks for: ``sequences`` = ``prompts`` x ``choices`` (``n``, or
-    ``best_of`` when larger), each allowed up to ``max_tokens`` completion tokens."""
-
-    prompts: int
-    choices: int
-    max_tokens: int
-
-    @property
-    def sequences(self) -> int:
-        return self.prompts * self.choices
 
 
 def _bad(field: str, message: str, code: str = "invalid_value") -> RouterError:
@@ -236,7 +225,6 @@ _COMMON: dict[str, Check] = {
     "model": _any,
     "stream": _any,
     "n": _any,
-    "best_of": _any,
     "max_tokens": _any,
     "stream_options": _small_object,
     "frequency_penalty": _NUMBER,
@@ -292,6 +280,7 @@ FORWARDED: dict[str, dict[str, Check]] = {
         "continue_final_message": _BOOL,
         "documents": _documents,
         "chat_template_kwargs": _small_object,
+        "return_prompt_text": _BOOL,
     },
 }
 _KNOWN = {p: frozenset(checks) for p, checks in FORWARDED.items()}
@@ -365,15 +354,7 @@ def _choices(body: dict[str, Any], limits: RequestLimits) -> int:
     n = 1 if n is None else _int(n, "n", 1, 1 << 30)
     if n > limits.max_n:
         raise _over("n", "choices", n, limits.max_n, "maxN")
-    best_of = body.get("best_of")
-    if best_of is None:
-        return n
-    best_of = _int(best_of, "best_of", 1, 1 << 30)
-    if best_of < n:
-        raise _bad("best_of", "'best_of' must not be smaller than 'n'.")
-    if best_of > limits.max_best_of:
-        raise _over("best_of", "candidates", best_of, limits.max_best_of, "maxBestOf")
-    return best_of
+    return n
 
 
 _NONE: list[str] = []  # never appended to
@@ -381,22 +362,29 @@ _NONE: list[str] = []  # never appended to
 
 def check_request(
     body: dict[str, Any], path: str, limits: RequestLimits, default_max_tokens: int
-) -> tuple[Shape, list[str], list[str]]:
-    """Check ``body`` (a parsed JSON object) for ``path``: (its shape, the stripped fields present,
-    the dropped fields present), or a 400 :class:`RouterError` naming the first field at fault."""
+) -> tuple[int, int, list[str], list[str]]:
+    """Check ``body`` (a parsed JSON object) for ``path``: (its sequences, i.e. prompts x ``n``; the
+    completion tokens each may take; the stripped fields present; the dropped fields present), or a
+    400 :class:`RouterError` naming the first field at fault. Plain values, no object: this runs
+    for every request."""
     stripped, dropped = _NONE, _NONE
     if not _KNOWN[path].issuperset(body):
         stripped, dropped = unknown_fields(body, path)
     stream = body.get("stream")
     if stream is not None and type(stream) is not bool:
         raise _bad("stream", "'stream' must be a boolean.")
-    checked = _CHECKED[path].intersection(body)
-    if checked:
+    if not _CHECKED[path].isdisjoint(body):
         checks = FORWARDED[path]
-        for f in checked:
+        for f in _CHECKED[path].intersection(body):
             checks[f](body[f], limits, f)
-    choices = _choices(body, limits) if "n" in body or "best_of" in body else 1
-    max_tokens = _max_tokens(body, default_max_tokens)
+    choices = _choices(body, limits) if "n" in body else 1
+    max_tokens = body.get("max_tokens")
+    if (
+        type(max_tokens) is not int
+        or not 0 <= max_tokens <= MAX_TOKENS_LIMIT
+        or "max_completion_tokens" in body
+    ):
+        max_tokens = _max_tokens(body, default_max_tokens)
     if path == COMPLETIONS:
         prompt = body.get("prompt")
         prompts = 1 if type(prompt) is str else count_prompts(prompt, limits)
@@ -404,14 +392,13 @@ def check_request(
         prompts = 1
     else:
         raise _bad("messages", "'messages' is required.")
-    shape = Shape(prompts, choices, max_tokens)
-    if shape.sequences > limits.max_sequences_per_request:
-        field = "n" if shape.choices > 1 else "prompt"
+    sequences = prompts * choices
+    if sequences > limits.max_sequences_per_request:
         raise _over(
-            field,
+            "n" if choices > 1 else "prompt",
             "sequences (prompts x n)",
-            shape.sequences,
+            sequences,
             limits.max_sequences_per_request,
             "maxSequencesPerRequest",
         )
-    return shape, stripped, dropped
+    return sequences, max_tokens, stripped, dropped
