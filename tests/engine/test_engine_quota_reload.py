@@ -1,4 +1,4 @@
-"""Per-tenant KV quotas follow the engine's config file without a restart.
+"""Per-tenant KV quotas and fair-share weights follow the engine's config file without a restart.
 
 The operator rewrites `quotas` in the engine ConfigMap when a tenant is bound or its quota changes,
 and does not roll the engine pods for that; the engine must apply the new limits itself."""
@@ -15,9 +15,10 @@ from engine.enginelib import TOKENIZER, Client, EngineProcess, Signer, config_di
 from engine.oracle import check_consistency
 from support import prom
 
-from kvfence.contract.engine_config import QuotasConfig
+from kvfence.contract.engine_config import QuotasConfig, load_config
 from kvfence.engine.allocator import FencedAllocator
 from kvfence.engine.quotas import QuotaExceeded
+from kvfence.engine.server import EngineServer
 
 
 def quotas(**tenants: dict[str, int]) -> QuotasConfig:
@@ -102,3 +103,18 @@ def test_engine_pins_rewritten_shared_prefixes_without_restart(
     assert metrics["kvfence_engine_shared_prefixes_pinned"] == 2  # the base model and the adapter
     assert metrics["kvfence_engine_kv_blocks_pinned"] == 2 * shared // 16
     assert proc.stop() == 0
+
+
+def test_rewritten_weights_reach_the_scheduler_without_restart(key_dir: Path, tmp_path: Path) -> None:
+    path = tmp_path / "engine.yaml"
+    cfg = config_dict(key_dir, quotas={"default": {"weight": 2}, "tenants": {"big": {"weight": 5}}})
+    path.write_text(yaml.safe_dump(cfg))
+    server = EngineServer(load_config(path), config_path=str(path))
+    fair = server.engine.fair
+    assert (fair.weight("big"), fair.weight("other")) == (5, 2)
+    cfg["quotas"] = {"default": {"weight": 1}, "tenants": {"big": {"weight": 3}, "new": {"weight": 7}}}
+    path.write_text(yaml.safe_dump(cfg))
+    assert server.quotas is not None
+    server.quotas.check()
+    assert (fair.weight("big"), fair.weight("new"), fair.weight("other")) == (3, 7, 1)
+    assert server.config.quotas.tenants["new"].weight == 7

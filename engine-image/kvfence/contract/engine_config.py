@@ -113,8 +113,12 @@ class PrefixCacheConfig(_Model):
         return self
 
 
+#: The largest fair-share weight of a tenant (kvfence.engine.fairshare).
+MAX_WEIGHT = 1000
+
+
 class TenantQuota(_Model):
-    """KV-block limits of one tenant (blocks of `blockSize` tokens)."""
+    """KV-block limits of one tenant (blocks of `blockSize` tokens) and its fair-share weight."""
 
     max_blocks: int | None = Field(
         None, alias="maxBlocks", ge=1, description="Hard maximum of blocks the tenant holds; None: the pool"
@@ -124,6 +128,12 @@ class TenantQuota(_Model):
         alias="guaranteedBlocks",
         ge=0,
         description="Blocks kept obtainable for the tenant and never reclaimed by other tenants",
+    )
+    weight: int = Field(
+        1,
+        ge=1,
+        le=MAX_WEIGHT,
+        description="The tenant's share of each scheduler step, relative to the other tenants with work",
     )
 
     @model_validator(mode="after")
@@ -143,6 +153,10 @@ class QuotasConfig(_Model):
 
     def for_tenant(self, tenant: str) -> TenantQuota:
         return self.tenants.get(tenant, self.default)
+
+    def weights(self) -> dict[str, int]:
+        """The weight of every listed tenant (others have ``default.weight``)."""
+        return {t: q.weight for t, q in self.tenants.items()}
 
 
 class ListenConfig(_Model):

@@ -1,10 +1,16 @@
 """The reference engine: the isolation core, the tiny model and a batching scheduler.
 
 One scheduler thread steps every running sequence together: each step admits waiting requests
-(all or nothing, for the prompt plus ``max_tokens``; first come first served per tenant), feeds each
-running sequence either its next prompt chunk (chunked prefill) or its last generated token, runs the
-model once per adapter group, registers the blocks that became full in the prefix cache, and samples
-greedily.
+(all or nothing, for the prompt plus ``max_tokens``; first come first served within a tenant, across
+tenants by fair share), feeds each running sequence either its next prompt chunk (chunked prefill)
+or its last generated token, runs the model once per adapter group, registers the blocks that became
+full in the prefix cache, and samples greedily.
+
+Tenants share the engine by weight (:mod:`kvfence.engine.fairshare`): the waiting queue is taken in
+the policy's order, each tenant runs at most its share of the running slots and computes at most its
+share of the step's tokens (what a tenant leaves unused goes to the others), and a tenant below its
+share of the slots that cannot be admitted preempts a sequence of the tenant furthest above its share
+(the sequence returns to the waiting queue and recomputes what the prefix cache no longer holds).
 
 Prefix-cache hits attach the cached blocks by reference and skip their computation: a request whose
 first ``n`` prompt tokens are cached starts its prefill at position ``n``, reading those positions'
@@ -18,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +41,7 @@ from kvfence.engine.allocator import (
     QuotaExceeded,
     StaleReference,
 )
+from kvfence.engine.fairshare import FairShare, request_cost
 from kvfence.engine.metrics import EngineMetrics
 from kvfence.engine.model import EOS, ByteTokenizer, Chunk, IntArray, ModelDims, TinyTransformer
 from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache
@@ -103,6 +110,7 @@ class Request:
     computed: int = 0  # tokens whose K/V is in the pool
     generated: int = 0
     cached_tokens: int = 0
+    admitted: bool = False
     cancelled: bool = False
 
     @property
@@ -146,6 +154,7 @@ class Engine:
             metrics=self.metrics,
             prefix_cache=self.prefix_cache,
         )
+        self.fair = FairShare(config.quotas.default.weight, config.quotas.weights())
         self.tokenizer = ByteTokenizer()
         #: the declared shared prefixes, pinned (replaced on the scheduler thread only)
         self.shared = SharedPrefixes()
@@ -394,30 +403,32 @@ class Engine:
                 self._waiting.remove(r)
                 self._by_id.pop(r.request_id, None)
 
+    def set_weights(self, default_weight: int, weights: dict[str, int]) -> None:
+        """New fair-share weights (a reloaded config), used from the next step on (any thread)."""
+        self.fair.set_weights(default_weight, weights)
+
     def _admit(self) -> None:
-        """Admit waiting requests in order. A request that does not fit yet blocks only later requests
-        of *its own tenant* (per-tenant FIFO): one tenant's large request cannot hold back another
-        tenant whose request fits, e.g. in its guaranteed share."""
+        """Admit waiting requests in the fair-share order, each tenant up to its share of the running
+        slots. A request that does not fit yet blocks only later requests of *its own tenant*
+        (per-tenant FIFO): one tenant's large request cannot hold back another tenant whose request
+        fits, e.g. in its guaranteed share. A tenant below its share of the slots that finds no free
+        slot, or no free blocks, preempts one sequence of the tenant furthest above its share."""
         with self._cond:
             if self._stopping:
                 return
-            queue = list(self._waiting)
+            queue = [r for r in self._waiting if not r.cancelled]
+        running = Counter(r.tenant for r in self._running)
+        self.fair.sync({*running, *(r.tenant for r in queue)})
+        shares = self.fair.divide(MAX_RUNNING, running + Counter(r.tenant for r in queue))
         blocked: set[str] = set()
         exhausted: list[tuple[Request, PoolExhausted]] = []
-        for req in queue:
-            if len(self._running) >= MAX_RUNNING:
-                return
-            if req.tenant in blocked or req.cancelled:
+        for req in self.fair.order(queue, _tenant_of, _prompt_cost):
+            if req.tenant in blocked or running[req.tenant] >= shares[req.tenant]:
                 continue
+            if len(self._running) >= MAX_RUNNING and not self._preempt(running, shares):
+                return
             try:
-                alloc = self.allocator.allocate_sequence(
-                    req.request_id,
-                    req.tenant,
-                    len(req.tokens),
-                    ctx=req.ctx,
-                    prompt=req.prompt,
-                    shared=self.shared.match(req.adapter, req.prompt) if self.shared.pinned else None,
-                )
+                self._start(req)
             except BeyondMaximum as e:  # no wait makes it fit: a 4xx that clients do not retry
                 self._drop_waiting(req, Failed(400, CODE_MAX_KV_BLOCKS_EXCEEDED, str(e)))
                 continue
@@ -427,17 +438,50 @@ class Engine:
             except PoolExhausted as e:
                 blocked.add(req.tenant)
                 exhausted.append((req, e))
+                self._preempt(running, shares)  # frees blocks for the next step
                 continue
-            with self._cond:
-                self._waiting.remove(req)
-            req.cached_tokens = alloc.num_cached_tokens
-            req.computed = alloc.num_cached_tokens
-            self._running.append(req)
-            req.sink(Admitted(alloc.num_cached_tokens))
+            running[req.tenant] += 1
         if exhausted and not self._running:
             # Nothing runs, so nothing will free blocks: the first request that did not fit never will.
             first, err = exhausted[0]
             self._drop_waiting(first, Failed(503, "kv_cache_exhausted", str(err)))
+
+    def _start(self, req: Request) -> None:
+        """Open ``req``'s sequence (raises the allocator's errors) and move it to the running list. A
+        preempted request resumes: what the prefix cache still holds of its tokens is not recomputed."""
+        alloc = self.allocator.allocate_sequence(
+            req.request_id,
+            req.tenant,
+            len(req.tokens),
+            ctx=req.ctx,
+            prompt=req.tokens[: req.length],
+            shared=self.shared.match(req.adapter, req.prompt) if self.shared.pinned else None,
+        )
+        with self._cond:
+            self._waiting.remove(req)
+        req.computed = alloc.num_cached_tokens
+        self.fair.charge(req.tenant, request_cost(cached=alloc.num_cached_tokens))
+        self._running.append(req)
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = alloc.num_cached_tokens
+            req.sink(Admitted(alloc.num_cached_tokens))
+
+    def _preempt(self, running: Counter[str], shares: dict[str, int]) -> bool:
+        """Send the latest sequence of the tenant furthest above its share of the slots back to the
+        front of the waiting queue (its blocks released); False when no tenant is above its share."""
+        tenant = self.fair.victim(running, shares)
+        if tenant is None:
+            return False
+        victim = next(r for r in reversed(self._running) if r.tenant == tenant)
+        self._running.remove(victim)
+        self.allocator.release(victim.request_id)
+        victim.computed = 0
+        running[tenant] -= 1
+        with self._cond:
+            self._waiting.appendleft(victim)
+        self.metrics.preemptions.inc()
+        return True
 
     def _drop_waiting(self, req: Request, event: Failed) -> None:
         with self._cond:
@@ -454,8 +498,9 @@ class Engine:
         if not self._running:
             return
         groups: dict[str, list[tuple[Request, Chunk, bool]]] = {}
-        budget = MAX_BATCH_TOKENS - sum(1 for r in self._running if r.computed >= len(r.prompt))
-        for r in list(self._running):
+        grants = self._token_grants()
+        # Within a tenant's grant its decoding sequences come first, then prefill chunks in admission order.
+        for r in sorted(self._running, key=lambda r: r.length - r.computed > 1):
             try:
                 table = self.allocator.readable_table(r.request_id)
             except StaleReference as e:  # refused and counted by the allocator; never read
@@ -466,38 +511,49 @@ class Engine:
                     self._by_id.pop(r.request_id, None)
                 r.sink(Failed(500, "stale_reference", str(e)))
                 continue
-            n_prompt = len(r.prompt)
-            if r.computed < n_prompt:
-                if budget <= 0:
-                    continue
-                end = min(n_prompt, r.computed + PREFILL_CHUNK, r.computed + budget)
-                budget -= end - r.computed
-                chunk = Chunk(table, r.computed, r.tokens[r.computed : end])
-                sample = end == n_prompt
-            else:
-                chunk = Chunk(table, r.computed, r.tokens[r.computed : r.computed + 1])
-                sample = True
-            groups.setdefault(r.adapter, []).append((r, chunk, sample))
+            n = min(r.length - r.computed, PREFILL_CHUNK, grants[r.tenant])
+            if n <= 0:
+                continue
+            grants[r.tenant] -= n
+            end = r.computed + n
+            groups.setdefault(r.adapter, []).append(
+                (r, Chunk(table, r.computed, r.tokens[r.computed : end]), end == r.length)
+            )
         for adapter, items in groups.items():
             logits = self.model.forward(self.kv, [c for _, c, _ in items], adapter)
             next_ids = self.model.greedy(logits)
             for (r, c, sample), nxt in zip(items, next_ids, strict=True):
-                r.computed += len(c.tokens)
-                self.allocator.commit(r.request_id, r.tokens, r.computed)
-                if not sample:
-                    continue
-                tok = int(nxt)
-                if tok == EOS:
-                    self._finish(r, "stop")
-                    continue
-                r.tokens[r.length] = tok
-                r.length += 1
-                r.generated += 1
-                self.metrics.generated_tokens.inc()
-                r.sink(Token(tok))
-                if r.generated >= r.max_tokens:
-                    self._finish(r, "length")
+                self._advance(r, c, sample, int(nxt))
         self._running = [r for r in self._running if r.request_id in self._by_id]
+
+    def _token_grants(self) -> dict[str, int]:
+        """Each tenant's share of the step's tokens: what its running sequences could compute (one
+        token per decoding sequence, a prompt chunk per prefilling one) divided by weight."""
+        demand: Counter[str] = Counter()
+        for r in self._running:
+            demand[r.tenant] += min(r.length - r.computed, PREFILL_CHUNK)
+        return self.fair.divide(MAX_BATCH_TOKENS, demand)
+
+    def _advance(self, r: Request, c: Chunk, sample: bool, tok: int) -> None:
+        """Account a computed chunk of ``r`` and, at its end, the token sampled after it. A decoding
+        step (the last generated token fed back) is charged as the output token it yields; any other
+        chunk is charged as computed prompt tokens, plus the output token it may yield."""
+        decode = len(c.tokens) == 1 and r.computed >= len(r.prompt)
+        r.computed += len(c.tokens)
+        self.allocator.commit(r.request_id, r.tokens, r.computed)
+        self.fair.charge(r.tenant, request_cost(prefill=0 if decode else len(c.tokens), output=int(sample)))
+        if not sample:
+            return
+        if tok == EOS:
+            self._finish(r, "stop")
+            return
+        r.tokens[r.length] = tok
+        r.length += 1
+        r.generated += 1
+        self.metrics.generated_tokens.inc()
+        r.sink(Token(tok))
+        if r.generated >= r.max_tokens:
+            self._finish(r, "length")
 
     def _finish(self, r: Request, reason: str | None) -> None:
         """Release a sequence's blocks (its writes are complete: every rank signals the fence)."""
@@ -542,3 +598,12 @@ class Engine:
         self.submit(Request(rid, tenant, self.context(ns, adapter), prompt, max_tokens, sink))
         self.run_until_idle()
         return out, end[0]
+
+
+def _tenant_of(r: Request) -> str:
+    return r.tenant
+
+
+def _prompt_cost(r: Request) -> int:
+    """What admitting ``r`` is projected to cost its tenant: computing its tokens so far."""
+    return request_cost(prefill=r.length)

@@ -81,6 +81,11 @@ class EngineMetrics:
         self.generated_tokens = Counter(
             "kvfence_engine_generated_tokens_total", "Tokens generated", registry=r
         )
+        self.preemptions = Counter(
+            "kvfence_engine_preemptions_total",
+            "Running sequences sent back to the waiting queue for a tenant below its fair share",
+            registry=r,
+        )
         self._gauges: dict[str, Gauge] = {}
         self._info = Gauge(
             "kvfence_engine_info",

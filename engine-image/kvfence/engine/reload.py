@@ -17,8 +17,8 @@ log = logging.getLogger("kvfence.engine.server")
 
 
 class ConfigReloader:
-    """Applies the per-tenant KV quotas, declared shared prefixes and ``tenantsPending`` of a rewritten
-    config file without a restart.
+    """Applies the per-tenant KV quotas and fair-share weights, declared shared prefixes and
+    ``tenantsPending`` of a rewritten config file without a restart.
 
     The operator changes ``quotas`` in the engine's ConfigMap when a tenant is bound or its quota
     changes, and ``prefixCache.sharedPrefixes`` when the class's declared prefixes change, and
@@ -67,8 +67,9 @@ class ConfigReloader:
             log.info("config %s its tenants' quotas", "waits for" if new.tenants_pending else "now holds")
         if new.quotas != old.quotas:
             self._server.engine.allocator.set_quotas(new.quotas)
+            self._server.engine.set_weights(new.quotas.default.weight, new.quotas.weights())
             self._server.config = self._server.config.model_copy(update={"quotas": new.quotas})
-            log.info("applied new tenant quotas (%d tenants listed)", len(new.quotas.tenants))
+            log.info("applied new tenant quotas and weights (%d tenants listed)", len(new.quotas.tenants))
         shared = new.prefix_cache.shared_prefixes
         if shared != old.prefix_cache.shared_prefixes:
             self._server.engine.set_shared_prefixes(shared)

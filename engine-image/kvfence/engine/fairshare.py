@@ -1,0 +1,171 @@
+"""Weighted fair share between tenants: the scheduling policy both engines implement.
+
+The policy follows VTC ("Fairness in Serving Large Language Models", OSDI '24). Every tenant has a
+*virtual counter*: the weighted service it has received divided by its weight. Service is counted in
+units per token:
+
+* a prompt token the engine computes costs :data:`PREFILL_COST`;
+* a prompt token served from the prefix cache costs :data:`CACHED_COST`: the step computes neither
+  its projections nor its MLP, it only reads its K/V in attention, so it is charged a quarter of a
+  computed one (VTC counts it as a computed token);
+* a generated token costs :data:`OUTPUT_COST` (VTC's output weight of twice the input's).
+
+What the engines decide with it:
+
+* :meth:`FairShare.order`: the waiting queue, first in first out within a tenant, interleaved so that
+  the next request is the head of the tenant with the smallest counter (each admission advancing that
+  tenant's projected counter by the request's prompt cost).
+* :meth:`FairShare.divide`: a step's token budget or its running slots among the tenants with work,
+  in proportion to their weights; what a tenant cannot use goes to the others (work-conserving), and
+  the indivisible remainder goes to the smallest counters first.
+* :meth:`FairShare.victim`: whom to preempt: the tenant furthest above its share (the larger counter
+  on a tie), never one at or below it.
+
+A tenant that gets work after having none is lifted to the smallest counter of the tenants that have
+work (or to the counter of the last one that had work), so idle time is never banked as a burst; its
+own counter is kept when it is higher, so leaving and coming back does not reset what it used.
+
+Pure: no clock, no threads, no vLLM. The reference engine calls it from its scheduler thread, the vLLM
+plugin from vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+#: Service units of one computed prompt token, one cached prompt token and one generated token.
+PREFILL_COST = 4
+CACHED_COST = 1
+OUTPUT_COST = 8
+#: The weight of a tenant for which the configuration names none.
+DEFAULT_WEIGHT = 1
+
+
+def request_cost(prefill: int = 0, cached: int = 0, output: int = 0) -> int:
+    """Service units of ``prefill`` computed prompt tokens, ``cached`` cached ones and ``output``
+    generated tokens."""
+    return prefill * PREFILL_COST + cached * CACHED_COST + output * OUTPUT_COST
+
+
+class FairShare:
+    """Virtual counters of the tenants and the decisions taken from them (see the module)."""
+
+    def __init__(
+        self, default_weight: int = DEFAULT_WEIGHT, weights: Mapping[str, int] | None = None
+    ) -> None:
+        self._default = DEFAULT_WEIGHT
+        self._weights: dict[str, int] = {}
+        self.set_weights(default_weight, weights or {})
+        self._counter: dict[str, float] = {}
+        self._active: set[str] = set()
+        #: the counter a tenant is lifted to when nobody has work
+        self._floor = 0.0
+
+    # --- weights ------------------------------------------------------------------------------
+    def set_weights(self, default_weight: int, weights: Mapping[str, int]) -> None:
+        """Replace the weights (a reloaded config). Counters are kept: what was served stays served."""
+        bad = {t: w for t, w in weights.items() if w < 1}
+        if default_weight < 1 or bad:
+            raise ValueError(f"weights must be positive integers: default {default_weight}, {bad}")
+        self._default = default_weight
+        self._weights = dict(weights)
+
+    def weight(self, tenant: str) -> int:
+        return self._weights.get(tenant, self._default)
+
+    # --- counters -------------------------------------------------------------------------------
+    def counter(self, tenant: str) -> float:
+        """The tenant's virtual counter (weighted service / weight)."""
+        return self._counter.get(tenant, self._lift_to())
+
+    def _lift_to(self) -> float:
+        if self._active:
+            return min(self._counter[t] for t in self._active)
+        return self._floor
+
+    @property
+    def active(self) -> frozenset[str]:
+        return frozenset(self._active)
+
+    def sync(self, with_work: Iterable[str]) -> None:
+        """Declare the tenants that have work now (waiting or running). A tenant that had none is
+        lifted to the smallest counter of those that had work; one that has none any more is kept
+        only while its counter is above that floor (below it, it would be lifted anyway)."""
+        now = set(with_work)
+        gone = self._active - now
+        for t in gone:
+            self._active.discard(t)
+            if not self._active:
+                self._floor = max(self._floor, self._counter[t])
+        floor = self._lift_to()
+        for t in now - self._active:
+            self._counter[t] = max(self._counter.get(t, floor), floor)
+        self._active |= now
+        floor = self._lift_to()
+        for t in [t for t, c in self._counter.items() if t not in self._active and c <= floor]:
+            del self._counter[t]
+
+    def charge(self, tenant: str, units: int) -> None:
+        """Count ``units`` of service (:func:`request_cost`) to ``tenant``."""
+        if units:
+            self._counter[tenant] = self.counter(tenant) + units / self.weight(tenant)
+
+    # --- decisions ------------------------------------------------------------------------------
+    def order(
+        self, queue: Sequence[T], tenant_of: Callable[[T], str], cost_of: Callable[[T], int]
+    ) -> list[T]:
+        """``queue`` in admission order: each tenant's items in their own order, the next one always
+        the head of the tenant whose counter, advanced by the cost of what is already placed before
+        it, is the smallest (ties: the tenant whose head came first in ``queue``)."""
+        per: dict[str, deque[T]] = {}
+        for item in queue:
+            per.setdefault(tenant_of(item), deque()).append(item)
+        heap = [(self.counter(t), i, t) for i, t in enumerate(per)]
+        heapq.heapify(heap)
+        out: list[T] = []
+        while heap:
+            c, i, t = heapq.heappop(heap)
+            items = per[t]
+            item = items.popleft()
+            out.append(item)
+            if items:
+                heapq.heappush(heap, (c + cost_of(item) / self.weight(t), i, t))
+        return out
+
+    def divide(self, budget: int, demands: Mapping[str, int]) -> dict[str, int]:
+        """``budget`` units (tokens, slots) among the tenants of ``demands`` (what each could use) in
+        proportion to their weights, no tenant above its demand; what one cannot use goes to the
+        others, and the remainder of the integer division to the smallest counters first."""
+        grant = dict.fromkeys(demands, 0)
+        want = {t: d for t, d in demands.items() if d > 0}
+        left = max(0, budget)
+        while want and left > 0:
+            total = sum(self.weight(t) for t in want)
+            sated = [t for t in want if want[t] * total <= left * self.weight(t)]
+            if sated:  # below their share: give them all they want, share the rest again
+                for t in sated:
+                    grant[t] += want.pop(t)
+                left = max(0, budget) - sum(grant.values())
+                continue
+            shares = {t: left * self.weight(t) // total for t in want}
+            for t, s in shares.items():
+                grant[t] += s
+                want[t] -= s
+            left -= sum(shares.values())
+            for t in sorted(want, key=lambda t: (self.counter(t), t))[:left]:
+                grant[t] += 1
+            break
+        return grant
+
+    def victim(self, running: Mapping[str, int], shares: Mapping[str, int]) -> str | None:
+        """The tenant to preempt: the one furthest above its share (``running`` units held against
+        ``shares``), the larger counter on a tie; None when no tenant is above its share."""
+        over = [
+            (n - shares.get(t, 0), self.counter(t), t) for t, n in running.items() if n > shares.get(t, 0)
+        ]
+        return max(over)[2] if over else None

@@ -1,0 +1,178 @@
+"""The reference engine shares each step by weight (kvfence.engine.fairshare), stepped by hand: no
+scheduler thread, no clock. Service is measured from the requests themselves (tokens computed and
+generated), not from the policy's counters."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from engine.enginelib import Oracle, make_config
+
+from kvfence.engine.engine import (
+    MAX_BATCH_TOKENS,
+    MAX_RUNNING,
+    PREFILL_CHUNK,
+    Admitted,
+    Engine,
+    Event,
+    Finished,
+    Request,
+    Token,
+)
+from kvfence.engine.fairshare import request_cost
+
+#: Long prompts and short answers: every backlogged tenant can use more than its share of each step.
+PROMPT = 600
+MAX_TOKENS = 4
+MAX_MODEL_LEN = 700
+#: VTC's bound on the weighted-service difference of two backlogged tenants (Theorem 4.4): twice the
+#: largest cost one request can have.
+VTC_BOUND = 2 * request_cost(prefill=PROMPT, output=MAX_TOKENS)
+
+
+class Harness:
+    """An engine with prefix cache off (every token computed) and what each request received."""
+
+    def __init__(self, weights: dict[str, int] | None = None, **over: Any) -> None:
+        quotas = {"tenants": {t: {"weight": w} for t, w in (weights or {}).items()}}
+        self.cfg = make_config(
+            numBlocks=8192, maxModelLen=MAX_MODEL_LEN, prefixCache={"enabled": False}, quotas=quotas, **over
+        )
+        self.engine = Engine(self.cfg)
+        self.requests: list[Request] = []
+        self.events: dict[str, list[Event]] = {}
+        self._n = 0
+
+    def submit(
+        self, tenant: str, count: int, prompt: int = PROMPT, max_tokens: int = MAX_TOKENS
+    ) -> list[str]:
+        ids = []
+        for _ in range(count):
+            self._n += 1
+            rid = f"{tenant}-{self._n}"
+            ev: list[Event] = []
+            self.events[rid] = ev
+            toks = (np.arange(prompt, dtype=np.int32) * 7 + self._n) % 250 + 3  # distinct, no EOS
+            req = Request(rid, tenant, self.engine.context(self.engine.expected_namespace(tenant), ""),
+                          toks.astype(np.int32), max_tokens, ev.append)  # fmt: skip
+            self.engine.submit(req)
+            self.requests.append(req)
+            ids.append(rid)
+        return ids
+
+    def computed(self) -> Counter[str]:
+        """Tokens each tenant had computed (prompt and fed-back generated tokens; a preempted request
+        starts again from none)."""
+        out: Counter[str] = Counter()
+        for r in self.requests:
+            out[r.tenant] += r.computed
+        return out
+
+    def service(self) -> Counter[str]:
+        """VTC's weighted service of each tenant: prompt tokens computed and tokens generated."""
+        out: Counter[str] = Counter()
+        for r in self.requests:
+            out[r.tenant] += request_cost(prefill=min(r.computed, len(r.prompt)), output=r.generated)
+        return out
+
+    def step(self) -> Counter[str]:
+        """One step; the tokens each tenant computed in it."""
+        before = self.computed()
+        self.engine.step()
+        after = self.computed()
+        return Counter({t: after[t] - before[t] for t in after})
+
+    def backlogged(self) -> set[str]:
+        """The tenants that could use the whole step: at least one full prompt chunk left in as many
+        unfinished requests as a step has chunks."""
+        left = Counter(r.tenant for r in self.requests if len(r.prompt) - r.computed >= PREFILL_CHUNK)
+        return {t for t, n in left.items() if n * PREFILL_CHUNK >= MAX_BATCH_TOKENS}
+
+
+@pytest.mark.parametrize(
+    "weights", [{"a": 1, "b": 1}, {"a": 2, "b": 1}, {"a": 1, "b": 1, "c": 1}, {"a": 2, "b": 1, "c": 1}]
+)
+def test_backlogged_tenants_get_the_step_in_the_ratio_of_their_weights(weights: dict[str, int]) -> None:
+    h = Harness(weights)
+    for t in weights:
+        h.submit(t, 12)
+    total = sum(weights.values())
+    steps = 0
+    while h.backlogged() == set(weights):
+        got = h.step()
+        steps += 1
+        assert sum(got.values()) == MAX_BATCH_TOKENS  # work-conserving
+        for t, w in weights.items():  # each its share, to the token the integer division leaves
+            assert abs(got[t] - MAX_BATCH_TOKENS * w / total) <= 1, (steps, got)
+        served = h.service()
+        norm = [served[t] / w for t, w in weights.items()]
+        assert max(norm) - min(norm) <= VTC_BOUND, (steps, served)
+    assert steps > 20
+
+
+def test_an_idle_tenants_share_goes_to_the_others() -> None:
+    h = Harness()
+    h.submit("a", 40)
+    for _ in range(3):
+        assert h.step() == {"a": MAX_BATCH_TOKENS}
+    h.submit("b", 1, prompt=8, max_tokens=20)  # b uses one token a step once its prompt is in
+    h.step()
+    for _ in range(10):
+        got = h.step()
+        assert got["b"] == 1
+        assert got["a"] == MAX_BATCH_TOKENS - 1
+
+
+def test_a_late_tenant_is_served_at_once_and_gets_no_burst_for_its_idle_time() -> None:
+    h = Harness()
+    h.submit("a", 20)
+    for _ in range(20):
+        assert h.step() == {"a": MAX_BATCH_TOKENS}  # a is served alone for a long time
+    h.submit("b", 10)
+    start = h.service()
+    for _ in range(15):
+        got = h.step()
+        assert got["b"] > 0  # not starved
+        assert abs(got["a"] - got["b"]) <= 1  # no catch-up for the idle time
+    now = h.service()
+    assert abs((now["a"] - start["a"]) - (now["b"] - start["b"])) <= VTC_BOUND
+
+
+def test_a_flood_does_not_delay_another_tenants_first_token_beyond_one_step() -> None:
+    h = Harness()
+    h.submit("a", 3 * MAX_RUNNING, prompt=100, max_tokens=40)  # holds every slot
+    for _ in range(5):
+        h.step()
+    assert sum(1 for r in h.engine._running if r.tenant == "a") == MAX_RUNNING
+    (b,) = h.submit("b", 1, prompt=PREFILL_CHUNK, max_tokens=5)
+    h.step()
+    assert [type(ev) for ev in h.events[b]] == [Admitted, Token]
+    assert h.engine.metrics.value("kvfence_engine_preemptions_total") == 1
+    h.engine.run_until_idle()
+    oracle = Oracle(h.cfg)
+    for r in h.requests:  # the preempted sequence recomputed and finished with the same tokens
+        ev = h.events[r.request_id]
+        assert isinstance(ev[-1], Finished), ev[-1]
+        assert [e.token_id for e in ev if isinstance(e, Token)] == oracle.tokens(r.prompt, r.max_tokens)
+    assert sum(isinstance(e, Admitted) for ev in h.events.values() for e in ev) == len(h.requests)
+
+
+def test_running_slots_are_divided_by_weight() -> None:
+    h = Harness({"a": 3, "b": 1})
+    h.submit("a", MAX_RUNNING, max_tokens=5)
+    h.submit("b", MAX_RUNNING, max_tokens=5)
+    h.step()
+    running = Counter(r.tenant for r in h.engine._running)
+    assert running == {"a": MAX_RUNNING * 3 // 4, "b": MAX_RUNNING // 4}
+
+
+def test_a_reloaded_weight_applies_from_the_next_step() -> None:
+    h = Harness()
+    h.submit("a", 20)
+    h.submit("b", 20)
+    assert h.step() == {"a": 128, "b": 128}
+    h.engine.set_weights(1, {"b": 3})
+    assert h.step() == {"a": 64, "b": 192}
