@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from kvfence.api import conditions as C
+from kvfence.contract.engine_config import EngineConfig
 from kvfence.contract.routing import (
     ROUTING_SECRET_KEY,
     ROUTING_SECRET_NAME,
@@ -533,3 +534,32 @@ def test_a_class_request_limits_reach_the_routing_table_and_the_router(make_tc: 
     compiled = compile_table(RoutingTable.model_validate_json(R.table_json(out.table)))
     assert compiled.classes["gold"].request_limits.max_n == 4
     assert compiled.classes["plain"].request_limits == RequestLimits()
+
+
+def test_weights_come_from_the_binding_or_the_class_default_and_reach_the_engine_config(
+    make_tc: Any, make_tb: Any
+) -> None:
+    tc = make_tc(quotas={"defaults": {"weight": 2}, "limits": {"weight": 4}})
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    tbs = [
+        make_tb("heavy", "heavy", quotas={"weight": 4}),
+        make_tb("plain", "plain"),
+        make_tb("greedy", "greedy", quotas={"weight": 5}),
+    ]
+    lookups = keys(("team-a/heavy", "k1"), ("team-a/plain", "k2"), ("team-a/greedy", "k3"))
+    out = R.decide(classes, tbs, NS, lookups, OPTS)
+    assert out.decisions["team-a/heavy"].quotas is not None
+    assert out.decisions["team-a/heavy"].quotas.weight == 4
+    assert out.decisions["team-a/plain"].quotas is not None
+    assert out.decisions["team-a/plain"].quotas.weight == 2
+    greedy = out.decisions["team-a/greedy"]
+    assert greedy.denied and greedy.reason == C.REASON_QUOTA_EXCEEDS_LIMIT and "weight" in greedy.message
+    # Only a tenant whose weight differs from the class default is listed; the default carries the rest.
+    assert set(out.tenant_quotas["gold"]) == {"heavy"}
+    cfg = EngineConfig.model_validate(builders.engine_config(tc, out.tenant_quotas["gold"]))
+    assert cfg.quotas.default.weight == 2
+    assert cfg.quotas.tenants["heavy"].weight == 4
+    assert cfg.quotas.weights() == {"heavy": 4}
+    bare = EngineConfig.model_validate(builders.engine_config(make_tc()))
+    assert bare.quotas.default.weight == 1
+    assert "weight" not in builders.engine_config(make_tc())["quotas"]["default"]

@@ -175,6 +175,7 @@ QUOTA_FIELDS = (
     "tokensPerMinute",
     "maxKVBlocks",
     "guaranteedKVBlocks",
+    "weight",
 )
 
 
@@ -221,6 +222,14 @@ class TenantQuotas(KubeModel):
         alias="guaranteedKVBlocks",
         ge=0,
         description="KV-cache blocks reserved for the tenant: never reclaimed for other tenants.",
+    )
+    weight: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="The tenant's fair share of the engine relative to the other tenants with work: each "
+        "scheduler step's tokens and running slots are divided in proportion to the weights (unset: the "
+        "class default, else 1); a limit caps what a binding may ask.",
     )
 
     def merged_over(self, base: TenantQuotas) -> TenantQuotas:

@@ -107,7 +107,7 @@ def accepted_key(binding: str) -> str:
 class Outcome:
     decisions: dict[str, Decision] = field(default_factory=dict)  # binding "ns/name" -> decision
     table: RoutingTable = field(default_factory=RoutingTable)
-    #: trust class -> tenant -> effective quotas (for the engine config's per-tenant KV limits)
+    #: trust class -> tenant -> effective quotas (for the engine config's per-tenant KV limits and weight)
     tenant_quotas: dict[str, dict[str, TenantQuotas]] = field(default_factory=dict)
 
 
@@ -355,9 +355,10 @@ def decide(
             binding=b.key,
         )
         defaults = admit.cls.tc.spec.quotas.defaults
-        if (effective.max_kv_blocks, effective.guaranteed_kv_blocks) != (
+        if (effective.max_kv_blocks, effective.guaranteed_kv_blocks, effective.weight) != (
             defaults.max_kv_blocks,
             defaults.guaranteed_kv_blocks,
+            defaults.weight,
         ):
             out.tenant_quotas.setdefault(cname, {})[b.spec.tenant_id] = effective
         out.decisions[b.key] = Decision(

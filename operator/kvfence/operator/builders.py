@@ -199,6 +199,8 @@ def engine_quota(q: TenantQuotas) -> Obj:
     out: Obj = {"guaranteedBlocks": q.guaranteed_kv_blocks or 0}
     if q.max_kv_blocks is not None:
         out["maxBlocks"] = q.max_kv_blocks
+    if q.weight is not None:  # absent: the engine's default weight, 1
+        out["weight"] = q.weight
     return out
 
 
@@ -226,8 +228,8 @@ def engine_config(
 ) -> Obj:
     """The engine's config file (``kvfence.contract.engine_config.EngineConfig``), validated by that model.
 
-    ``tenant_quotas`` are the *effective* quotas of the tenants bound to the class whose KV limits
-    differ from the class defaults; ``shared_texts`` the texts of shared prefixes kept in ConfigMaps.
+    ``tenant_quotas`` are the *effective* quotas of the tenants bound to the class whose KV limits or
+    weight differ from the class defaults; ``shared_texts`` the texts of shared prefixes kept in ConfigMaps.
     ``tenants_pending``: a new class's config, rendered before the routing decision that computes its
     tenants' quotas; its engines are not ready until a config without the flag reaches them.
     """
