@@ -16,33 +16,30 @@ ENGINE = {"image": "kvfence/engine:dev", "model": {"name": "kvfence/tiny"}}
 #: A TrustClass whose engine needs no GPU and admits bindings from any namespace.
 CPU_ANY_NAMESPACE: dict[str, Any] = {"resources": {"gpu": {"count": 0}}, "namespaceSelector": {}}
 
-#: (extraArgs, the arguments refused): what the model (tests/operator/test_api.py) and the CRD's CEL rule
-#: on the API server (tests/operator/test_operator_crds.py) must agree on.
+#: (extraArgs, the arguments refused on the vllm runtime): what the model (tests/operator/test_api.py) and
+#: the CRD's CEL rules on the API server (tests/operator/test_operator_crds.py) must agree on.
 EXTRA_ARGS_CASES: list[tuple[list[str], list[str]]] = [
     (["--max-num-seqs", "8", "--enforce-eager"], []),
+    (["--max_num_seqs=8", "--max-num-batched-tokens", "2k", "--kv-cache-dtype", "fp8"], []),
+    (["--seed", "-1", "--log-level=DEBUG", "--reasoning-parser", "qwen3"], []),
     (["--prefix-caching-hash-algo", "xxhash"], ["--prefix-caching-hash-algo"]),
     (["--prefix_caching_hash_algo=sha256_cbor"], ["--prefix_caching_hash_algo=sha256_cbor"]),
-    (["--kv-transfer-config", '{"kv_connector":"LMCacheConnectorV1"}'], ["--kv-transfer-config"]),
     (["--kv-transfer-config.kv_connector", "X"], ["--kv-transfer-config.kv_connector"]),
-    (["--kv-transfer-conf", "{}"], ["--kv-transfer-conf"]),  # argparse's abbreviation
-    (["--enforce-eager", "--middleware", "m.M"], ["--middleware"]),
-    (["--scheduler-cls=x.Y"], ["--scheduler-cls=x.Y"]),
-    (["--no-enable-prefix-caching"], ["--no-enable-prefix-caching"]),
-    (["--kv-events-config", "{}", "--worker-cls", "a.B"], ["--kv-events-config", "--worker-cls"]),
-    (["--config", "/tmp/x.yaml"], ["--config"]),
-    (["--signing-key-dir", "/x"], ["--signing-key-dir"]),
-    (["--log-level=DEBUG", "--conf=/x"], ["--conf=/x"]),
-    (["--middlewarex", "--kv-cache-dtype", "fp8", "--", "-x"], []),
-    (["--kv-offloading-backend", "lmcache", "--kv-offloading-size=8"],
-     ["--kv-offloading-backend", "--kv-offloading-size=8"]),  # KV offloading picks a KV connector
-    (["--prefix-match-unit", "16", "--mm-hasher-algorithm=sha256"],
-     ["--prefix-match-unit", "--mm-hasher-algorithm=sha256"]),
-    (["--distributed-executor-backend", "my.Executor", "--tool-parser-plugin", "/p.py"],
-     ["--distributed-executor-backend", "--tool-parser-plugin"]),
-    # an exact option that also abbreviates a refused flag: argparse reads the option
-    (["--reasoning-parser", "qwen3", "--reasoning_parser=deepseek_r1"], []),
-    (["--reasoning-parser-plugin", "/p.py", "--reasoning-parser-p=/p.py"],
-     ["--reasoning-parser-plugin", "--reasoning-parser-p=/p.py"]),
+    (["--max-num", "8", "--enforce-eage"], ["--max-num", "--enforce-eage"]),  # abbreviations
+    (["--enable-prompt-embeds", "--trust-request-chat-template"],
+     ["--enable-prompt-embeds", "--trust-request-chat-template"]),
+    (["--scheduling-policy", "priority", "--data-parallel-size", "2", "--api-server-count=2"],
+     ["--scheduling-policy", "--data-parallel-size", "--api-server-count=2"]),
+    (["-dp", "2", "-tp", "2", "-ep", "-O3", "-O", "3"], ["-dp", "-tp", "-ep", "-O3", "-O"]),  # short forms
+    (["--seed", "-1.5"], ["-1.5"]),  # vLLM reads "-1.5" as a dotted flag, not a number
+    (["--enforce-eager", "--middleware", "m.M", "--scheduler-cls=x.Y"],
+     ["--middleware", "--scheduler-cls=x.Y"]),
+    (["--config", "/tmp/x.yaml", "--help"], ["--config", "--help"]),
+    (["--", "-x", "-"], ["--", "-x", "-"]),
+    (["--signing-key-dir", "/x", "--port-file", "/tmp/p"], ["--signing-key-dir", "--port-file"]),
+    (["--enable-log-requests", "--allowed-local-media-path", "/"],
+     ["--enable-log-requests", "--allowed-local-media-path"]),
+    (["--middlewarex", "--kv-offloading-backend", "lmcache"], ["--middlewarex", "--kv-offloading-backend"]),
 ]  # fmt: skip
 
 #: A vLLM engine on GPU (the runtime that downloads weights and loads adapters).
@@ -95,10 +92,25 @@ POD_EXTRAS_CASES: list[tuple[dict[str, Any], str | None, str | None]] = [
     (
         {"extraEnv": [{"name": "VLLM_PLUGINS", "value": "evil"}]},
         "spec.engine.extraEnv[0].name",
-        "engine.extraEnv: VLLM_PLUGINS refused: kvfence sets it itself",
+        "engine.extraEnv: VLLM_PLUGINS refused: vLLM's switches load plugins",
     ),
     (
-        {"extraEnv": [{"name": "OK", "value": "1"}, {"name": "LD_PRELOAD", "value": "/x.so"}]},
+        {"extraEnv": [{"name": "CUSTOM_PRE_PROCESS", "value": "m:f"}]},
+        "spec.engine.extraEnv[0].name",
+        "engine.extraEnv: CUSTOM_PRE_PROCESS refused: vLLM's API server reads these",
+    ),
+    (
+        {"extraEnv": [{"name": "CUSTOM_FASTAPI_MIDDLEWARE_THROTTLE", "value": "m:f"}]},
+        "spec.engine.extraEnv[0].name",
+        "CUSTOM_FASTAPI_MIDDLEWARE_THROTTLE refused",
+    ),
+    (
+        {"extraEnv": [{"name": "OMP_TOOL_LIBRARIES", "value": "/x.so"}]},
+        "spec.engine.extraEnv[0].name",
+        "engine.extraEnv: OMP_TOOL_LIBRARIES refused: not on the allowlist of engine.extraEnv",
+    ),
+    (
+        {"extraEnv": [{"name": "TZ", "value": "UTC"}, {"name": "LD_PRELOAD", "value": "/x.so"}]},
         "spec.engine.extraEnv[1].name",
         "engine.extraEnv: LD_PRELOAD refused",
     ),
@@ -115,7 +127,7 @@ POD_EXTRAS_CASES: list[tuple[dict[str, Any], str | None, str | None]] = [
         "NVIDIA_VISIBLE_DEVICES refused",
     ),
     ({"extraEnv": [{"name": "A-B", "value": "1"}]}, "spec.engine.extraEnv[0].name", "should match"),
-    ({"extraEnv": [{"name": "A"}]}, "spec.engine.extraEnv[0]", "A: set exactly one of value and valueFrom"),
+    ({"extraEnv": [{"name": "TZ"}]}, "spec.engine.extraEnv[0]", "TZ: set exactly one of value and valueFrom"),
     (
         {"extraVolumes": [{"name": "host", "emptyDir": {}, "secret": {"secretName": "s"}}]},
         "spec.engine.extraVolumes[0]",

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from kvfence.api import crdgen
 from kvfence.api import trustclass as T
 from kvfence.api.common import LabelSelector, TenantQuotas
+from kvfence.api.policy import engine_args, engine_env
 from kvfence.api.trustclass import TrustClass
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,15 +230,24 @@ def test_defaults_stored_by_the_old_crd_read_as_unset_on_the_runtime_that_ignore
 
 
 @pytest.mark.parametrize(("args", "refused"), EXTRA_ARGS_CASES)
-def test_extra_args_that_undo_isolation_are_refused(args: list[str], refused: list[str]) -> None:
-    assert T.refused_extra_args(args) == refused
-    why = T.extra_args_refusal(args)
-    if not refused:
-        assert why is None
-    else:
-        assert why is not None and why.startswith(
-            f"engine.extraArgs: {', '.join(refused)} refused: kvfence sets this itself"
-        )
+def test_extra_args_off_the_allowlist_are_refused_with_the_reason(
+    args: list[str], refused: list[str]
+) -> None:
+    got = engine_args.extra_args_refusals(args, "vllm")
+    assert [m.removeprefix("engine.extraArgs: ").split(" refused: ")[0] for m in got] == refused
+    for arg, message in zip(refused, got, strict=True):
+        name = engine_args.flag_name(arg)
+        assert name is not None and message.endswith(f" refused: {engine_args.reason(name)}")
+    assert (engine_args.extra_args_refusal(args, "vllm") is None) == (not refused)
+
+
+def test_a_flag_of_the_other_runtime_is_refused_naming_the_runtime() -> None:
+    args = ["--max-num-seqs", "8", "--log-level", "DEBUG"]
+    assert engine_args.extra_args_refusals(args, "vllm") == []
+    assert engine_args.extra_args_refusals(args, "reference") == [
+        "engine.extraArgs: --max-num-seqs refused: a flag of the vllm runtime only (vllm serve), which "
+        "kvfence-engine does not take"
+    ]
 
 
 @pytest.mark.parametrize(("engine", "field", "words"), POD_EXTRAS_CASES)
@@ -287,24 +297,59 @@ def test_forbidden_env_names_cover_what_the_builders_set(make_tc: Any) -> None:
     ]
     assert {"HF_HOME", "HF_TOKEN", "HOME", "VLLM_TARGET_DEVICE"} <= set(rendered)
     for name in rendered:
-        assert T.env_refusal(name) is not None, name
-    for name in ("VLLM_PLUGINS", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PYTHONSTARTUP", "LD_AUDIT", "PATH"):
-        assert T.env_refusal(name) is not None, name
-    for name in ("HF_HUB_OFFLINE", "OMP_NUM_THREADS", "NCCL_DEBUG", "CUDA_LAUNCH_BLOCKING", "HOMEDIR"):
-        assert T.env_refusal(name) is None, name
+        assert engine_env.env_refusal(name) is not None, name
+    for name in (
+        "VLLM_PLUGINS",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "VLLM_LOGGING_CONFIG_PATH",
+        "CUSTOM_PRE_PROCESS",
+        "CUSTOM_FASTAPI_MIDDLEWARE_THROTTLE",
+        "SAGEMAKER_ENABLE_STATEFUL_SESSIONS",
+        "PYTHONSTARTUP",
+        "LD_AUDIT",
+        "PATH",
+        "OMP_TOOL_LIBRARIES",
+        "NCCL_NET_PLUGIN",
+        "HOMEDIR",
+    ):
+        assert engine_env.env_refusal(name) is not None, name
+    for name in (
+        "HF_HUB_OFFLINE",
+        "OMP_NUM_THREADS",
+        "NCCL_DEBUG",
+        "CUDA_LAUNCH_BLOCKING",
+        "VLLM_LOGGING_LEVEL",
+    ):
+        assert engine_env.env_refusal(name) is None, name
 
 
-def test_every_flag_kvfence_renders_for_isolation_is_refused_in_extra_args(make_tc: Any) -> None:
-    """The flags the builders set for the middleware, the scheduler and the prefix cache cannot be
-    given a second time (vLLM's parser keeps the last one)."""
+def test_every_flag_kvfence_renders_is_refused_in_extra_args(make_tc: Any) -> None:
+    """The flags the builders set (the model, the port, the middleware, the scheduler, the prefix cache,
+    the adapters, ...) cannot be given a second time (vLLM's parser keeps the last one), on either
+    runtime."""
     from kvfence.operator import builders as B
 
-    tc = make_tc(engine={"runtime": "vllm"}, resources={"gpu": {"count": 1}})
+    tc = make_tc(
+        engine={
+            "runtime": "vllm",
+            "blockSize": 32,
+            "maxModelLen": 4096,
+            "quantization": "fp8",
+            "gpuMemoryUtilization": 0.8,
+            "adapters": [{"name": "a", "source": "org/a"}],
+        },
+        resources={"gpu": {"count": 1}},
+    )
     rendered = [a for a in B.vllm_args(tc) if a.startswith("--")]
-    for flag in ("--middleware", "--scheduler-cls", "--prefix-caching-hash-algo", "--enable-prefix-caching"):
+    for flag in ("--middleware", "--scheduler-cls", "--prefix-caching-hash-algo", "--enable-lora", "--port"):
         assert flag in rendered
-        assert T.refused_extra_args([flag]) == [flag]
-    assert T.refused_extra_args(["--config"]) == ["--config"]
+    for flag in rendered:
+        assert engine_args.extra_args_refusals([flag], "vllm") == [
+            f"engine.extraArgs: {flag} refused: {engine_args.reason(flag)}"
+        ]
+    ref = [a for a in B.reference_command(make_tc()) if a.startswith("--")]
+    assert ref == ["--config"]
+    assert engine_args.extra_args_refusal(ref, "reference") is not None
 
 
 def test_byte_quantities_are_exact_bytes() -> None:
@@ -351,7 +396,7 @@ def test_the_crd_carries_the_cpu_vllm_rules() -> None:
     assert "default" not in engine["properties"]["device"]
     kv = engine["properties"]["kvCacheMemory"]
     assert kv["type"] == "string" and kv["pattern"] == "^[1-9][0-9]*(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
-    messages = {r["message"] for r in engine["x-kubernetes-validations"]}
+    messages = {r.get("message") for r in engine["x-kubernetes-validations"]}
     assert {
         T.GPU_DEVICE_ON_REFERENCE,
         T.KV_CACHE_MEMORY_ON_REFERENCE,
@@ -363,3 +408,25 @@ def test_the_crd_carries_the_cpu_vllm_rules() -> None:
         "the vllm runtime needs at least one GPU (resources.gpu.count), unless engine.device is CPU",
         T.GPU_COUNT_ON_CPU,
     }
+
+
+def test_the_reference_engines_flags_are_all_classified() -> None:
+    """The extraArgs table of the reference runtime names exactly the options of kvfence-engine's parser,
+    and allows only long flags."""
+    from kvfence.engine.cli import build_parser
+
+    options = {o for a in build_parser()._actions for o in a.option_strings}
+    assert set(engine_args.REFERENCE_FLAGS) == options
+    assert all(f.startswith("--") for f in engine_args.allowed_flags("reference"))
+    assert all(f.startswith("--") for f in engine_args.allowed_flags("vllm"))
+
+
+def test_every_spelling_of_an_allowed_flag_is_allowed_and_no_abbreviation_is() -> None:
+    for runtime in ("vllm", "reference"):
+        allowed = engine_args.allowed_flags(runtime)
+        for f in allowed:
+            for s in (f, "--" + f[2:].replace("-", "_"), f + "=x", f + ".key"):
+                assert engine_args.extra_args_refusals([s], runtime) == [], s
+            for n in range(3, len(f)):
+                if f[:n] not in allowed:
+                    assert engine_args.extra_args_refusals([f[:n]], runtime) != [], f[:n]

@@ -519,10 +519,20 @@ def test_children_refuse_extra_args_that_undo_isolation(make_tc: Any, runtime: s
     tc = make_tc(engine={"runtime": runtime, "extraArgs": ["--enforce-eager", "--kv_transfer_config={}"]})
     with pytest.raises(B.RefusedExtraArgs, match=r"engine.extraArgs: --kv_transfer_config=\{\} refused"):
         B.children(tc, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
-    ok = make_tc(engine={"runtime": runtime, "extraArgs": ["--enforce-eager"]})
+    ok = make_tc(engine={"runtime": runtime, "extraArgs": ["--log-level", "DEBUG"]})
     objs = B.children(ok, signing=B.SigningKeys(KEY1), tenant_quotas=None, opts=OPTS, owner=OWNER)
     container = objs[-1]["spec"]["template"]["spec"]["containers"][0]
-    assert (container.get("args") or container["command"])[-1] == "--enforce-eager"
+    assert (container.get("args") or container["command"])[-2:] == ["--log-level", "DEBUG"]
+    # a vLLM flag on the reference engine, and the reverse: refused, naming the runtime
+    other = ["--enforce-eager"] if runtime == "reference" else ["--port-file", "/tmp/p"]
+    with pytest.raises(B.RefusedExtraArgs, match=f"engine.extraArgs: {other[0]} refused"):
+        B.children(
+            make_tc(engine={"runtime": runtime, "extraArgs": other}),
+            signing=B.SigningKeys(KEY1),
+            tenant_quotas=None,
+            opts=OPTS,
+            owner=OWNER,
+        )
 
 
 def test_a_cpu_vllm_class_renders_the_cpu_backend_and_its_kv_cache_size(make_tc: Any) -> None:

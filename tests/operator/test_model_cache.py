@@ -48,7 +48,7 @@ def test_a_gpu_class_with_weights_token_pull_secrets_env_volumes_and_adapters(ma
             "extraEnv": [
                 {"name": "HF_HUB_OFFLINE", "value": "0"},
                 {"name": "OMP_NUM_THREADS", "valueFrom": {"configMapKeyRef": {"name": "tune", "key": "omp"}}},
-                {"name": "WANDB_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "k"}}},
+                {"name": "HTTPS_PROXY", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "url"}}},
             ],
             "extraVolumes": [
                 {"name": "loras", "persistentVolumeClaim": {"claimName": "lora-store"}},
@@ -84,7 +84,7 @@ def test_a_gpu_class_with_weights_token_pull_secrets_env_volumes_and_adapters(ma
     assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}
     assert env["HF_HUB_OFFLINE"] == {"name": "HF_HUB_OFFLINE", "value": "0"}
     assert env["OMP_NUM_THREADS"]["valueFrom"] == {"configMapKeyRef": {"name": "tune", "key": "omp"}}
-    assert env["WANDB_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "wandb", "key": "k"}}
+    assert env["HTTPS_PROXY"]["valueFrom"] == {"secretKeyRef": {"name": "proxy", "key": "url"}}
     assert len(c["env"]) == len(env)  # no name twice
     assert pod["imagePullSecrets"] == [{"name": "registry"}]
     # the adapter is loaded from where it is mounted
@@ -134,14 +134,14 @@ def test_an_existing_claim_is_mounted_and_never_created(make_tc: Any) -> None:
 def test_extra_env_volumes_and_pull_secrets_reach_a_reference_engine_too(make_tc: Any) -> None:
     tc = make_tc(
         engine={
-            "extraEnv": [{"name": "LOG_FORMAT", "value": "json"}],
+            "extraEnv": [{"name": "TZ", "value": "UTC"}],
             "extraVolumes": [{"name": "data", "emptyDir": {}}],
             "extraVolumeMounts": [{"name": "data", "mountPath": "/data"}],
             "imagePullSecrets": [{"name": "registry"}],
         }
     )
     pod, c = _engine_pod(tc)
-    assert {"name": "LOG_FORMAT", "value": "json"} in c["env"]
+    assert {"name": "TZ", "value": "UTC"} in c["env"]
     assert {"name": "data", "emptyDir": {}} in pod["volumes"]
     assert {"name": "data", "mountPath": "/data", "readOnly": True} in c["volumeMounts"]
     assert pod["imagePullSecrets"] == [{"name": "registry"}]

@@ -19,6 +19,7 @@ from cluster.manifests import (
 )
 from support.waiting import wait_until
 
+from kvfence.api.policy import engine_args, engine_env
 from kvfence.operator.apply import is_subset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -397,21 +398,85 @@ def test_kubectl_explain_and_columns(installed: Any, kv: Any) -> None:
     assert not header or header[0].split()[:3] == ["NAME", "RUNTIME", "MODEL"]
 
 
-def test_extra_args_that_undo_isolation_are_refused_naming_the_flag(installed: Any, kv: Any) -> None:
-    """The CRD's CEL rule refuses exactly what the model refuses (the cases of
-    tests/operator/test_api.py), on both runtimes, and names each refused argument and its index."""
+def _cel_refusals(got: str, args: list[str]) -> list[str]:
+    """The API server's extraArgs refusals in ``got``, as :func:`engine_args.extra_args_refusals` writes
+    them (its rule on each argument, then its rule on the engine)."""
+    out = []
+    for line in got.replace("\\n", "\n").split("spec.engine.extraArgs")[1:]:
+        prefix, _, message = line.partition(": Forbidden: ")
+        assert prefix == "" or (prefix.startswith("[") and prefix.endswith("]")), line
+        out.append((prefix, message.split(", spec.")[0].rstrip()))
+    return [m for p, m in out if p] + [m for p, m in out if not p]
+
+
+def _expected_cel(args: list[str], runtime: engine_args.Runtime) -> list[str]:
+    """What the CRD says: every argument its rule on one argument refuses, and the first one its rule on
+    the engine refuses."""
+    return engine_args.item_refusals(args) + engine_args.runtime_refusals(args, runtime)[:1]
+
+
+def _check_extra_args(kv: Any, args: list[str], runtime: engine_args.Runtime) -> None:
+    engine = {"runtime": runtime, "image": "x", "model": {"name": "m"}, "extraArgs": args}
+    got = _dry_run(kv, trust_class("crd-extra-args", engine=engine))
+    expected = _expected_cel(args, runtime)
+    if not expected:
+        assert isinstance(got, dict), f"{runtime} {args}: {got}"
+        assert got["spec"]["engine"]["extraArgs"] == args
+        return
+    assert isinstance(got, str), f"{runtime} {args} accepted"
+    for message in expected:
+        assert message in got, (message, got)
+    for arg in engine_args.item_refusals(args):
+        i = args.index(arg.removeprefix("engine.extraArgs: ").split(" refused: ")[0])
+        assert f"spec.engine.extraArgs[{i}]: Forbidden: {arg}" in got, got
+    assert got.count("Forbidden: engine.extraArgs: ") == len(expected), got
+
+
+def test_extra_args_off_the_allowlist_are_refused_naming_the_flag_and_the_reason(
+    installed: Any, kv: Any
+) -> None:
+    """The CRD's CEL rules refuse exactly what the model refuses (the cases of
+    tests/operator/test_api.py), on both runtimes, with the same messages: each refused argument, its
+    index and the reason of the policy's table."""
     for runtime in ("vllm", "reference"):
-        for args, refused in EXTRA_ARGS_CASES:
-            engine = {"runtime": runtime, "image": "x", "model": {"name": "m"}, "extraArgs": args}
-            got = _dry_run(kv, trust_class("crd-extra-args", engine=engine))
-            if not refused:
-                assert isinstance(got, dict), f"{runtime} {args}: {got}"
-                assert got["spec"]["engine"]["extraArgs"] == args
-                continue
-            assert isinstance(got, str), f"{runtime} {args} accepted"
-            for arg in refused:
-                i = args.index(arg)
-                assert f"spec.engine.extraArgs[{i}]: Forbidden: engine.extraArgs: {arg} refused: " in got, got
+        for args, _ in EXTRA_ARGS_CASES:
+            _check_extra_args(kv, args, runtime)
+
+
+def test_the_crd_and_the_model_agree_on_every_classified_flag(installed: Any, kv: Any) -> None:
+    """Every flag of both runtimes' tables, and its other spellings (``_`` for ``-``, ``=value``, the
+    dotted ``.key`` form, an abbreviation), goes to the API server: it admits exactly what the policy
+    allows and refuses the rest with the policy's message."""
+    flags = sorted(set(engine_args.VLLM_SERVE_FLAGS) | set(engine_args.REFERENCE_FLAGS))
+    spellings: list[str] = []
+    for f in flags:
+        spellings.append(f)
+        if f.startswith("--"):
+            spellings += ["--" + f[2:].replace("-", "_") + "=1", f + ".key", f[:-1]]
+    allowed = [s for s in spellings if not engine_args.extra_args_refusals([s], "vllm")]
+    assert "--max-num-seqs" in allowed and "--max_num_seqs=1" in allowed and "--max-num-seq" not in allowed
+    chunk = 100  # under extraArgs' maximum of 128 items
+    for runtime in ("vllm", "reference"):
+        for i in range(0, len(spellings), chunk):
+            _check_extra_args(kv, spellings[i : i + chunk], runtime)
+
+
+def test_extra_env_is_an_allowlist_on_the_api_server_too(installed: Any, kv: Any) -> None:
+    """Every allowed name is admitted, and a name of each refused group (and one of none) is refused
+    with the model's message."""
+    names = sorted(engine_env.ALLOWED_ENV)
+    for i in range(0, len(names), 32):
+        env = [{"name": n, "value": "1"} for n in names[i : i + 32]]
+        got = _dry_run(kv, trust_class("crd-env", engine={**VLLM_ENGINE, "extraEnv": env}))
+        assert isinstance(got, dict), got
+    refused = ["KVFENCE_X", "CUSTOM_PRE_PROCESS", "SUPERVISOR_X", "VLLM_PLUGINS", "PYTHONPATH", "LD_PRELOAD"]
+    refused += ["NVIDIA_VISIBLE_DEVICES", "HF_TOKEN", "PATH", "OMP_TOOL_LIBRARIES", "NCCL_NET_PLUGIN"]
+    env = [{"name": n, "value": "1"} for n in refused]
+    got = _dry_run(kv, trust_class("crd-env", engine={**VLLM_ENGINE, "extraEnv": env}))
+    assert isinstance(got, str), "accepted"
+    for i, n in enumerate(refused):
+        why = engine_env.env_refusal(n)
+        assert why is not None and f"spec.engine.extraEnv[{i}].name: Forbidden: {why}" in got, (n, got)
 
 
 def test_an_adapter_source_on_the_reference_runtime_is_refused(installed: Any, kv: Any) -> None:

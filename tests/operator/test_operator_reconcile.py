@@ -23,6 +23,7 @@ from cluster.manifests import (
     trust_class,
 )
 
+from kvfence.api.policy import engine_args
 from kvfence.operator import rbac
 
 pytestmark = pytest.mark.cluster
@@ -599,7 +600,7 @@ def test_a_stored_class_with_a_forbidden_extra_arg_is_degraded_and_its_engine_le
             "the rule in force again",
             60,
         )
-    msg = "engine.extraArgs: --signing-key-dir=/tmp/mine refused: kvfence sets this itself"
+    msg = f"engine.extraArgs: --signing-key-dir=/tmp/mine refused: {engine_args.reason('--signing-key-dir')}"
 
     def degraded() -> bool:
         obj = kv.json("get", "trustclass", "extra-args")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ import pytest
 import yaml
 from cluster import manifests
 
-from kvfence.api.trustclass import EXACT_EXTRA_ARGS, FORBIDDEN_EXTRA_ARGS, TrustClass, refused_extra_args
+from kvfence.api.policy import engine_args, engine_env
+from kvfence.api.trustclass import TrustClass
 from kvfence.contract import Identity, cache_namespace, derive_cache_salt, sign
 from kvfence.operator.builders import vllm_args
 
@@ -249,31 +249,53 @@ def test_vllm_loads_the_middleware_and_it_guards_the_app(
     assert answer["seen"] == [derive_cache_salt(KEY, "gold", alice.namespace)]
 
 
-#: The kinds of ``vllm serve`` options tenant isolation relies on (issue 12, item 7): prefix-cache
-#: hashing and its granularity, KV transfer, offloading and events, the middleware and scheduler, and
-#: anything that loads a class or a plugin into the engine.
-ISOLATION_OPTION = re.compile(
-    r"^--(no-)?(enable-prefix-caching|prefix-caching-hash|prefix-match|mm-hasher|kv-transfer|kv-offloading"
-    r"|kv-events|ec-transfer|middleware|scheduler-cls|worker-cls|worker-extension-cls"
-    r"|distributed-executor-backend|logits-processors|config$|.*-plugin$)"
-)
+def _spellings(flag: str) -> list[str]:
+    """``flag`` and the other ways to write it: ``_`` for ``-``, ``=value``, the dotted ``.key`` form,
+    and its abbreviations (the flag cut short)."""
+    if not flag.startswith("--"):
+        return [flag, flag + "3", flag + "=3"]
+    return [
+        flag,
+        "--" + flag[2:].replace("-", "_"),
+        flag + "=1",
+        flag + ".key",
+        *(flag[:n] for n in range(4, len(flag), 3)),
+    ]
 
 
-def test_extra_args_refuse_every_isolation_option_of_the_pinned_vllm(vllm_python: Any) -> None:
-    options = set(probe(vllm_python.require(), {"options": True})["options"])
-    assert len(options) > 100 and "--max-num-seqs" in options, sorted(options)[:20]
-    # Every option of those kinds that this vLLM has is refused in engine.extraArgs ...
-    sensitive = sorted(o for o in options if ISOLATION_OPTION.match(o))
-    assert {"--kv-offloading-backend", "--tool-parser-plugin", "--middleware"} <= set(sensitive)
-    assert [o for o in sensitive if not refused_extra_args([o])] == []
-    # ... every refused vLLM flag is one of its options (no stale name in the list) ...
-    engine_only = {"--signing-key-dir"}  # the reference engine's (kvfence-engine)
-    assert sorted(set(FORBIDDEN_EXTRA_ARGS) - engine_only - options) == []
-    # ... and the options that merely abbreviate a refused flag are exactly the allowed exceptions.
-    shadowed = sorted(
-        o
-        for o in options
-        if o not in FORBIDDEN_EXTRA_ARGS and any(f.startswith(o) for f in FORBIDDEN_EXTRA_ARGS)
-    )
-    assert shadowed == sorted(EXACT_EXTRA_ARGS)
-    assert [o for o in options - set(FORBIDDEN_EXTRA_ARGS) if refused_extra_args([o])] == []
+def test_every_vllm_serve_flag_is_classified_and_the_allowlist_reads_arguments_as_vllm_does(
+    vllm_python: Any,
+) -> None:
+    """The extraArgs table classifies every option of the pinned ``vllm serve`` and names no option it
+    lacks (an upgrade fails here until its new flags are classified); and every spelling the
+    allowlist admits is read by vLLM's own parser as the very flag the allowlist read (its rewriting of
+    ``_``, ``=`` and ``.key`` included), while abbreviations and short forms, which vLLM reads as some
+    flag, are refused."""
+    table = engine_args.VLLM_SERVE_FLAGS
+    spellings = sorted({s for f in table for s in _spellings(f)} | {"-O3", "-O.mode=3"})
+    answer = probe(vllm_python.require(), {"policy": {"resolve": spellings}})["policy"]
+    options = set(answer["option_strings"])
+    assert len(options) > 300 and {"--max-num-seqs", "-tp", "--no-enable-prefix-caching"} <= options
+    assert sorted(options - set(table)) == [], "unclassified: add them to kvfence.api.policy.engine_args"
+    assert sorted(set(table) - options) == [], "not flags of the pinned vLLM: remove them"
+    resolved: dict[str, list[str] | None] = answer["resolved"]
+    admitted = [s for s in spellings if not engine_args.extra_args_refusals([s], "vllm")]
+    assert len(admitted) > 4 * 150, len(admitted)
+    for s in admitted:
+        assert engine_args.flag_name(s) in (resolved[s] or []), (s, resolved[s])
+    # vLLM does read abbreviations and short forms as flags: the allowlist refuses them
+    assert resolved["--max-num-seq"] == ["--max-num-seqs"] and "--max-num-seq" not in admitted
+    assert resolved["-O3"] == ["--optimization-level"] and "-O3" not in admitted
+    shortened = [
+        s
+        for s in spellings
+        if s.startswith("--") and resolved[s] and engine_args.flag_name(s) not in resolved[s]
+    ]
+    assert len(shortened) > 100 and not set(shortened) & set(admitted)
+
+
+def test_the_vllm_variables_extra_env_allows_are_variables_of_the_pinned_vllm(vllm_python: Any) -> None:
+    envs = set(probe(vllm_python.require(), {"policy": {}})["policy"]["envs"])
+    assert "VLLM_PLUGINS" in envs and len(envs) > 200
+    allowed = sorted(n for n in engine_env.ALLOWED_ENV if n.startswith("VLLM_"))
+    assert allowed and [n for n in allowed if n not in envs] == []

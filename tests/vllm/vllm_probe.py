@@ -14,6 +14,10 @@ what kvfence renders. Reads a JSON request on stdin, writes a JSON answer on std
 * ``options``: every long option of ``vllm serve``'s parser (what ``engine.extraArgs`` could reach).
 * ``fields``: the body fields of vLLM's request models for ``/v1/completions`` and
   ``/v1/chat/completions`` (what the router's request surface must classify).
+* ``policy``: for the ``engine.extraArgs`` and ``engine.extraEnv`` allowlists: every option string of
+  ``vllm serve``'s parser (short forms too), the variables of ``vllm.envs``, and for each argument of
+  ``resolve`` the options vLLM's parser reads it as (``FlexibleArgumentParser``'s rewriting, then
+  argparse's lookup, abbreviations included), or null.
 * ``middleware``: vLLM's own middleware registration (``init_entrypoints_middleware``) applied to a
   FastAPI app with ``--middleware kvfence.vllm.middleware.KvfenceMiddleware``, exercised with
   signed and unsigned requests.
@@ -180,6 +184,54 @@ def serve_options() -> list[str]:
     return sorted({o for a in serve._actions for o in a.option_strings if o.startswith("--")})
 
 
+def resolve(serve: Any, arg: str) -> list[str] | None:
+    """The option strings of the action ``vllm serve`` reads ``arg`` (followed by a value) as."""
+    import argparse
+    from unittest import mock
+
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    seen: list[list[str]] = []
+
+    def capture(self: Any, args: list[str], namespace: Any = None) -> Any:
+        seen.append(list(args))
+        raise SystemExit(0)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), contextlib.suppress(SystemExit):
+        try:
+            FlexibleArgumentParser.parse_args(serve, [arg, "1"])
+        except Exception:  # e.g. --config: vLLM reads the file before argparse sees anything
+            return None
+    flag = next((a for a in seen[0] if a.startswith("-")), None) if seen else None
+    if flag is None:
+        return None
+    try:
+        found = serve._parse_optional(flag)
+    except SystemExit:  # argparse: an ambiguous abbreviation
+        return None
+    if isinstance(found, list):  # Python >= 3.12: every match
+        found = found[0] if len(found) == 1 else None
+    if not found or found[0] is None:
+        return None
+    return list(found[0].option_strings)
+
+
+def policy(spec: dict[str, Any]) -> dict[str, Any]:
+    import vllm.envs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli = FlexibleArgumentParser(prog="vllm")
+    serve = ServeSubcommand().subparser_init(cli.add_subparsers(required=False, dest="subparser"))
+    with contextlib.redirect_stderr(io.StringIO()):
+        resolved = {a: resolve(serve, a) for a in spec.get("resolve", [])}
+    return {
+        "option_strings": sorted({o for a in serve._actions for o in a.option_strings}),
+        "envs": sorted(vllm.envs.environment_variables),
+        "resolved": resolved,
+    }
+
+
 def main() -> int:
     req = json.load(sys.stdin)
     answer: dict[str, Any] = {}
@@ -196,6 +248,8 @@ def main() -> int:
             answer["options"] = serve_options()
         if req.get("fields"):
             answer["fields"] = request_fields()
+        if "policy" in req:
+            answer["policy"] = policy(req["policy"])
         if "middleware" in req:
             answer["middleware"] = run_middleware(req["middleware"])
     json.dump(answer, sys.stdout)

@@ -19,7 +19,9 @@ from kvfence.contract.engine_config import ConfigError, load_config, load_signin
 from kvfence.engine.server import EngineServer, serve
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``engine.extraArgs`` may add the flags of kvfence.api.policy.engine_args that
+    this parser knows and that policy allows)."""
     parser = argparse.ArgumentParser(prog="kvfence-engine", description="kvfence reference engine (CPU)")
     parser.add_argument("--config", required=True, help="engine configuration file (YAML or JSON)")
     parser.add_argument("--host", help="listen address (overrides listen.host)")
@@ -28,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signing-key-dir", help="directory with the signing keys (overrides signingKeyDir)")
     parser.add_argument("--port-file", help="write the bound port to this file once listening")
     parser.add_argument("--log-level", default=os.environ.get("KVFENCE_LOG_LEVEL", "INFO"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, JsonValue, WithJsonSchema, field_validator, model_validator
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from kvfence.api.common import (
     DNS_LABEL,
@@ -20,6 +20,13 @@ from kvfence.api.common import (
     TenantQuotas,
     conditions_field,
 )
+from kvfence.api.policy.engine_args import (
+    MAX_EXTRA_ARG_LENGTH,
+    extra_arg_item_rule,
+    extra_args_runtime_rules,
+)
+from kvfence.api.policy.engine_env import env_refusal, env_rule
+from kvfence.api.policy.mounts import EXTRA_MOUNT_PATTERN, EXTRA_MOUNT_ROOTS, RESERVED_VOLUMES, under
 from kvfence.api.request_limits import RequestLimitsSpec
 from kvfence.contract import CacheScope
 
@@ -67,116 +74,6 @@ KV_CACHE_MEMORY_AND_GPU_MEMORY_UTILIZATION = (
     "kvCacheMemory and then ignores gpuMemoryUtilization"
 )
 GPU_COUNT_ON_CPU = "engine.device CPU requests no GPU: resources.gpu.count must be 0"
-
-#: Flags ``engine.extraArgs`` may not carry: each one chooses something tenant isolation relies on
-#: (prefix-cache hashing, its granularity and on/off, KV transfer, KV offloading and KV events, the
-#: kvfence middleware and scheduler, classes or plugins loaded into the engine, a second config file,
-#: the signing keys). One list for both runtimes: a flag the other runtime does not know would only
-#: make its parser exit. tests/vllm/test_vllm_args.py checks it against the pinned vLLM's own parser.
-FORBIDDEN_EXTRA_ARGS: tuple[str, ...] = (
-    # vllm serve
-    "--config",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
-    "--prefix-caching-hash-algo",
-    "--prefix-match-unit",
-    "--mm-hasher-algorithm",
-    "--kv-transfer-config",
-    "--kv-offloading-backend",
-    "--kv-offloading-size",
-    "--kv-events-config",
-    "--ec-transfer-config",
-    "--middleware",
-    "--scheduler-cls",
-    "--worker-cls",
-    "--worker-extension-cls",
-    "--distributed-executor-backend",
-    "--io-processor-plugin",
-    "--tool-parser-plugin",
-    "--reasoning-parser-plugin",
-    "--logits-processors",
-    # kvfence-engine (--config as well)
-    "--signing-key-dir",
-)
-#: Options of the runtimes that are allowed although they abbreviate a refused flag: argparse takes an
-#: exact name over an abbreviation (``--reasoning-parser qwen3`` names that option, not
-#: ``--reasoning-parser-plugin``). tests/vllm/test_vllm_args.py checks this is every such vLLM option.
-EXACT_EXTRA_ARGS: tuple[str, ...] = ("--reasoning-parser",)
-#: The longest argument ``engine.extraArgs`` admits (bounds the cost of the CRD's rule).
-MAX_EXTRA_ARG_LENGTH = 512
-EXTRA_ARGS_WHY = (
-    "kvfence sets this itself and tenant isolation relies on it (see docs/threat-model.md); "
-    "use the TrustClass field that chooses it"
-)
-
-
-def flag_name(arg: str) -> str | None:
-    """The option an argument names as the runtime's parser reads it, or ``None`` (not an option):
-    ``--a_b=1`` and ``--a-b.key`` (vLLM's JSON-field form) both name ``--a-b``."""
-    if not arg.startswith("--") or len(arg) <= 2:
-        return None
-    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
-
-
-def refused_extra_args(args: list[str]) -> list[str]:
-    """The arguments of ``args`` that name a flag of :data:`FORBIDDEN_EXTRA_ARGS`, or abbreviate one
-    (argparse accepts any unique prefix) without naming an option of :data:`EXACT_EXTRA_ARGS`, in
-    order."""
-    out = []
-    for a in args:
-        name = flag_name(a)
-        if (
-            name is not None
-            and name not in EXACT_EXTRA_ARGS
-            and any(f.startswith(name) for f in FORBIDDEN_EXTRA_ARGS)
-        ):
-            out.append(a)
-    return out
-
-
-def extra_args_refusal(args: list[str]) -> str | None:
-    """Why ``args`` cannot be passed to the engine (for one argument, the message of the CRD's rule),
-    or ``None``."""
-    refused = refused_extra_args(args)
-    return f"engine.extraArgs: {', '.join(refused)} refused: {EXTRA_ARGS_WHY}" if refused else None
-
-
-def _prefixes_re(word: str) -> str:
-    """RE2 matching every non-empty prefix of ``word``, ``_`` standing for ``-`` as vLLM's parser reads it."""
-    out = ""
-    for ch in reversed(word):
-        atom = "[-_]" if ch == "-" else ch
-        out = f"{atom}({out})?" if out else atom
-    return out
-
-
-def extra_args_regex(flags: tuple[str, ...] = FORBIDDEN_EXTRA_ARGS) -> str:
-    """RE2 of an argument that names or abbreviates one of ``flags`` (the CRD's CEL rules refuse what
-    it matches unless :func:`exact_args_regex` matches too; tests/operator/test_operator_crds.py sends
-    the model's cases to the API server)."""
-    return "^--(" + "|".join(_prefixes_re(f.removeprefix("--")) for f in flags) + ")($|[=.])"
-
-
-def exact_args_regex() -> str:
-    """RE2 of an argument that names an option of :data:`EXACT_EXTRA_ARGS`."""
-    words = (f.removeprefix("--").replace("-", "[-_]") for f in EXACT_EXTRA_ARGS)
-    return "^--(" + "|".join(words) + ")($|[=.])"
-
-
-#: Flags per CEL rule: the API server bounds each rule's estimated cost (regex size times the
-#: argument's maximum length), so the refused flags are checked by several rules of one message.
-EXTRA_ARG_RULE_FLAGS = 11
-
-EXTRA_ARG_RULES: list[JsonValue] = [
-    {
-        "rule": f"!self.matches('{extra_args_regex(FORBIDDEN_EXTRA_ARGS[i : i + EXTRA_ARG_RULE_FLAGS])}')"
-        f" || self.matches('{exact_args_regex()}')",
-        "messageExpression": f"'engine.extraArgs: ' + self + ' refused: {EXTRA_ARGS_WHY}'",
-        "reason": "FieldValueForbidden",
-    }
-    for i in range(0, len(FORBIDDEN_EXTRA_ARGS), EXTRA_ARG_RULE_FLAGS)
-]
-
 
 #: A Kubernetes object name (DNS-1123 subdomain).
 OBJECT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -340,29 +237,7 @@ class RolloutSpec(KubeModel):
 #: Where a model cache (``engine.modelCache``) is mounted; vLLM's HF_HOME lies under it.
 MODEL_CACHE_PATH = "/cache"
 HF_HOME_PATH = f"{MODEL_CACHE_PATH}/huggingface"
-#: The only places ``engine.extraVolumeMounts`` may mount at (the mount point itself or below it):
-#: nothing of the engine images, the operator's own mounts (config, signing keys, /tmp, /dev/shm, the
-#: model cache) or the system lives there, so an extra mount can neither shadow code the isolation
-#: relies on nor the files the operator gives the engine.
-EXTRA_MOUNT_ROOTS: tuple[str, ...] = ("/adapters", "/models", "/mnt", "/data")
-EXTRA_MOUNT_PATTERN = (
-    "^/(" + "|".join(r.removeprefix("/") for r in EXTRA_MOUNT_ROOTS) + r")(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$"
-)
-#: Names of the operator's own volumes in the engine pod (``engine.extraVolumes`` may not take them).
-RESERVED_VOLUMES: tuple[str, ...] = ("config", "signing-key", "tmp", "cache", "dshm")
-#: ``engine.extraEnv`` names the operator sets itself or that can undo isolation: code loaded into the
-#: engine (PYTHON*, LD_*, PATH, VLLM_PLUGINS and every other VLLM_* switch: attention backend, plugin
-#: loading, runtime LoRA loading, dev endpoints, cache hashing), the kvfence settings (KVFENCE_*), the
-#: accelerators the container sees (NVIDIA_*), and the model cache and token (HF_HOME, HF_TOKEN: use
-#: engine.modelCache and model.tokenSecretRef).
-FORBIDDEN_ENV_PATTERN = (
-    "^(KVFENCE_|VLLM_|PYTHON|LD_|NVIDIA_|(HOME|PATH|HF_HOME|HF_HUB_CACHE|HF_TOKEN|HUGGING_FACE_HUB_TOKEN)$)"
-)
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-ENV_WHY = (
-    "kvfence sets it itself or it changes what the engine loads or sees (see docs/threat-model.md); "
-    "use the TrustClass field that chooses it"
-)
 MAX_EXTRA_ENV = 32
 MAX_EXTRA_VOLUMES = 16
 MODEL_CACHE_ON_REFERENCE = (
@@ -384,17 +259,6 @@ ADAPTER_NOT_MOUNTED = (
     f"(or under {MODEL_CACHE_PATH}/ with engine.modelCache): nothing else is mounted where vLLM reads "
     "adapters; a Hugging Face repo id (org/name) is downloaded into the model cache"
 )
-
-
-def env_refusal(name: str) -> str | None:
-    """Why ``engine.extraEnv`` may not set ``name`` (the CRD rule's message), or None."""
-    if re.match(FORBIDDEN_ENV_PATTERN, name):
-        return f"engine.extraEnv: {name} refused: {ENV_WHY}"
-    return None
-
-
-def under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 class ClaimRef(KubeModel):
@@ -541,12 +405,7 @@ class EnvVar(KubeModel):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                {
-                    "rule": f"!self.name.matches('{FORBIDDEN_ENV_PATTERN}')",
-                    "messageExpression": f"'engine.extraEnv: ' + self.name + ' refused: {ENV_WHY}'",
-                    "fieldPath": ".name",
-                    "reason": "FieldValueForbidden",
-                },
+                env_rule(),
                 {
                     "rule": "has(self.value) != has(self.valueFrom)",
                     "messageExpression": "'engine.extraEnv: ' + self.name + ': set exactly one of value "
@@ -773,6 +632,7 @@ class EngineSpec(KubeModel):
                     "fieldPath": ".adapters",
                     "reason": "FieldValueInvalid",
                 },
+                *extra_args_runtime_rules(),
             ]
         }
     )
@@ -850,15 +710,16 @@ class EngineSpec(KubeModel):
         default_factory=list,
         alias="extraArgs",
         max_length=128,
-        description="Extra command-line arguments appended to the runtime's own. Flags that choose what "
-        "tenant isolation relies on are refused, abbreviated or not: "
-        + ", ".join(FORBIDDEN_EXTRA_ARGS)
-        + ".",
+        description="Extra command-line arguments appended to the runtime's own (vllm serve or "
+        "kvfence-engine). Only flags on the runtime's allowlist, spelled out in full (no abbreviations or "
+        "short forms): tuning that changes neither what the engine loads nor how it treats a tenant's "
+        "request. Flags kvfence sets from the class's own fields, and flags that would undo tenant "
+        "isolation, are refused with the reason (kvfence.api.policy.engine_args, docs/operations.md).",
         json_schema_extra={
             "items": {
                 "type": "string",
                 "maxLength": MAX_EXTRA_ARG_LENGTH,
-                "x-kubernetes-validations": EXTRA_ARG_RULES,
+                "x-kubernetes-validations": [extra_arg_item_rule()],
             }
         },
     )
@@ -881,8 +742,10 @@ class EngineSpec(KubeModel):
         alias="extraEnv",
         max_length=MAX_EXTRA_ENV,
         description="Extra environment variables of the engine container (a value, or a Secret's or "
-        "ConfigMap's key in the class's namespace). Refused: what kvfence sets or what changes the code "
-        "the engine loads or the devices it sees: names matching " + FORBIDDEN_ENV_PATTERN + ".",
+        "ConfigMap's key in the class's namespace). Only names on the allowlist (thread counts, CUDA and "
+        "NCCL tuning, hub download settings, proxies, vLLM's logging and timeouts); every other name, "
+        "CUSTOM_*, VLLM_PLUGINS, PYTHON* and LD_* among them, is refused with the reason "
+        "(kvfence.api.policy.engine_env, docs/operations.md).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     extra_volumes: list[ExtraVolume] = Field(

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence.api.common import API_VERSION, TenantQuotas, quantity_bytes
-from kvfence.api.trustclass import HF_HOME_PATH, MODEL_CACHE_PATH, TrustClass, extra_args_refusal
+from kvfence.api.policy.engine_args import extra_args_refusal
+from kvfence.api.trustclass import HF_HOME_PATH, MODEL_CACHE_PATH, TrustClass
 from kvfence.contract import key_id
 from kvfence.contract.engine_config import (
     ENV_ENGINE_CONFIG,
@@ -721,13 +722,14 @@ def pod_disruption_budget(tc: TrustClass, opts: OperatorOptions, owner: Obj | No
 
 
 class RefusedExtraArgs(ValueError):
-    """``engine.extraArgs`` names a flag that would undo tenant isolation (the message says which)."""
+    """``engine.extraArgs`` names a flag its runtime's allowlist does not hold (the message says which
+    and why)."""
 
 
 def check_extra_args(tc: TrustClass) -> None:
-    """Refuse what the CRD's rule refuses, for a class stored before that rule existed: the operator
-    never renders an engine with such a flag."""
-    why = extra_args_refusal(tc.spec.engine.extra_args)
+    """Refuse what the CRD's rules refuse, for a class stored before those rules existed: the operator
+    never renders an engine with a flag off its runtime's allowlist."""
+    why = extra_args_refusal(tc.spec.engine.extra_args, tc.spec.engine.runtime)
     if why is not None:
         raise RefusedExtraArgs(why)
 
