@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfence.contract import CLIENT_FORBIDDEN_BODY_FIELDS
 from kvfence.contract.routing import RequestLimits
@@ -165,3 +167,30 @@ def test_a_class_can_raise_a_limit() -> None:
 def test_types_are_checked(body: dict[str, Any], field: str) -> None:
     e = refused({"model": "m", **body})
     assert e.param == field
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=10,
+)
+_FIELDS = sorted({f for checks in FORWARDED.values() for f in checks} | set(REFUSED) | DROPPED)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    path=st.sampled_from([COMPLETIONS, CHAT_COMPLETIONS]),
+    body=st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=6), _JSON, max_size=6),
+)
+def test_any_body_is_checked_or_refused_with_a_named_field(path: str, body: dict[str, Any]) -> None:
+    try:
+        sequences, max_tokens, _, _ = check_request(body, path, LIMITS, 16)
+    except RouterError as e:
+        # the field at fault, or the required one that is missing
+        assert e.status == 400 and (e.param in body or e.param in ("prompt", "messages")), e.message
+    else:
+        assert 1 <= sequences <= LIMITS.max_sequences_per_request and max_tokens >= 0
