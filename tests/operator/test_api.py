@@ -276,7 +276,7 @@ def test_an_adapter_source_stored_on_the_reference_runtime_reads_as_unset() -> N
     assert [(a.name, a.source) for a in tc.spec.engine.adapters] == [("a", None)]
 
 
-def test_forbidden_env_names_cover_what_the_builders_set(make_tc: Any) -> None:
+def test_extra_env_refuses_what_the_builders_set_and_allows_only_its_list(make_tc: Any) -> None:
     """Every variable the operator renders into an engine container is one extraEnv cannot set."""
     from kvfence.operator import builders as B
 

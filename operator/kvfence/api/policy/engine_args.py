@@ -4,7 +4,7 @@ Every option of the pinned vLLM's ``vllm serve`` parser, and of the reference en
 ``kvfence-engine``, is classified in :data:`VLLM_SERVE_FLAGS` and :data:`REFERENCE_FLAGS`: allowed
 (tuning that changes neither what the engine loads nor how it treats a tenant's request), set by kvfence
 (from a TrustClass field), or refused with the reason. Anything else is refused as well, so a flag a
-new vLLM adds is refused until it is classified here; tests/vllm/test_vllm_policy.py fails until then.
+new vLLM adds is refused until it is classified here; tests/vllm/test_vllm_args.py fails until then.
 
 How an argument is read (as vLLM's ``FlexibleArgumentParser`` and argparse read it):
 

@@ -69,7 +69,7 @@ ALLOWED_ENV: frozenset[str] = frozenset(
         "LANG",
         "LC_ALL",
         # vLLM's logging, telemetry, timeouts and CPU tuning (each one a variable of the pinned vLLM's
-        # vllm/envs.py; tests/vllm/test_vllm_policy.py checks that)
+        # vllm/envs.py; tests/vllm/test_vllm_args.py checks that)
         "VLLM_LOGGING_LEVEL",
         "VLLM_LOGGING_PREFIX",
         "VLLM_LOGGING_COLOR",
