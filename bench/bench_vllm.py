@@ -1149,7 +1149,9 @@ def hooked_run(
 
         classes: dict[str, type] = {"scheduler": Scheduler, "manager": KVCacheManager, "pool": BlockPool}
     else:
-        from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager, FenceMixin
+        from kvfence.vllm.block_pool import FencedBlockPool
+        from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
+        from kvfence.vllm.scheduler import FenceMixin
 
         classes = {"scheduler": FenceMixin, "manager": FencedKVCacheManager, "pool": FencedBlockPool}
     spent: dict[str, int] = {}

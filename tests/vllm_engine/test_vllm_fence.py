@@ -14,8 +14,9 @@ from vllm_engine.vllmsched import KEY, TRUST_CLASS, Harness, base_config, salt_o
 
 from kvfence.contract import XARG_REQUEST_REF, XARG_TENANT, XARG_TENANT_TAG, tenant_tag
 from kvfence.vllm import records
+from kvfence.vllm.block_pool import FencedBlockPool
+from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox, new_ref
-from kvfence.vllm.scheduler import FencedBlockPool, FencedKVCacheManager
 
 PROMPT = list(range(100, 164))  # 4 full blocks of 16
 
@@ -293,7 +294,7 @@ def test_the_fence_keeps_its_state_on_vllms_own_blocks(tmp_path: Path) -> None:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvfence.engine.blocks import BlockState
-    from kvfence.vllm.scheduler import FencedKVCacheBlock
+    from kvfence.vllm.block_pool import FencedKVCacheBlock
 
     h = Harness(tmp_path)
     assert all(type(b) is FencedKVCacheBlock for b in h.pool.blocks)
@@ -317,8 +318,8 @@ def test_the_fence_keeps_its_state_on_vllms_own_blocks(tmp_path: Path) -> None:
 def test_vllms_free_queue_is_the_fences(tmp_path: Path) -> None:
     # vLLM's doubly linked free queue is replaced by a count; a vLLM path the fence does not cover
     # (one that would move blocks in that queue) fails, naming itself, instead of running unfenced.
+    from kvfence.vllm.block_pool import FenceFreeCount, TenantFreeCount
     from kvfence.vllm.fence import FenceError
-    from kvfence.vllm.scheduler import FenceFreeCount, TenantFreeCount
 
     h = Harness(tmp_path)
     assert isinstance(h.pool.free_block_queue, FenceFreeCount)
@@ -534,7 +535,7 @@ def test_requests_a_lowered_maximum_can_never_fit_are_cut_or_refused_never_left_
 
 def test_vllm_passes_computed_blocks_only_for_waiting_requests(tmp_path: Path) -> None:
     # The fence admits a request on the allocate_slots call that takes it out of vLLM's waiting queue
-    # and tells that call from a running request's by new_computed_blocks (kvfence.vllm.scheduler's
+    # and tells that call from a running request's by new_computed_blocks (kvfence.vllm.kv_cache_manager's
     # prologue): vLLM passes it for every waiting request (its prefix hit, empty or not) and for no
     # running one. A pool too small for everyone makes vLLM preempt, so preempted requests come back
     # through the waiting queue too.
@@ -579,7 +580,7 @@ def test_an_allocation_for_a_request_never_admitted_is_charged_and_admitted(
     h.fence.release(rid)  # as if vLLM had never taken it through the waiting queue
     h.pool.rid = rid
     before = h.fence.account("alice").usage
-    with caplog.at_level("ERROR", logger="kvfence.vllm.scheduler"):
+    with caplog.at_level("ERROR", logger="kvfence.vllm.block_pool"):
         blocks = h.pool.get_new_blocks(2)
     assert "allocates without having been admitted" in caplog.text
     assert rid in h.fence.admitted

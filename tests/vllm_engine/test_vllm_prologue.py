@@ -65,7 +65,7 @@ def test_an_empty_prologue_compiles_to_vllms_own_code() -> None:
 def test_the_fenced_allocate_slots_is_vllms_with_the_fences_prologue() -> None:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from kvfence.vllm.scheduler import FencedKVCacheManager
+    from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
 
     ours: Any = FencedKVCacheManager.allocate_slots
     theirs = KVCacheManager.allocate_slots

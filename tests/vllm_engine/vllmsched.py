@@ -30,6 +30,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+import kvfence.vllm.block_pool as fenced_pool
 import kvfence.vllm.scheduler as fenced_scheduler
 from kvfence.contract import (
     XARG_TENANT,
@@ -278,7 +279,7 @@ class Harness:
                 if rec is None:
                     continue
                 # as the scheduler records them (compiled or pure Python: see test_vllm_records.py)
-                want = fenced_scheduler.Record(None, tokens, i * bs, (i + 1) * bs, None)
+                want = fenced_pool.Record(None, tokens, i * bs, (i + 1) * bs, None)
                 assert rec.tokens == want.tokens, (req.request_id, i)
                 # where the request's namespace entered (after a shared prefix, if any)
                 ns = root_namespace(rec)
@@ -293,9 +294,9 @@ def pure_python_records() -> list[tuple[Any, str, Any]]:
     from kvfence.vllm import records
 
     return [
-        (fenced_scheduler, "Record", records.PyRecord),
+        (fenced_pool, "Record", records.PyRecord),
         (fenced_scheduler, "pack", None),
-        (fenced_scheduler, "record_chain", records.py_record_chain),
+        (fenced_pool, "record_chain", records.py_record_chain),
         (fenced_scheduler, "records_compiled", False),  # (its start-up log line says which)
         (fence_mod, "equal", records.py_equal),
         (fence_mod, "verify_chain", records.py_verify_chain),

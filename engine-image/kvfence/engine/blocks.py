@@ -49,7 +49,7 @@ class KVBlock:
     # The fields every allocation, release and eviction touches come first, next to each other: a block
     # object is 152 bytes with the collector's header, and these seven (56 bytes) then share one or two
     # cache lines instead of spanning three. (Inside vLLM the fence keeps these fields on vLLM's own
-    # blocks instead: kvfence.vllm.scheduler.FencedKVCacheBlock.)
+    # blocks instead: kvfence.vllm.block_pool.FencedKVCacheBlock.)
     block_id: int
     state: BlockState = BlockState.FREE
     #: the tenant whose quota the block counts against (None while FREE)

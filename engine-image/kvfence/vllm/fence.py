@@ -4,7 +4,7 @@
 module holds the decisions, so they read (and are tested) apart from vLLM's classes. It keeps the
 fence's state of each block of vLLM's pool (a *shadow* of vLLM's: state, owner, generation, list
 links, the fields of the reference engine's :class:`~kvfence.engine.blocks.KVBlock`) on vLLM's own
-block objects, which carry those fields as well (:class:`kvfence.vllm.scheduler.FencedKVCacheBlock`;
+block objects, which carry those fields as well (:class:`kvfence.vllm.block_pool.FencedKVCacheBlock`;
 alone, in tests, on KVBlocks), and applies the reference engine's own quota book and eviction planner
 to them:
 
@@ -33,7 +33,7 @@ to them:
   block); a candidate that fails is a miss, counted as a collision, or as a cross-namespace access
   when its chain starts in another namespace.
 * **the free blocks**: the fence owns them. vLLM's own free queue (a doubly linked list in Python) is
-  replaced by a count (:class:`~kvfence.vllm.scheduler.FenceFreeCount`); clean blocks are a stack
+  replaced by a count (:class:`~kvfence.vllm.block_pool.FenceFreeCount`); clean blocks are a stack
   here (the block freed last is handed out first, as vLLM reuses uncached blocks), cold ones are in
   their owners' cold lists, so each block moves once per event, not once in each structure.
 
@@ -79,7 +79,7 @@ class ShadowPool:
 
     ``blocks``: the block objects, each with :class:`~kvfence.engine.blocks.KVBlock`'s fields (state,
     owner, generation, the list links), ``blocks[i].block_id == i``. Inside vLLM they are vLLM's own
-    blocks (:class:`kvfence.vllm.scheduler.FencedKVCacheBlock`), so the fence's state of a block lives
+    blocks (:class:`kvfence.vllm.block_pool.FencedKVCacheBlock`), so the fence's state of a block lives
     in the object vLLM touches anyway; without them (the fence alone, in tests) plain KVBlocks."""
 
     __slots__ = ("blocks", "free")
