@@ -1,0 +1,104 @@
+"""One table from a GPU run's two results (bench/gpu/run.sh): the plugin's scheduler-step cost
+(bench/bench_vllm.py --lockstep --floor, ``vllm-*.json``) and the end-to-end cost (bench/bench_e2e.py,
+``e2e-*.json``), the newest of each in the directory given.
+
+    python3 bench/gpu/report.py DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+STEP_GOAL = 1.05
+THROUGHPUT_GOAL = 0.98
+TTFT_GOAL_MS = 1.0
+
+
+def newest(d: Path, prefix: str) -> dict[str, Any] | None:
+    found = sorted(p for p in d.glob(f"{prefix}-*.json") if not p.name.startswith(f"{prefix}-callgrind"))
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def step_rows(doc: dict[str, Any] | None) -> list[list[str]]:
+    if doc is None:
+        return [["scheduler step, fenced / stock", "not run", f"<= {STEP_GOAL}", "-"]]
+    v = doc["variants"]["no quotas"]
+    per_round = v["ratio_mean_step_per_round"]
+    under = sum(1 for r in per_round if r <= STEP_GOAL)
+    floor = v.get("floor", {}).get("ratio_mean_step", float("nan"))
+    return [
+        [
+            "scheduler step, fenced / stock (no quotas, lockstep)",
+            f"{v['ratio_mean_step']:.3f} ({under} of {len(per_round)} rounds <= {STEP_GOAL})",
+            f"<= {STEP_GOAL}",
+            verdict(v["ratio_mean_step"] <= STEP_GOAL),
+        ],
+        ["  A/A floor (stock / stock)", f"{floor:.3f}", "near 1.000", "-"],
+    ]
+
+
+def e2e_rows(doc: dict[str, Any] | None) -> list[list[str]]:
+    if doc is None:
+        return [["end to end (vllm bench serve)", "not run", "", "-"]]
+    rows = []
+    for s in doc["summary"]["rows"].values():
+        m = s["median"]
+        value = f"{m['request_throughput']:.2f} req/s, TTFT p50 {m['median_ttft_ms']:.1f} ms"
+        value += f", ITL p50 {m['median_itl_ms']:.2f} ms"
+        rows.append([f"rate {s['rate']}: {s['row']}", value, "", "-"])
+    g = doc["summary"]["goals"]
+    rows.append(
+        [
+            f"throughput at {g['saturation_rate']}, kvfence + router / stock",
+            f"{g['throughput_ratio']:.3f} (engine {g['throughput_engine_part']:.3f}, "
+            f"router {g['throughput_router_part']:.3f})",
+            f">= {THROUGHPUT_GOAL}",
+            verdict(g["throughput_met"]),
+        ]
+    )
+    for rate, t in g["ttft_added_ms"].items():
+        rows.append(
+            [
+                f"TTFT p50 added at {rate} req/s",
+                f"{t['total']:+.2f} ms (engine {t['engine_part']:+.2f}, router {t['router_part']:+.2f})",
+                f"<= {TTFT_GOAL_MS} ms",
+                verdict(t["met"]),
+            ]
+        )
+    return rows
+
+
+def header_lines(step: dict[str, Any] | None, e2e: dict[str, Any] | None) -> list[str]:
+    lines = []
+    if e2e is not None:
+        eng = e2e.get("engine", {})
+        records = {True: "compiled", False: "pure Python"}.get(eng.get("records_compiled"), "unknown")
+        lines.append(f"date {e2e['date']}, commit {e2e['commit']}, vLLM {eng.get('vllm')}, records {records}")
+        lines.append(f"machine: {e2e['machine'].get('gpus')} {e2e['machine'].get('cpu')}")
+    if step is not None:
+        lines.append(f"scheduler benchmark: vLLM {step['setup']['vllm']}, {step['setup']['rounds']} rounds")
+    return lines
+
+
+def main() -> None:
+    d = Path(sys.argv[1])
+    step, e2e = newest(d, "vllm"), newest(d, "e2e")
+    rows = step_rows(step) + e2e_rows(e2e)
+    header = ["figure", "value", "goal", "verdict"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("\n".join(header_lines(step, e2e)) + "\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+
+
+if __name__ == "__main__":
+    main()
