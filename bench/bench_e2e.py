@@ -25,15 +25,22 @@ built is serialized and signed there, after the client took its start time, so t
 to that row's TTFT, not hidden (its mean cost per request is reported). Every row goes through the same
 wrapper; only that row signs.
 
-Pairing: run order swings throughput on a shared VM by up to 1.4x (docs/engine.md), so each round runs
-the three rows back to back at each rate, in an order rotated every round, and the ratios are taken
-round by round (median of the per-round ratios, rounds won, one-sided sign test: bench_router.paired).
+Pairing: run order swings throughput on a shared 2-core VM by up to 1.4x (whichever server runs
+second wins), so each round runs the three rows back to back at each rate, in an order rotated every
+round, and the ratios are taken round by round (median of the per-round ratios, rounds won, one-sided
+sign test: bench_router.paired).
 Both servers stay up for the whole run; the one not being measured is stopped with SIGSTOP (an idle
 ``vllm serve`` on CPU keeps a third of a core busy) and continued before its turn; the router is left
 running (it is idle between its turns but for a health check every 2 s). Each measured run is preceded
 by vLLM's own single-request check, and each row gets one untimed warm-up run before the first round.
 Prompts are seeded per round and rate (each row sees the same prompts); the two kvfence rows use two
-tenants, so the engine's prefix cache never lets one row reuse what the other computed.
+tenants, so the engine's prefix cache never lets one row reuse what the other computed. vLLM's client
+first asks the server's ``/tokenize`` whether its prompts have the intended length (and re-cuts them if
+not); the kvfence middleware refuses that path (not an inference path), so on the kvfence rows the
+client skips the check. The report compares the input tokens the server counted for each row of a
+round and rate (``same_prompts``): equal counts mean the three rows were sent the same prompts.
+A run whose requests partly fail keeps its figures (of the completed requests), and the failures are
+counted in the table's ``failed`` column with vLLM's error messages in the run's record.
 
 Goals: ``kvfence + router`` keeps at least 0.98x of ``stock``'s request throughput at saturation and adds
 at most 1 ms to TTFT p50 below it. ``kvfence direct`` splits a miss between the engine plugin and the
@@ -436,7 +443,15 @@ def summarize(runs: list[dict[str, Any]], rates: list[str]) -> dict[str, Any]:
             if row == "kvfence + router":
                 vs["router_alone"] = compare(runs, rate, row, "kvfence direct")
             rows[f"{rate} {row}"] = {"rate": rate, "row": row, "median": med, "vs_stock": vs}
-    return {"rows": rows, "goals": goals(rows, rates)}
+    return {"rows": rows, "goals": goals(rows, rates), "same_prompts": same_prompts(runs)}
+
+
+def same_prompts(runs: list[dict[str, Any]]) -> bool:
+    """Whether, in every round and at every rate, the server counted the same input tokens on each row."""
+    counts: dict[tuple[int, str], set[int]] = {}
+    for r in runs:
+        counts.setdefault((r["round"], r["rate"]), set()).add(r["total_input_tokens"])
+    return all(len(c) == 1 for c in counts.values())
 
 
 def goals(rows: dict[str, Any], rates: list[str]) -> dict[str, Any]:
@@ -539,6 +554,8 @@ def report(stack: Stack, runs: list[dict[str, Any]], started: float, load: list[
     print(f"\nend to end, vllm bench serve, median of {a.rounds} paired rounds ({a.note})\n")
     print_table(summary)
     print_goals(summary["goals"])
+    if not summary["same_prompts"]:
+        print("NOTE: the rows of a round were not sent prompts of the same length (see the runs' records)")
     doc = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "commit": commit(),
