@@ -563,3 +563,22 @@ def test_weights_come_from_the_binding_or_the_class_default_and_reach_the_engine
     bare = EngineConfig.model_validate(builders.engine_config(make_tc()))
     assert bare.quotas.default.weight == 1
     assert "weight" not in builders.engine_config(make_tc())["quotas"]["default"]
+
+
+def test_the_routing_table_carries_each_tenants_weight_and_leaves_out_a_weight_of_one(
+    make_tc: Any, make_tb: Any
+) -> None:
+    tc = make_tc(quotas={"limits": {"weight": 8}})
+    classes = {"gold": R.ClassState(tc, (KEY,))}
+    tbs = [
+        make_tb("heavy", "heavy", quotas={"weight": 4}),
+        make_tb("one", "one", quotas={"weight": 1}),
+        make_tb("plain", "plain"),
+    ]
+    lookups = keys(("team-a/heavy", "k1"), ("team-a/one", "k2"), ("team-a/plain", "k3"))
+    out = R.decide(classes, tbs, NS, lookups, OPTS)
+    assert out.table.tenants["heavy"].quotas.weight == 4
+    assert out.table.tenants["one"].quotas.weight is None
+    assert out.table.tenants["plain"].quotas.weight is None
+    raw = encode_table(out.table)
+    assert raw.count(b'"weight"') == 1 and b'"weight":4' in raw

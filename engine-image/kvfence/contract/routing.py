@@ -48,6 +48,9 @@ class Quotas(_Model):
     requests_per_minute: int | None = Field(None, alias="requestsPerMinute", ge=1)
     tokens_per_minute: int | None = Field(None, alias="tokensPerMinute", ge=1)
     max_kv_blocks: int | None = Field(None, alias="maxKVBlocks", ge=1)
+    #: The tenant's share when its class's engines are saturated (the router releases held requests
+    #: in proportion to it); None: 1, and the field is left out of the table.
+    weight: int | None = Field(None, ge=1, le=1000)
 
 
 class RequestLimits(_Model):

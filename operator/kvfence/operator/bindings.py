@@ -147,12 +147,14 @@ def _quota_values(q: TenantQuotas) -> tuple[int | None, ...]:
 
 
 def _route_quotas(effective: TenantQuotas, made: dict[tuple[int | None, ...], Quotas]) -> Quotas:
-    """The routing table's quotas of a tenant served with ``effective`` (one frozen object per value)."""
+    """The routing table's quotas of a tenant served with ``effective`` (one frozen object per value);
+    a weight of 1 is left out, the router's default."""
     values = (
         effective.max_concurrent_requests,
         effective.requests_per_minute,
         effective.tokens_per_minute,
         effective.max_kv_blocks,
+        None if effective.weight is None or effective.weight == 1 else effective.weight,
     )
     got = made.get(values)
     if got is None:
@@ -161,6 +163,7 @@ def _route_quotas(effective: TenantQuotas, made: dict[tuple[int | None, ...], Qu
             requests_per_minute=values[1],
             tokens_per_minute=values[2],
             max_kv_blocks=values[3],
+            weight=values[4],
         )
     return got
 
