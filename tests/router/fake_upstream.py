@@ -7,7 +7,8 @@ it received so that tests can check what the router sent. Test controls under ``
 
 A prompt that starts with ``SILENT`` is never answered (a hung engine). A prompt that starts with
 ``GATED`` streams its first chunk, then waits until ``POST /control/release``
-before sending the rest: a test can prove chunk-by-chunk relaying without timing anything.
+before sending the rest: a test can prove chunk-by-chunk relaying without timing anything. A prompt
+that starts with ``DROP`` is recorded, then its connection is closed unanswered (a query of death).
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
         echo = {"tenant": verified.identity.tenant, "namespace": verified.identity.namespace}
         if prompt.startswith("SILENT"):  # a hung engine: accepts the request, never answers
             await asyncio.sleep(3600)
+        if prompt.startswith("DROP") and request.transport is not None:
+            # An engine that dies of this request: the connection closes, nothing answered.
+            request.transport.abort()
+            return web.Response(status=500)
         if prompt.startswith("COOKIE"):  # an engine (or something in front of it) setting a cookie
             resp = web.json_response(
                 {

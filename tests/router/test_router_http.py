@@ -323,3 +323,17 @@ def test_chunked_body_over_the_limit_is_413(stack: Stack) -> None:
             assert (await r.json())["error"]["code"] == "request_too_large"
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_a_request_the_engine_received_and_died_on_is_sent_once(stack: Stack) -> None:
+    """The engine reads the request, then closes the connection unanswered, on a kept-alive connection
+    (warmed by an ordinary request first) as on a new one: the client gets a 502, and the engine saw
+    the request once; the router does not send it again."""
+    for n in range(3):
+        status, _, _ = stack.post(KEYS["alice"], "/v1/completions", {"model": "tiny", "prompt": f"warm {n}"})
+        assert status == 200
+        prompt = f"DROP {n}"
+        status, _, data = stack.post(KEYS["alice"], "/v1/completions", {"model": "tiny", "prompt": prompt})
+        assert status == 502 and _err(data)["code"] == "bad_gateway", data
+        seen = [r for r in stack.upstream_requests(stack.gold) if r["body"].get("prompt") == prompt]
+        assert len(seen) == 1, seen

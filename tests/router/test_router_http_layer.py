@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -14,8 +15,8 @@ import pytest
 import uvloop
 from router.support import standard_table
 
-from kvfence.contract import HEADER_NONCE
-from kvfence.router.errors import error_response
+from kvfence.router.endpoints import Member
+from kvfence.router.errors import RouterError, error_response
 from kvfence.router.http import HttpServer, Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import Proxy, ProxyConfig, build_body
@@ -460,41 +461,72 @@ def test_pool_slots_are_first_come_first_served_and_never_lost_to_a_cancelled_wa
     run(main())
 
 
-def test_pool_tells_a_stale_keep_alive_connection_from_a_failure(run: Any) -> None:
+def test_pool_never_writes_on_a_connection_the_engine_closed_and_a_written_request_is_closed(
+    run: Any,
+) -> None:
+    """A kept-alive connection the engine closed while idle is never written on, even when the loop
+    has not read its end of file yet: the request goes on a new connection. A request written and then
+    dropped unanswered is ``closed`` on a reused connection as on a new one (the engine received it)."""
+
     async def main() -> None:
-        async def answer_once_then_drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        close_now, closed = asyncio.Event(), asyncio.Event()
+
+        async def answer_once_then_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            if closed.is_set():
+                return await serve_forever(r, w)
             await read_request(r)
             w.write(ok())
-            await read_request(r)  # the second request on this connection: closed unanswered
+            await close_now.wait()
+            w.close()
+            await w.wait_closed()
+            closed.set()
 
-        srv = RawServer(answer_once_then_drop)
+        srv = RawServer(answer_once_then_close)
         pool = Pool("127.0.0.1", await srv.start())
         resp = await pool.request("POST", "/", {}, b"1")
         assert await resp.read() == b"ok"
         resp.release()
-        with pytest.raises(UpstreamError) as e:
-            await pool.request("POST", "/", {}, b"2")
-        assert e.value.kind == "stale"  # nothing was answered on a reused connection: safe to retry
-        resp = await pool.request("POST", "/", {}, b"3", fresh=True)
+        conn = pool._idle[-1]
+        assert conn.transport is not None and not conn.readable()
+        conn.transport.pause_reading()  # the loop does not see the engine's end of file...
+        close_now.set()
+        await closed.wait()
+        assert conn.transport is not None and conn.readable()  # ...but the pool does
+        resp = await pool.request("POST", "/", {}, b"2")
+        assert await resp.read() == b"2" and srv.connections == 2
+        resp.release()
+
+        received: list[bytes] = []
+
+        async def answer_once_then_drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            received.append((await read_request(r))[1])
+            w.write(ok())
+            received.append((await read_request(r))[1])  # read, then closed unanswered
+
+        pool2 = Pool("127.0.0.1", await RawServer(answer_once_then_drop).start())
+        resp = await pool2.request("POST", "/", {}, b"1")
         assert await resp.read() == b"ok"
         resp.release()
+        with pytest.raises(UpstreamError) as e:
+            await pool2.request("POST", "/", {}, b"2")
+        assert e.value.kind == "closed" and received == [b"1", b"2"]
 
         async def drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await read_request(r)
 
-        pool2 = Pool("127.0.0.1", await RawServer(drop).start())
+        pool3 = Pool("127.0.0.1", await RawServer(drop).start())
         with pytest.raises(UpstreamError) as e:
-            await pool2.request("POST", "/", {}, b"1")
-        assert e.value.kind == "closed"  # a new connection that fails is not "stale"
-        pool.close()
-        pool2.close()
+            await pool3.request("POST", "/", {}, b"1")
+        assert e.value.kind == "closed"
+        for p in (pool, pool2, pool3):
+            p.close()
 
     run(main())
 
 
-def test_pool_a_new_connection_lost_before_the_request_was_sent_is_a_closed_error(run: Any) -> None:
+def test_pool_a_new_connection_lost_before_the_request_was_sent_is_an_unsent_error(run: Any) -> None:
     """An engine killed right after the kernel accepted the connection: its reset can arrive between
-    the connect and the write. Nothing was sent, so the error is ``closed`` (the proxy sends the
+    the connect and the write. Nothing was sent, so the error is ``unsent`` (the proxy sends the
     request to another replica), never an exception the proxy does not know (a 500)."""
 
     async def main() -> None:
@@ -517,7 +549,7 @@ def test_pool_a_new_connection_lost_before_the_request_was_sent_is_a_closed_erro
         for _ in range(3):  # and the connection slot comes back each time
             with pytest.raises(UpstreamError) as e:
                 await pool.request("POST", "/", {}, b"1")
-            assert e.value.kind == "closed"
+            assert e.value.kind == "unsent"
         assert pool._slots.free == 256 and not pool._slots.waiters  # the default limit, all free
         pool.close()
 
@@ -748,41 +780,44 @@ def test_pool_stops_reading_an_engine_faster_than_its_consumer(run: Any) -> None
     run(main())
 
 
-def test_proxy_retries_a_stale_connection_once_with_a_fresh_nonce(run: Any) -> None:
-    """The engine refuses a replayed nonce, so the retry after a stale keep-alive connection must be
-    signed anew; the engine sees two different nonces and the client one answer."""
+def test_proxy_sends_a_request_an_engine_received_and_died_on_to_no_other_replica(run: Any) -> None:
+    """A query of death: three replicas, each of which reads a request and closes the connection
+    unanswered. The request costs one replica, not three: the client gets a 502 and the engines saw
+    one request in all. A replica that refuses connections is skipped (nothing reached it) for one that
+    answers."""
 
     async def main() -> None:
         seen: list[bytes] = []
 
-        async def answer_once_then_drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            head, _ = await read_request(r)
-            seen.append(head)
-            w.write(ok(b'{"usage":{"total_tokens":3}}', b"Content-Type: application/json\r\n"))
-            head, _ = await read_request(r)  # the next request on this connection: dropped unanswered
-            seen.append(head)
+        async def die(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            seen.append((await read_request(r))[0])
 
-        port = await RawServer(answer_once_then_drop).start()
+        ports = [await RawServer(die).start() for _ in range(3)]
         table = parse_table(
-            json.dumps(standard_table(f"http://127.0.0.1:{port}", "http://silver:8000")).encode()
+            json.dumps(standard_table(f"http://127.0.0.1:{ports[0]}", "http://silver:8000")).encode()
         )
         plan = table.tenants["alice"]
         proxy = Proxy(RouterMetrics(), ProxyConfig())
         proxy.sync(table.classes)
-        for _ in range(2):
-            payload = build_body(plan, {"model": "tiny", "prompt": "p"})
-            resp, ce, ep = await proxy._send(plan, "/v1/completions", payload, [])
-            assert resp.status == 200 and await resp.read() == b'{"usage":{"total_tokens":3}}'
+        ce = proxy.classes["gold"]
+        ce.set_members([Member("127.0.0.1", p) for p in ports])
+        payload = build_body(plan, {"model": "tiny", "prompt": "p"})
+        with pytest.raises(RouterError) as e:
+            await proxy._send(plan, "/v1/completions", payload, [])
+        assert e.value.status == 502 and len(seen) == 1
+        assert proxy.metrics.retries.values == {}
+
+        good = await RawServer(serve_forever).start()
+        with contextlib.closing(socket.socket()) as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = int(s.getsockname()[1])
+        ce.set_members([Member("127.0.0.1", dead), Member("127.0.0.1", good)])
+        for _ in range(4):
+            resp, ce2, ep = await proxy._send(plan, "/v1/completions", payload, [])
+            assert resp.status == 200
             resp.release()
-            ce.end(ep)
-        assert proxy.metrics.retries.values == {}  # the stale retry stays on the same replica
-        nonces = [
-            line.split(b":", 1)[1].strip()
-            for head in seen
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(HEADER_NONCE.lower().encode())
-        ]
-        assert len(seen) == 3 and len(set(nonces)) == 3  # first, dropped, retried: all distinct
+            ce2.end(ep)
+        assert len(seen) == 1  # nothing more reached a dying replica
         await proxy.close()
 
     run(main())

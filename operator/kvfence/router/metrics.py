@@ -223,8 +223,8 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "kvfence_router_engine_retries_total",
-            "Requests sent again to another replica because the first could not have answered them, "
-            "by what happened (connect, closed, stale).",
+            "Requests sent again to another replica because they provably never reached the first, "
+            "by what happened (connect, unsent).",
             ("trust_class", "reason"),
         )
         self.router_replicas = Gauge(

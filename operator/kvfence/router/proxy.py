@@ -15,9 +15,11 @@ client as soon as the engine sends it.
 
 Replica choice: each trust class's engine replicas are :mod:`kvfence.router.endpoints`; a request goes
 to its tenant's home replica on the class's consistent-hash ring unless that one is at its load bound
-(:mod:`kvfence.router.balance`). A request the engine cannot have answered (the connection was refused
-or timed out, or closed before any byte of the answer) is sent again, freshly signed, to another
-replica; once any byte of an answer arrived it is never sent again.
+(:mod:`kvfence.router.balance`). A request that provably never reached an engine (no connection, or
+one closed before the request was written: :mod:`kvfence.router.upstream` checks a kept-alive
+connection before writing on it) is sent again, freshly signed, to another replica. One that was
+written is never sent again, whatever happens next: an engine that dies on a request (a query of
+death) costs one replica, not several.
 
 Failure behaviour: a background probe marks an endpoint unhealthy when its health endpoint fails, and
 a refused connection marks it at once; an unhealthy endpoint leaves the ring, and a class with no
@@ -102,11 +104,11 @@ PROBE_FAILURE_THRESHOLD = 2
 RECOVERY_PROBE_INTERVAL = 0.5
 
 
-#: Replicas a request is sent to at most: the first, then others while the engine cannot have
-#: answered it (connection refused or timed out, closed before any byte of the answer).
+#: Replicas a request is sent to at most: the first, then others while it provably reached none
+#: (connection refused or timed out, or closed before the request was written).
 MAX_ATTEMPTS = 3
-#: Upstream error kinds after which nothing of the answer arrived, so another replica may take it.
-RETRY_ELSEWHERE = frozenset({"connect", "closed", "stale"})
+#: Upstream error kinds after which the request was not written, so another replica may take it.
+RETRY_ELSEWHERE = frozenset({"connect", "unsent"})
 
 
 def _compact_encoder() -> Callable[[Any], str]:
@@ -425,16 +427,7 @@ class Proxy:
             try:
                 # Signed for each attempt: a fresh nonce, since the engine refuses a replayed one.
                 head = build_head(plan, path, client_headers, payload)
-                try:
-                    return await ep.pool.request("POST", ce.base + path, None, payload, head=head), ce, ep
-                except UpstreamError as e:
-                    if e.kind != "stale":
-                        raise
-                    # A pooled keep-alive connection the engine had just closed: nothing was
-                    # processed. Once more on a fresh connection to the same replica.
-                    head = build_head(plan, path, client_headers, payload)
-                    resp = await ep.pool.request("POST", ce.base + path, None, payload, head=head, fresh=True)
-                    return resp, ce, ep
+                return await ep.pool.request("POST", ce.base + path, None, payload, head=head), ce, ep
             except UpstreamError as e:
                 ce.end(ep)
                 if e.kind == "connect":
@@ -443,11 +436,16 @@ class Proxy:
                 elif e.kind == "timeout":
                     self.metrics.upstream_errors.inc((cls.name, "timeout"))
                     raise _timeout(cls) from None
+                elif e.kind == "closed":
+                    # Written, then the connection closed: the engine may have received it (and died
+                    # of it). Not sent again.
+                    self.metrics.upstream_errors.inc((cls.name, "closed"))
+                    raise _bad_gateway(cls, f"closed the connection before answering ({e})") from None
                 elif e.kind not in RETRY_ELSEWHERE:
                     self.metrics.upstream_errors.inc((cls.name, "protocol"))
                     raise _bad_gateway(cls, f"gave a bad answer ({e})") from None
                 else:
-                    self.metrics.upstream_errors.inc((cls.name, "closed"))
+                    self.metrics.upstream_errors.inc((cls.name, "unsent"))
                 last = e
                 tried += (ep,)
             except BaseException:

@@ -11,13 +11,21 @@ or streamed (:meth:`Response.chunks_iter`) with backpressure: the engine connect
 more than ``HIGH_WATER`` bytes wait for a slow client.
 
 Errors are :class:`UpstreamError` with a ``kind`` the proxy maps to the client's status:
-``connect`` (503), ``timeout`` (504), ``protocol`` and ``closed`` (502), ``stale`` (a reused
-keep-alive connection closed before any byte of the answer: nothing was processed, retry).
+``connect`` (503: no connection, nothing sent), ``unsent`` (the connection was closed before the
+request was written: nothing sent), ``timeout`` (504), ``protocol`` and ``closed`` (502: the
+connection closed after the request was written, so the engine may have received it).
+
+A kept-alive connection is checked before a request is written on it: one the engine has closed (its
+end of file waits to be read) or that holds bytes nobody asked for is dropped and another one taken,
+so a request is written only on a connection that was open at that moment. Whatever fails after the
+write is ``closed``, and the proxy never sends that request again: a request that kills its engine
+must not be given to another one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import ssl
 import time
@@ -144,8 +152,8 @@ class _Connection(asyncio.Protocol):
             return
         if resp.status and self._until_eof:
             resp.complete = True  # a body delimited by the end of the connection
-        elif not resp.started and self.uses > 1:
-            resp.error = UpstreamError("stale", "the engine closed a kept-alive connection")
+        elif not resp.started:
+            resp.error = UpstreamError("closed", "the engine closed the connection before answering")
         else:
             resp.error = UpstreamError("closed", "the engine closed the connection mid-answer")
         resp._wake()
@@ -213,10 +221,10 @@ class _Connection(asyncio.Protocol):
 
     # --- request life cycle -----------------------------------------------------------------------
     def send(self, data: bytes) -> Response:
-        if self.transport is None:
-            # A new connection the engine reset before the request was written (an engine killed
-            # right after the kernel accepted it): nothing was sent, so another replica may take it.
-            raise UpstreamError("closed", "the engine closed the connection before the request was sent")
+        if self.transport is None or self.transport.is_closing():
+            # The engine reset the connection before the request was written (an engine killed right
+            # after the kernel accepted it): nothing was sent, so another replica may take it.
+            raise UpstreamError("unsent", "the engine closed the connection before the request was sent")
         self.uses += 1
         self.resp = resp = Response(self)
         self._until_eof = False
@@ -229,6 +237,20 @@ class _Connection(asyncio.Protocol):
             )
         self.transport.write(data)
         return resp
+
+    def readable(self) -> bool:
+        """Whether an idle connection has something to read: the engine's end of file (it closed the
+        connection) or bytes nobody asked for. Either way it must not carry a request."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return True
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            return bool(select.select((sock.fileno(),), (), (), 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def _check(self) -> None:
         self._timer = None
@@ -398,7 +420,8 @@ class Pool:
             conn = idle.pop()
             if conn.transport is None or conn.transport.is_closing():
                 continue
-            if conn.idle_since < oldest:  # the engine may be closing it right now
+            if conn.idle_since < oldest or conn.readable():
+                # Too old (the engine may be closing it right now), or closed by the engine already.
                 conn.transport.close()
                 continue
             return conn
@@ -432,7 +455,7 @@ class Pool:
     ) -> Response:
         """Send a request; returns once the answer's status and headers arrived. ``head``: header
         lines already formatted (``Name: value\\r\\n`` each), sent after ``headers``. ``fresh``: on a
-        new connection (the retry after a ``stale`` error)."""
+        new connection."""
         line = self._request_lines.get((method, path))
         if line is None:
             line = f"{method} {path} HTTP/1.1\r\n".encode("latin-1")
