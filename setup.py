@@ -41,6 +41,7 @@ ext_modules = [
         extra_compile_args=COMPILE_ARGS,
         define_macros=[LIMITED_API],
         py_limited_api=True,
+        depends=["setup.py"],  # a change of flags rebuilds, not only a change of source
     ),
     Extension(
         "kvfence.vllm._records",
@@ -48,6 +49,7 @@ ext_modules = [
         extra_compile_args=COMPILE_ARGS,
         define_macros=[LIMITED_API],
         py_limited_api=True,
+        depends=["setup.py"],  # a change of flags rebuilds, not only a change of source
     ),
 ]
 

@@ -24,6 +24,9 @@ out="$1"
 mkdir -p "$out" "$BUILD_SYSTEM"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -1)"
 rm -f "$out"/kvfence-*.whl
+# setuptools packs everything under its build/lib.* directory: a per-version module an older build left
+# there would ride along and, where it loads, shadow the abi3 one.
+find "$ROOT/build" -path "$ROOT/build/lib.*/kvfence/*" -name '*.so' ! -name '*.abi3.so' -delete 2>/dev/null || true
 pip_args=(wheel --quiet --no-deps --find-links "$BUILD_SYSTEM" --wheel-dir "$out")
 if [ "${KVFENCE_OFFLINE:-0}" = 1 ]; then
   pip_args+=(--no-index)
@@ -35,10 +38,10 @@ fi
 
 whl="$out/kvfence-$version-$ABI3_TAG-linux_$(uname -m).whl"
 [ -f "$whl" ] || die "no $ABI3_TAG wheel was built: $(ls "$out")"
-"$PYTHON" - "$whl" <<'PY' || die "$whl lacks a compiled module"
+"$PYTHON" - "$whl" <<'PY' || die "$whl does not hold exactly the two abi3 modules"
 import sys, zipfile
-names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+have = {n for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith(".so")}
 want = {"kvfence/engine/_prefix_walk.abi3.so", "kvfence/vllm/_records.abi3.so"}
-sys.exit(f"missing: {sorted(want - names)}" if want - names else 0)
+sys.exit(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}" if have != want else 0)
 PY
 echo "$whl"
