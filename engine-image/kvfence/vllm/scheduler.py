@@ -24,11 +24,15 @@ decision is made by :class:`kvfence.vllm.fence.TenantFence`. What changes, again
   tenants' requests behind them. A request that could never fit its tenant's maximum has its
   ``max_tokens`` cut to fit (finish reason ``length``), or, if its prompt alone does not fit, is
   refused.
-* **Reloads**: quotas are re-read from the engine config file and keys from the key directory when
-  those files change (checked once a second), without a restart.
+* **Fair share**: before each ``schedule`` the running list and the waiting queue are ordered, and
+  the running slots divided, by the tenants' weights (:mod:`kvfence.vllm.fair`, the policy of
+  :mod:`kvfence.engine.fairshare`); after it each tenant is charged what the step scheduled for it.
+* **Reloads**: quotas and weights are re-read from the engine config file and keys from the key
+  directory when those files change (checked once a second), without a restart.
 
 The fence supports what it can verify: one KV-cache group of full attention, block hashes at the
-block size, no KV connector, no decode context parallelism. Anything else fails the engine at start
+block size, no KV connector, no decode context parallelism, and vLLM's first-come-first-served
+policy (whose queues fair share orders). Anything else fails the engine at start
 with a message naming what is unsupported (never a silently unfenced engine).
 """
 
@@ -55,6 +59,7 @@ from kvfence.contract.engine_config import (
 )
 from kvfence.engine.quotas import SHARED_OWNER
 from kvfence.vllm.block_pool import FencedBlockPool, FenceFreeCount, constructing_as
+from kvfence.vllm.fair import StepShares
 from kvfence.vllm.fence import UNATTRIBUTED, FenceError, SharedPin, TenantFence
 from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
 from kvfence.vllm.logs import ensure_handler
@@ -71,6 +76,7 @@ from vllm.v1.core.kv_cache_utils import (
     hash_block_tokens,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -127,6 +133,8 @@ def _check_supported(sched: Scheduler) -> None:
         problems.append("no KV connector (--kv-transfer-config moves KV outside the fence)")
     if getattr(sched, "dcp_world_size", 1) != 1:
         problems.append("no decode context parallelism")
+    if sched.policy != SchedulingPolicy.FCFS:
+        problems.append("the fcfs scheduling policy (fair share orders the queues itself)")
     if problems:
         raise FenceError("the kvfence scheduler supports only " + "; ".join(problems))
 
@@ -136,6 +144,9 @@ class FenceMixin:
 
     kv_cache_manager: Any
     waiting: Any
+    running: list[Any]
+    requests: dict[str, Any]
+    max_num_running_reqs: int
     max_model_len: int
     block_size: int
 
@@ -194,6 +205,7 @@ class FenceMixin:
         self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
         self._next_reload = time.monotonic() + RELOAD_INTERVAL
         self.stats = StatsWriter.from_env(self.fence)
+        self.fair = StepShares(quotas, self.max_num_running_reqs)
         self._refusals = RefusalBox.from_env()
         log.info(
             "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with "
@@ -432,12 +444,15 @@ class FenceMixin:
             self._start_pins()
         elif self._retiring and not self._pinning:
             self._release_retired()
-        held = self._hold_back()
+        held = self.fair.before(self, self._tenant_of)
+        held += self._hold_back()
         try:
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             if held:
                 self.waiting.prepend_requests(held)
+        self.fair.after(out, self.requests, self._tenant_of)
+        return out
 
     def _hold_back(self) -> list[Request]:
         """Take out of the waiting queue, for this step, the requests that must not be scheduled: those
@@ -576,6 +591,7 @@ class FenceMixin:
                         log.warning("kvfence: quotas not applied: %s", e)
                         return
                     self.kv_cache_manager.block_pool.set_quota_mode(self.fence.unlimited)
+                    self.fair.set_weights(quotas)
                     log.info("kvfence: KV quotas reloaded (%d tenants listed)", len(quotas.tenants))
                     if cfg.prefix_cache.shared_prefixes != self._shared_decls:
                         self._redeclare(cfg.prefix_cache.shared_prefixes)

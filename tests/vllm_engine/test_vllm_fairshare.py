@@ -1,0 +1,143 @@
+"""Fair share between tenants inside vLLM's real scheduler (kvfence.vllm.fair), stepped by hand: the
+same cases as the reference engine's tests/engine/test_engine_fairshare.py, with stock vLLM (first
+come, first served) on the same steps as the peer that fails them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_engine.vllmsched import Harness, base_config
+
+from kvfence.engine.fairshare import request_cost
+
+BUDGET = 256
+SEQS = 16
+PROMPT = 600
+MAX_TOKENS = 4
+#: VTC's bound on the service difference of two backlogged tenants: twice one request's largest cost.
+VTC_BOUND = 2 * request_cost(prefill=PROMPT, output=MAX_TOKENS)
+
+
+def harness(tmp_path: Path, weights: dict[str, int] | None = None, *, stock: bool = False) -> Harness:
+    cfg = base_config(max_model_len=1024, max_num_seqs=SEQS, max_num_batched_tokens=BUDGET)
+    quotas = {t: {"weight": w} for t, w in (weights or {}).items()}
+    return Harness(tmp_path, num_blocks=1024, quotas=quotas, config=cfg, stock=stock)
+
+
+def prompt(i: int, n: int = PROMPT) -> list[int]:
+    return [(7 * k + i) % 500 + 3 for k in range(n)]
+
+
+def tenant_of(rid: str) -> str:
+    return rid.rsplit("-", 1)[0]
+
+
+def step(h: Harness) -> tuple[Any, Counter[str]]:
+    """One step, and VTC's weighted service of it per tenant (prompt tokens computed, tokens sampled),
+    from the requests as they stood before it."""
+    state = {rid: (r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens) for rid, r in h.sched.requests.items()}
+    out = h.step()
+    got: Counter[str] = Counter()
+    for rid, n in out.num_scheduled_tokens.items():
+        done, n_prompt, n_tokens = state[rid]
+        in_prompt = max(0, min(n, n_prompt - done))
+        got[tenant_of(rid)] += request_cost(prefill=in_prompt, output=int(done + n >= n_tokens))
+    return out, got
+
+
+def backlogged(h: Harness, tenants: dict[str, int]) -> bool:
+    """Every tenant has prompt tokens left in as many requests as could fill a step."""
+    left: Counter[str] = Counter()
+    for r in [*h.sched.running, *h.sched.waiting]:
+        if r.num_prompt_tokens - r.num_computed_tokens >= BUDGET // 4:
+            left[tenant_of(r.request_id)] += 1
+    return all(left[t] >= 4 for t in tenants)
+
+
+def worst_gap(h: Harness, weights: dict[str, int]) -> tuple[float, int]:
+    """Run while every tenant is backlogged; the largest difference of service over weight seen
+    after a step, and the number of steps."""
+    for t in weights:  # each tenant's requests after the one before it: a queue a first tenant fills
+        for i in range(8):
+            h.add(t, prompt(i), MAX_TOKENS)
+    total: Counter[str] = Counter()
+    gap, steps = 0.0, 0
+    while backlogged(h, weights):
+        out, got = step(h)
+        steps += 1
+        assert sum(out.num_scheduled_tokens.values()) == BUDGET  # work-conserving
+        total += got
+        norm = [total[t] / w for t, w in weights.items()]
+        gap = max(gap, max(norm) - min(norm))
+    return gap, steps
+
+
+@pytest.mark.parametrize("weights", [{"a": 1, "b": 1}, {"a": 2, "b": 1}, {"a": 1, "b": 1, "c": 1}])
+def test_backlogged_tenants_are_served_in_the_ratio_of_their_weights(
+    tmp_path: Path, weights: dict[str, int]
+) -> None:
+    gap, steps = worst_gap(harness(tmp_path / "kvfence", weights), weights)
+    assert steps > 10
+    assert gap <= VTC_BOUND, gap
+    stock_gap, _ = worst_gap(harness(tmp_path / "stock", stock=True), weights)
+    assert stock_gap > VTC_BOUND, stock_gap  # first come, first served: the first tenant runs ahead
+
+
+def test_an_idle_tenants_share_goes_to_the_others(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    for i in range(8):
+        h.add("a", prompt(i), MAX_TOKENS)
+    for _ in range(5):
+        out = h.step()
+        assert sum(out.num_scheduled_tokens.values()) == BUDGET
+
+
+def test_a_late_tenant_is_served_at_once_and_gets_no_burst(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    for i in range(12):
+        h.add("a", prompt(i), MAX_TOKENS)
+    for _ in range(10):
+        h.step()
+    for i in range(12):
+        h.add("b", prompt(100 + i), MAX_TOKENS)
+    total: Counter[str] = Counter()
+    unserved = 0  # steps in a row without service for b (a step takes one request's chunk at a time)
+    for _ in range(12):
+        _, got = step(h)
+        unserved = 0 if got["b"] else unserved + 1
+        assert unserved <= 1, got
+        total += got
+        assert abs(total["a"] - total["b"]) <= VTC_BOUND, total
+
+
+def flood_then_one(h: Harness) -> list[int]:
+    for i in range(3 * SEQS):
+        h.add("a", prompt(i, 32), 50)
+    for _ in range(5):
+        h.step()
+    assert sum(1 for r in h.sched.running if tenant_of(r.request_id) == "a") == SEQS
+    b = h.add("b", prompt(999, 32), 5)
+    h.step()
+    return h.outputs[b.request_id]
+
+
+def test_a_flood_does_not_delay_another_tenants_first_token_beyond_one_step(tmp_path: Path) -> None:
+    h = harness(tmp_path / "kvfence")
+    assert len(flood_then_one(h)) == 1
+    assert h.sched.fair.preemptions == 1
+    h.run(2000)
+    assert all(len(out) == 50 for rid, out in h.outputs.items() if rid.startswith("a-"))
+    assert not flood_then_one(harness(tmp_path / "stock", stock=True))  # stock vLLM: b waits
+
+
+def test_reloaded_weights_reach_the_scheduler(tmp_path: Path) -> None:
+    h = harness(tmp_path, {"a": 2})
+    assert h.sched.fair.policy.weight("a") == 2
+    h.write_quotas({"a": {"weight": 5}, "b": {"weight": 3}}, {"weight": 2})
+    h.sched._next_reload = 0.0
+    h.step()
+    policy = h.sched.fair.policy
+    assert (policy.weight("a"), policy.weight("b"), policy.weight("z")) == (5, 3, 2)
