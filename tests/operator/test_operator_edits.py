@@ -1,4 +1,4 @@
-"""A bad edit never takes a tenant offline (issue 12, item 4), on the real control plane with traffic
+"""A bad edit never takes a tenant offline, on the real control plane with traffic
 through the real router to a real engine (tests/operator/livestack.py).
 
 An edit the operator cannot accept keeps the tenant served with its last accepted spec, says so in

@@ -1,4 +1,4 @@
-"""No restarts for what reloads (issue 12, item 3), on the real control plane with traffic through the
+"""No restarts for what reloads, on the real control plane with traffic through the
 real router to a real engine (tests/support/livestack.py plays the kubelet: it refreshes the mounted
 ConfigMap and signing Secret in place, as a kubelet does, ``refresh`` seconds apart).
 
@@ -88,9 +88,10 @@ def test_key_rotation_and_quota_changes_reach_the_engine_without_a_restart_or_a_
     k0 = signing(kv).current
     assert big(live.router) == 200
     with Traffic(live.router, KEY, MODEL).running() as traffic:
-        # The class's default KV quota tightened: the running engine refuses what no longer fits.
+        # The class's default KV quota tightened: the running engine refuses what can never fit, with a
+        # 400 that clients do not retry.
         assert kv.apply(tc_body(maxKVBlocks=8)).returncode == 0
-        wait(lambda: big(live.router) == 429, "the new default quota applied by the engine", 60)
+        wait(lambda: big(live.router) == 400, "the new default quota applied by the engine", 60)
         # The tenant's own quota: the engine re-reads it too.
         assert kv.apply(binding(quotas={"maxKVBlocks": 128})).returncode == 0
         wait(lambda: big(live.router) == 200, "the tenant's own quota applied by the engine", 60)
