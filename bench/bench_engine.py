@@ -177,20 +177,74 @@ def pin(a: FencedAllocator, trust_class: str, prefix: np.ndarray[Any, np.dtype[n
     )
 
 
-def bench_hit_rate(quick: bool) -> None:
+HIT_RATE_LABELS = {
+    "Tenant": "Tenant (kvfence default)",
+    "Tenant+shared": "Tenant + declared shared prefix",
+    "TrustClass": "TrustClass",
+    "global": "global (no isolation)",
+}
+HIT_RATE_CLASSES = {"gold": [f"g{i}" for i in range(4)], "silver": [f"s{i}" for i in range(4)]}
+Workload = list[tuple[str, str, Any, int]]
+
+
+def hit_rate_workload(quick: bool) -> tuple[Any, Workload]:
     """8 tenants in 2 trust classes share one 1024-token system prompt; each tenant has its own
     256-token context; each request adds a unique 64-token question."""
     rng = np.random.default_rng(42)
     system = rng.integers(0, 50_000, 1024, dtype=np.int32)
-    classes = {"gold": [f"g{i}" for i in range(4)], "silver": [f"s{i}" for i in range(4)]}
-    context = {t: rng.integers(0, 50_000, 256, dtype=np.int32) for ts in classes.values() for t in ts}
-    rounds = 6 if quick else 12
-    workload = []
-    for r in range(rounds):
-        for tc, ts in classes.items():
+    context = {
+        t: rng.integers(0, 50_000, 256, dtype=np.int32) for ts in HIT_RATE_CLASSES.values() for t in ts
+    }
+    workload: Workload = []
+    for r in range(6 if quick else 12):
+        for tc, ts in HIT_RATE_CLASSES.items():
             for t in ts:
                 q = rng.integers(0, 50_000, 64, dtype=np.int32)
                 workload.append((tc, t, np.concatenate([system, context[t], q]), r))
+    return system, workload
+
+
+def hit_rate_mode(
+    system: Any, workload: Workload, scope: str, guaranteed: int, blocks_per_class: int
+) -> tuple[int, int, int, int]:
+    """One scope over the workload: (engines, hit tokens, prompt tokens, refused requests)."""
+    engines: dict[str, FencedAllocator] = {}
+    pinned: dict[str, Pinned] = {}
+
+    def engine_for(tc: str) -> FencedAllocator:
+        key = "all" if scope == "global" else tc
+        if key not in engines:
+            m = EngineMetrics()
+            n = blocks_per_class * (len(HIT_RATE_CLASSES) if scope == "global" else 1)  # same total memory
+            q = QuotasConfig.model_validate({"default": {"guaranteedBlocks": guaranteed}})
+            pc = PrefixCache(BS, m)
+            engines[key] = FencedAllocator(key, n, BS, quotas=q, metrics=m, prefix_cache=pc)
+            if scope == "Tenant+shared":  # the class declares the system prompt: pinned at start
+                pinned[key] = pin(engines[key], key, system)
+        return engines[key]
+
+    hits = total = refused = 0
+    for i, (tc, t, prompt, _) in enumerate(workload):
+        a = engine_for(tc)
+        if scope == "global":
+            c = ctx("global", "all")
+        else:
+            c = ctx(cache_namespace(tc, t, CacheScope(scope.removesuffix("+shared"))), tc)
+        total += len(prompt)
+        try:
+            got = a.allocate_sequence(i, t, len(prompt), ctx=c, prompt=prompt, shared=pinned.get(tc))
+        except AllocationError:
+            refused += 1
+            continue
+        a.commit(i, prompt, len(prompt))
+        a.release(i)
+        hits += got.num_cached_tokens
+    return len(engines), hits, total, refused
+
+
+def bench_hit_rate(quick: bool) -> None:
+    """Hit rate of each scope on the shared-system-prompt workload, with a roomy pool and a tight one."""
+    system, workload = hit_rate_workload(quick)
     per_request_blocks = -(-len(workload[0][2]) // BS)
     rows = []
     for pool_label, blocks_per_class in (("roomy", 4096), ("tight", per_request_blocks * 3)):
@@ -198,54 +252,11 @@ def bench_hit_rate(quick: bool) -> None:
         for scope, guaranteed in modes:
             if guaranteed and pool_label == "roomy":
                 continue
-            engines: dict[str, FencedAllocator] = {}
-            pinned: dict[str, Pinned] = {}
-
-            def engine_for(
-                tc: str,
-                scope: str = scope,
-                bpc: int = blocks_per_class,
-                engines: dict[str, FencedAllocator] = engines,
-                guaranteed: int = guaranteed,
-                pinned: dict[str, Pinned] = pinned,
-            ) -> FencedAllocator:
-                key = "all" if scope == "global" else tc
-                if key not in engines:
-                    m = EngineMetrics()
-                    n = bpc * (len(classes) if scope == "global" else 1)  # same total memory
-                    q = QuotasConfig.model_validate({"default": {"guaranteedBlocks": guaranteed}})
-                    pc = PrefixCache(BS, m)
-                    engines[key] = FencedAllocator(key, n, BS, quotas=q, metrics=m, prefix_cache=pc)
-                    if scope == "Tenant+shared":  # the class declares the system prompt: pinned at start
-                        pinned[key] = pin(engines[key], key, system)
-                return engines[key]
-
-            hits = total = refused = 0
-            for i, (tc, t, prompt, _) in enumerate(workload):
-                a = engine_for(tc)
-                if scope == "global":
-                    ns, c = "global", ctx("global", "all")
-                else:
-                    ns = cache_namespace(tc, t, CacheScope(scope.removesuffix("+shared")))
-                    c = ctx(ns, tc)
-                total += len(prompt)
-                try:
-                    got = a.allocate_sequence(i, t, len(prompt), ctx=c, prompt=prompt, shared=pinned.get(tc))
-                except AllocationError:
-                    refused += 1
-                    continue
-                a.commit(i, prompt, len(prompt))
-                a.release(i)
-                hits += got.num_cached_tokens
-            label = {
-                "Tenant": "Tenant (kvfence default)",
-                "Tenant+shared": "Tenant + declared shared prefix",
-                "TrustClass": "TrustClass",
-                "global": "global (no isolation)",
-            }[scope]
+            n, hits, total, refused = hit_rate_mode(system, workload, scope, guaranteed, blocks_per_class)
+            label = HIT_RATE_LABELS[scope]
             if guaranteed:
                 label += f", guaranteedBlocks={guaranteed}"
-            rows.append([pool_label, label, f"{len(engines)}", f"{100 * hits / total:.1f}%", str(refused)])
+            rows.append([pool_label, label, f"{n}", f"{100 * hits / total:.1f}%", str(refused)])
     table(
         f"Prefix-cache hit rate, shared-system-prompt workload ({len(workload)} requests, 8 tenants in "
         "2 trust classes, 1024-token system prompt + 256-token tenant context + 64-token question; "
