@@ -21,10 +21,10 @@ Authorization header), four paths:
                      .upstream) relaying with no router logic (no auth, quotas, stripping, salt or
                      signing), on uvloop with the router's GC settings: the floor of the Python router,
                      so the table shows what the router's logic costs above it;
-* ``aiohttp proxy``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what the framework
-                     the router was first built on costs by itself, three times the whole of
-                     vllm-router, and the reason the router has its own HTTP layer
-                     (kvfence.router.http / .upstream).
+* ``aiohttp proxy``  a bare aiohttp pass-through proxy (no auth, quotas or signing): what a general
+                     asyncio HTTP framework costs by itself, three times the whole of vllm-router,
+                     and the reason the router has its own HTTP layer (kvfence.router.http /
+                     .upstream).
 
 Measurements:
 
@@ -765,7 +765,7 @@ def run_callgrind(a: argparse.Namespace) -> None:
         print(f"{name:<24} {text:>50}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", default="bench")
     ap.add_argument("--target-port", type=int, default=0)
@@ -797,37 +797,29 @@ def main() -> None:
         help="instead of timing: user-space instructions per request under valgrind's callgrind "
         "(kvfence-router, the kvfence HTTP layer, vllm-router with --vllm-router), deterministic",
     )
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def serve_role(a: argparse.Namespace) -> bool:
+    """Run the helper process ``--role`` names (a floor proxy, the upstream, a load generator);
+    False for the benchmark itself."""
     if a.role == "http-layer-floor":
         _serve_http_layer_floor(a.target_port, a.upstream_port)
-        return
-    if a.role == "aiohttp-floor":
+    elif a.role == "aiohttp-floor":
         _serve_aiohttp_floor(a.target_port, a.upstream_port)
-        return
-    if a.role == "upstream":
+    elif a.role == "upstream":
         asyncio.run(_serve_fixed(a.target_port))
-        return
-    if a.role == "loadgen-open":
+    elif a.role == "loadgen-open":
         print(json.dumps(asyncio.run(_open_loop(a.target_port, a.rate, a.seconds, a.connections))))
-        return
-    if a.role == "loadgen-closed":
+    elif a.role == "loadgen-closed":
         print(json.dumps(asyncio.run(_closed_loop(a.target_port, a.seconds, a.connections))))
-        return
+    else:
+        return False
+    return True
 
-    if a.vllm_router == "install":
-        a.vllm_router = install_vllm_router()
-    if a.callgrind:
-        run_callgrind(a)
-        return
-    cores = os.cpu_count() or 1
-    if a.pin and cores >= 2 and shutil.which("taskset"):
-        PIN_SUT[:] = ["taskset", "-c", str(cores - 1)]
-        PIN_LOAD[:] = ["taskset", "-c", f"0-{cores - 2}"]
-    workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-"))
-    load_before = os.getloadavg()[0]
-    upstream = start_upstream(workdir)
-    assert upstream.port is not None
-    up = upstream.port
+
+def start_targets(a: argparse.Namespace, workdir: Path, up: int) -> list[Target]:
+    """``direct`` (the baseline) and every peer ``--only`` selects, started."""
     starters: list[tuple[str, Callable[[], Target]]] = [
         ("kvfence-router", lambda: start_kvfence(workdir, up)),
         # Two workers on the same pinned core(s): what the supervisor, SO_REUSEPORT and the shared
@@ -843,35 +835,44 @@ def main() -> None:
         ("aiohttp proxy", lambda: start_aiohttp_floor(up)),
     ]
     only = [x.strip() for x in a.only.split(",") if x.strip()]
-    targets = [Target("direct", up, [])] + [
+    return [Target("direct", up, [])] + [
         start() for name, start in starters if not only or any(name == o for o in only)
     ]
-    have_wrk = shutil.which("wrk") is not None
-    # Rounds interleave the targets, so that a burst of load from elsewhere on the machine hits all of
-    # them alike; each figure is the median over the rounds.
+
+
+def measure(a: argparse.Namespace, t: Target, workdir: Path, have_wrk: bool) -> dict[str, float]:
+    """One round of one target: open-loop latency, then throughput with the proxy's CPU time."""
+    assert t.port is not None
+    lat = run_loadgen("open", t.port, a.rate, a.seconds, a.latency_connections)
+    cpu0 = _tree_cpu_seconds([p.pid for p in t.procs])
+    thr = (
+        run_wrk(t.port, a.seconds, a.connections, workdir)
+        if have_wrk
+        else run_loadgen("closed", t.port, a.rate, a.seconds, a.connections)
+    )
+    cpu = _tree_cpu_seconds([p.pid for p in t.procs]) - cpu0
+    done = thr.get("requests", thr["rps"] * a.seconds)
+    cpu_us = cpu / done * 1e6 if t.procs and done else float("nan")
+    return {**lat, "rps": thr["rps"], "thr_errors": thr["errors"], "cpu_us": cpu_us}
+
+
+def run_rounds(
+    a: argparse.Namespace, targets: list[Target], workdir: Path, have_wrk: bool
+) -> dict[str, list[dict[str, float]]]:
+    """Rounds interleave the targets, so that a burst of load from elsewhere on the machine hits all of
+    them alike; each figure is the median over the rounds."""
     samples: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
-    try:
-        for rnd in range(a.rounds):
-            for t in targets:
-                if t.port is None:
-                    continue
-                lat = run_loadgen("open", t.port, a.rate, a.seconds, a.latency_connections)
-                cpu0 = _tree_cpu_seconds([p.pid for p in t.procs])
-                thr = (
-                    run_wrk(t.port, a.seconds, a.connections, workdir)
-                    if have_wrk
-                    else run_loadgen("closed", t.port, a.rate, a.seconds, a.connections)
-                )
-                cpu = _tree_cpu_seconds([p.pid for p in t.procs]) - cpu0
-                done = thr.get("requests", thr["rps"] * a.seconds)
-                cpu_us = cpu / done * 1e6 if t.procs and done else float("nan")
-                samples[t.name].append(
-                    {**lat, "rps": thr["rps"], "thr_errors": thr["errors"], "cpu_us": cpu_us}
-                )
-                print(f"  round {rnd + 1}/{a.rounds}: measured {t.name}", file=sys.stderr)
-    finally:
-        for t in [*targets, upstream]:
-            stop(t)
+    for rnd in range(a.rounds):
+        for t in targets:
+            if t.port is None:
+                continue
+            samples[t.name].append(measure(a, t, workdir, have_wrk))
+            print(f"  round {rnd + 1}/{a.rounds}: measured {t.name}", file=sys.stderr)
+    return samples
+
+
+def median_rows(targets: list[Target], samples: dict[str, list[dict[str, float]]]) -> list[dict[str, object]]:
+    """One row per target: the rounds' medians and error sums, or why it did not run."""
     rows: list[dict[str, object]] = []
     for t in targets:
         if t.port is None:
@@ -884,18 +885,22 @@ def main() -> None:
         row["errors"] = sum(x["errors"] for x in got)
         row["thr_errors"] = sum(x["thr_errors"] for x in got)
         rows.append(row)
+    return rows
 
-    pinning = f"proxy on core {PIN_SUT[-1]}, load+upstream on {PIN_LOAD[-1]}" if PIN_SUT else "none"
-    base = rows[0]
-    vllm = next((r for r in rows if r["name"] == "vllm-router" and "rps" in r), None)
+
+def find_row(rows: list[dict[str, object]], name: str) -> dict[str, object] | None:
+    return next((r for r in rows if r["name"] == name and "rps" in r), None)
+
+
+def print_table(a: argparse.Namespace, rows: list[dict[str, object]], setup: dict[str, object]) -> None:
+    base, vllm = rows[0], find_row(rows, "vllm-router")
     print()
     print(
-        f"medians of {a.rounds} interleaved rounds; upstream: {upstream.name}; "
+        f"medians of {a.rounds} interleaved rounds; upstream: {setup['upstream']}; "
         f"latency: open loop at {a.rate:.0f} req/s for {a.seconds:.0f}s "
-        f"over {a.latency_connections} connections; throughput: "
-        f"{'wrk -t1 -c' + str(a.connections) if have_wrk else 'python closed loop'}; cores: {cores}; "
-        f"pinning: {pinning}; "
-        f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"over {a.latency_connections} connections; throughput: {setup['throughput']}; "
+        f"cores: {setup['cores']}; pinning: {setup['pinning']}; "
+        f"load average {setup['load_before']:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     hdr = (
         f"{'path':<24} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} {'achieved':>9} "
@@ -915,7 +920,14 @@ def main() -> None:
             f"{r['achieved_rps']:>9.0f} {int(r['errors']) + int(r['thr_errors']):>6} {r['rps']:>10.0f} "  # type: ignore[call-overload]
             f"{ratio:>15} {cpu_text(r['cpu_us']):>11}"
         )
-    kv = next((r for r in rows if r["name"] == "kvfence-router" and "rps" in r), None)
+
+
+def print_targets(
+    a: argparse.Namespace, rows: list[dict[str, object]], samples: dict[str, list[dict[str, float]]]
+) -> None:
+    """The goals' lines: kvfence-router's added p99, and against vllm-router its throughput and CPU
+    per request, with the paired rounds' sign test."""
+    base, vllm, kv = rows[0], find_row(rows, "vllm-router"), find_row(rows, "kvfence-router")
     print()
     if kv is None:
         print("kvfence-router not measured")
@@ -939,26 +951,77 @@ def main() -> None:
                 f"paired rounds, {label}: kvfence-router as good or better in {wins} of {n} rounds, "
                 f"median per-round ratio {median_ratio:.3f}, sign test p = {p:.4f}"
             )
+
+
+def write_result(
+    a: argparse.Namespace,
+    rows: list[dict[str, object]],
+    samples: dict[str, list[dict[str, float]]],
+    setup: dict[str, object],
+) -> None:
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"router-{time.strftime('%Y%m%dT%H%M%S')}.json"
-    setup = {
+    record = {
         "rounds": a.rounds,
         "seconds": a.seconds,
         "rate": a.rate,
         "latency_connections": a.latency_connections,
-        "throughput": f"wrk -t1 -c{a.connections}" if have_wrk else "python closed loop",
-        "upstream": upstream.name,
-        "cores": cores,
-        "pinning": pinning,
-        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "throughput": setup["throughput"],
+        "upstream": setup["upstream"],
+        "cores": setup["cores"],
+        "pinning": setup["pinning"],
+        "load_average": [round(float(setup["load_before"]), 2), round(os.getloadavg()[0], 2)],  # type: ignore[arg-type]
     }
     clean = [_json_row(r) for r in rows]
     per_round = {name: [_json_row(x) for x in got] for name, got in samples.items()}
     path.write_text(
-        json.dumps({"setup": setup, "rows": clean, "rounds": per_round}, indent=2, default=str) + "\n"
+        json.dumps({"setup": record, "rows": clean, "rounds": per_round}, indent=2, default=str) + "\n"
     )
     print(f"written to {path}")
+
+
+def pin_processes() -> None:
+    """``--pin``: the proxy under test on the last core, load generator and upstream on the others."""
+    cores = os.cpu_count() or 1
+    if cores >= 2 and shutil.which("taskset"):
+        PIN_SUT[:] = ["taskset", "-c", str(cores - 1)]
+        PIN_LOAD[:] = ["taskset", "-c", f"0-{cores - 2}"]
+
+
+def main() -> None:
+    a = parse_args()
+    if serve_role(a):
+        return
+    if a.vllm_router == "install":
+        a.vllm_router = install_vllm_router()
+    if a.callgrind:
+        run_callgrind(a)
+        return
+    if a.pin:
+        pin_processes()
+    workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-"))
+    load_before = os.getloadavg()[0]
+    upstream = start_upstream(workdir)
+    assert upstream.port is not None
+    targets = start_targets(a, workdir, upstream.port)
+    have_wrk = shutil.which("wrk") is not None
+    try:
+        samples = run_rounds(a, targets, workdir, have_wrk)
+    finally:
+        for t in [*targets, upstream]:
+            stop(t)
+    rows = median_rows(targets, samples)
+    setup: dict[str, object] = {
+        "upstream": upstream.name,
+        "throughput": f"wrk -t1 -c{a.connections}" if have_wrk else "python closed loop",
+        "cores": os.cpu_count() or 1,
+        "pinning": f"proxy on core {PIN_SUT[-1]}, load+upstream on {PIN_LOAD[-1]}" if PIN_SUT else "none",
+        "load_before": load_before,
+    }
+    print_table(a, rows, setup)
+    print_targets(a, rows, samples)
+    write_result(a, rows, samples, setup)
 
 
 if __name__ == "__main__":
