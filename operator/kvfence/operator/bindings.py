@@ -178,15 +178,15 @@ def decide(
     """Every binding's fate and the routing table. Bindings served before, then the oldest, win a
     contested tenant id, API key or guarantee (:func:`_sort_key`), so an established tenant is never
     displaced by a newcomer."""
-    out = Outcome()
-    claimed_ids: dict[str, str] = {}
-    claimed_keys: dict[str, str] = {}
-    guaranteed_used: dict[str, int] = {}
-    routes: dict[str, TrustClassRoute] = {}
-    tenants: dict[str, TenantRoute] = {}
-    effective_of: dict[tuple[str, tuple[int | None, ...]], tuple[TenantQuotas, tuple[str, ...]]] = {}
-    route_quotas: dict[tuple[int | None, ...], Quotas] = {}  # frozen: shared by equal quotas
+    decider = _Decider(classes, namespace_labels, keys, _class_routes(classes, opts))
+    for b in sorted(bindings, key=_sort_key):
+        decider.add(b)
+    return decider.outcome()
 
+
+def _class_routes(classes: Mapping[str, ClassState], opts: OperatorOptions) -> dict[str, TrustClassRoute]:
+    """The routing table's trust classes: every class with a signing key that is not being deleted."""
+    routes: dict[str, TrustClassRoute] = {}
     for name, state in sorted(classes.items()):
         if state.deleting or not state.signing_keys:
             continue
@@ -200,9 +200,77 @@ def decide(
             signing_keys=[base64.b64encode(k).decode() for k in state.signing_keys],
             request_limits=limits.route() if (limits := state.tc.spec.request_limits) else None,
         )
+    return routes
 
-    def evaluate(
-        b: TenantBinding, spec: TenantBindingSpec, lookup: KeyLookup, *, admitted: bool = False
+
+@dataclass
+class _Decider:
+    """Decides bindings one at a time, each against what the bindings decided before it claimed
+    (tenant ids, API keys, guaranteed blocks), and collects the outcome."""
+
+    classes: Mapping[str, ClassState]
+    namespace_labels: Mapping[str, Mapping[str, str]]
+    keys: Mapping[str, KeyLookup]
+    routes: dict[str, TrustClassRoute]
+    out: Outcome = field(default_factory=Outcome)
+    claimed_ids: dict[str, str] = field(default_factory=dict)  # tenant id -> binding
+    claimed_keys: dict[str, str] = field(default_factory=dict)  # API-key hash -> binding
+    guaranteed_used: dict[str, int] = field(default_factory=dict)  # trust class -> blocks
+    tenants: dict[str, TenantRoute] = field(default_factory=dict)
+    #: (class, quota values) -> effective quotas and what the limits lowered: one object per class and
+    #: distinct quotas, shared by the bindings that ask the same (most ask nothing), so that 10,000
+    #: bindings do not hold 10,000 equal copies. Never changed in place.
+    effective_of: dict[tuple[str, tuple[int | None, ...]], tuple[TenantQuotas, tuple[str, ...]]] = field(
+        default_factory=dict
+    )
+    route_quotas: dict[tuple[int | None, ...], Quotas] = field(default_factory=dict)  # frozen: shared
+
+    def add(self, b: TenantBinding) -> None:
+        """Decide binding ``b``; bound, it claims its tenant id, API keys and guaranteed blocks."""
+        owner = self.claimed_ids.get(b.spec.tenant_id)
+        if owner is not None:
+            self.out.decisions[b.key] = _deny(
+                conditions.REASON_DUPLICATE_TENANT_ID,
+                f"tenant id {b.spec.tenant_id!r} is already bound by {_other(owner, b.namespace)}",
+            )
+            return
+        self.claimed_ids[b.spec.tenant_id] = b.key
+        got, refused = self._served(b)
+        if isinstance(got, Decision):
+            self.out.decisions[b.key] = got
+        else:
+            self._bind(b, got, refused)
+
+    def outcome(self) -> Outcome:
+        """The decisions so far, and the routing table of the tenants bound."""
+        self.out.table = RoutingTable(trust_classes=self.routes, tenants=dict(sorted(self.tenants.items())))
+        return self.out
+
+    def _served(self, b: TenantBinding) -> tuple[Decision | _Admit, Decision | None]:
+        """What ``b`` is served with, and why its own spec was refused when that is its last accepted one.
+
+        An edit that cannot be accepted leaves the tenant on its last accepted spec (as a Deployment
+        keeps its old ReplicaSet), unless that one is refused too (a revocation). The accepted spec is
+        clamped to what its class allows now: an edit of the class takes no tenant offline either (the
+        spec may be the current one: the class changed under it)."""
+        lookup = self.keys.get(
+            b.key, KeyLookup(error=conditions.REASON_SECRET_NOT_FOUND, message="API keys not read yet")
+        )
+        got = self._evaluate(b, b.spec, lookup)
+        accepted = b.accepted_spec()
+        if isinstance(got, _Admit) or accepted is None:
+            return got, None
+        same_ref = accepted.api_key_secret_ref == b.spec.api_key_secret_ref
+        old_lookup = lookup if same_ref else self.keys.get(accepted_key(b.key), lookup)
+        previous = self._evaluate(b, accepted, old_lookup, admitted=True)
+        if isinstance(previous, _Admit):
+            return previous, (got if accepted != b.spec else None)
+        if accepted == b.spec:
+            return previous, None  # the revocation, not what the class would have clamped
+        return got, None
+
+    def _evaluate(
+        self, b: TenantBinding, spec: TenantBindingSpec, lookup: KeyLookup, *, admitted: bool = False
     ) -> Decision | _Admit:
         """What ``spec`` of binding ``b`` would get, claiming nothing (the tenant id is claimed).
 
@@ -211,101 +279,24 @@ def decide(
         the tenant's: it is served clamped to those bounds (and says so) instead of refused. Only a
         revocation (class gone, namespace not admitted, keys gone or taken) refuses it."""
         cname = spec.trust_class_name
-        found = classes.get(cname)
-        if found is None or found.deleting:
-            return _deny(conditions.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist")
-        cs = found
-        selector = cs.tc.spec.namespace_selector
-        ns_labels = dict(namespace_labels.get(b.namespace, {}))
-        if selector is None or not selector.matches(ns_labels):
-            return _deny(
-                conditions.REASON_NAMESPACE_NOT_ADMITTED,
-                f"namespace {b.namespace!r} is not admitted by TrustClass {cname!r} (namespaceSelector)",
-            )
+        cs = self._admitting_class(cname, b.namespace)
+        if isinstance(cs, Decision):
+            return cs
         clamped: list[str] = []
-        class_adapters = {a.name for a in cs.tc.spec.engine.adapters}
-        missing = sorted(set(spec.allowed_adapters) - class_adapters)
-        if missing and not admitted:
-            return _deny(
-                conditions.REASON_ADAPTER_NOT_IN_CLASS,
-                f"adapters {missing} are not served by TrustClass {cname!r}",
-            )
-        if missing:
-            clamped.append(f"adapters {missing} dropped (no longer served)")
-        adapters = tuple(sorted(set(spec.allowed_adapters) & class_adapters))
-        limits = cs.tc.spec.quotas.limits
-        over = spec.quotas.exceeds(limits)
-        if over and not admitted:
-            return _deny(
-                conditions.REASON_QUOTA_EXCEEDS_LIMIT,
-                f"quotas above the limits of TrustClass {cname!r}: {over}",
-            )
-        # One object per class and distinct quotas, shared by the bindings that ask the same (most ask
-        # nothing): 10,000 bindings would otherwise hold 10,000 equal copies. Never changed in place.
-        quota_key = (cname, _quota_values(spec.quotas))
-        merged = effective_of.get(quota_key)
-        if merged is None:
-            quotas, lowering = _capped(spec.quotas, limits)
-            merged = effective_of[quota_key] = (
-                quotas.merged_over(cs.tc.spec.quotas.defaults),
-                tuple(lowering),
-            )
-        effective, lowered = merged
-        if lowered:
-            clamped.append(f"quotas lowered to the limits: {', '.join(lowered)}")
-        if (
-            effective.guaranteed_kv_blocks is not None
-            and effective.max_kv_blocks is not None
-            and effective.guaranteed_kv_blocks > effective.max_kv_blocks
-        ):
-            if not admitted:
-                return _deny(
-                    conditions.REASON_QUOTA_EXCEEDS_LIMIT,
-                    "effective guaranteedKVBlocks exceeds effective maxKVBlocks",
-                )
-            clamped.append(
-                f"guaranteedKVBlocks {effective.guaranteed_kv_blocks} -> {effective.max_kv_blocks} "
-                "(the effective maxKVBlocks)"
-            )
-            effective = effective.model_copy(update={"guaranteed_kv_blocks": effective.max_kv_blocks})
-        if lookup.error is not None:
-            return _deny(lookup.error, lookup.message)
-        if not lookup.hashes:
-            return _deny(conditions.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
-        clash = next((claimed_keys[h] for h in lookup.hashes if h in claimed_keys), None)
-        if clash is not None:
-            return _deny(
-                REASON_DUPLICATE_API_KEY,
-                f"an API key of this binding is already used by {_other(clash, b.namespace)}",
-            )
-        guaranteed = effective.guaranteed_kv_blocks or 0
-        used = guaranteed_used.get(cname, 0)
-        budget = cs.tc.spec.engine.kv_block_budget
-        if guaranteed and used + guaranteed > budget:
-            vllm = cs.tc.spec.engine.runtime == "vllm"
-            pool = (
-                f"the {budget} guaranteed blocks the operator admits on vllm"
-                if vllm
-                else f"the {budget} blocks"
-            )
-            if not admitted:
-                message = (
-                    f"guaranteedKVBlocks {guaranteed} would exceed {pool} TrustClass {cname!r} ({used} "
-                    "already guaranteed; vLLM sizes its pool from GPU memory when it starts, and its fence "
-                    "checks them against that pool too)"
-                    if vllm
-                    else f"guaranteedKVBlocks {guaranteed} would overcommit {pool} of TrustClass {cname!r} "
-                    f"({used} already guaranteed)"
-                )
-                return _deny(REASON_KV_OVERCOMMITTED, message)
-            # Older bindings were decided first and keep theirs: this one gets what is left.
-            fits = max(0, budget - used)
-            clamped.append(
-                f"guaranteedKVBlocks {guaranteed} -> {fits} (what is left of {pool}, {used} guaranteed to "
-                "older bindings)"
-            )
-            effective = effective.model_copy(update={"guaranteed_kv_blocks": fits})
-        if cname not in routes:
+        adapters = _served_adapters(spec, cs, admitted, clamped)
+        if isinstance(adapters, Decision):
+            return adapters
+        effective = self._effective_quotas(spec, cs, admitted, clamped)
+        if isinstance(effective, Decision):
+            return effective
+        key_denial = self._key_denial(lookup, b.namespace)
+        if key_denial is not None:
+            return key_denial
+        used = self.guaranteed_used.get(cname, 0)
+        effective = _within_budget(effective, cname, cs, used, admitted, clamped)
+        if isinstance(effective, Decision):
+            return effective
+        if cname not in self.routes:
             return Decision(
                 bound=False,
                 denied=False,
@@ -315,46 +306,71 @@ def decide(
             )
         return _Admit(spec, cs, effective, lookup.hashes, adapters, tuple(clamped))
 
-    for b in sorted(bindings, key=_sort_key):
-        owner = claimed_ids.get(b.spec.tenant_id)
-        if owner is not None:
-            out.decisions[b.key] = _deny(
-                conditions.REASON_DUPLICATE_TENANT_ID,
-                f"tenant id {b.spec.tenant_id!r} is already bound by {_other(owner, b.namespace)}",
+    def _admitting_class(self, cname: str, namespace: str) -> ClassState | Decision:
+        """Trust class ``cname`` when it exists and admits ``namespace``, else the denial saying which not."""
+        found = self.classes.get(cname)
+        if found is None or found.deleting:
+            return _deny(conditions.REASON_TRUST_CLASS_NOT_FOUND, f"TrustClass {cname!r} does not exist")
+        selector = found.tc.spec.namespace_selector
+        if selector is None or not selector.matches(dict(self.namespace_labels.get(namespace, {}))):
+            return _deny(
+                conditions.REASON_NAMESPACE_NOT_ADMITTED,
+                f"namespace {namespace!r} is not admitted by TrustClass {cname!r} (namespaceSelector)",
             )
-            continue
-        claimed_ids[b.spec.tenant_id] = b.key
-        lookup = keys.get(
-            b.key, KeyLookup(error=conditions.REASON_SECRET_NOT_FOUND, message="API keys not read yet")
-        )
-        got = evaluate(b, b.spec, lookup)
-        refused: Decision | None = None
-        accepted = b.accepted_spec()
-        if isinstance(got, Decision) and accepted is not None:
-            # An edit that cannot be accepted: the tenant keeps its last accepted spec (as a
-            # Deployment keeps its old ReplicaSet), unless that one is refused too (a revocation).
-            # The accepted spec is clamped to what its class allows now: an edit of the class takes
-            # no tenant offline either (the spec may be the current one: the class changed under it).
-            same_ref = accepted.api_key_secret_ref == b.spec.api_key_secret_ref
-            old_lookup = lookup if same_ref else keys.get(accepted_key(b.key), lookup)
-            previous = evaluate(b, accepted, old_lookup, admitted=True)
-            if isinstance(previous, _Admit):
-                refused, got = (got if accepted != b.spec else None), previous
-            elif accepted == b.spec:
-                got = previous  # the revocation, not what the class would have clamped
-        if isinstance(got, Decision):
-            out.decisions[b.key] = got
-            continue
-        admit, cname = got, got.spec.trust_class_name
-        effective = admit.effective
-        guaranteed_used[cname] = guaranteed_used.get(cname, 0) + (effective.guaranteed_kv_blocks or 0)
+        return found
+
+    def _effective_quotas(
+        self, spec: TenantBindingSpec, cs: ClassState, admitted: bool, clamped: list[str]
+    ) -> TenantQuotas | Decision:
+        """``spec``'s quotas over its class's defaults within its limits, or the denial of a spec asking
+        above them (an ``admitted`` one is lowered to them instead, said in ``clamped``)."""
+        cname = spec.trust_class_name
+        limits = cs.tc.spec.quotas.limits
+        over = spec.quotas.exceeds(limits)
+        if over and not admitted:
+            return _deny(
+                conditions.REASON_QUOTA_EXCEEDS_LIMIT,
+                f"quotas above the limits of TrustClass {cname!r}: {over}",
+            )
+        quota_key = (cname, _quota_values(spec.quotas))
+        merged = self.effective_of.get(quota_key)
+        if merged is None:
+            quotas, lowering = _capped(spec.quotas, limits)
+            merged = self.effective_of[quota_key] = (
+                quotas.merged_over(cs.tc.spec.quotas.defaults),
+                tuple(lowering),
+            )
+        effective, lowered = merged
+        if lowered:
+            clamped.append(f"quotas lowered to the limits: {', '.join(lowered)}")
+        return _guarantee_within_max(effective, admitted, clamped)
+
+    def _key_denial(self, lookup: KeyLookup, namespace: str) -> Decision | None:
+        """Why the API keys of ``lookup`` cannot be used (unread, none, or one already claimed), or None."""
+        if lookup.error is not None:
+            return _deny(lookup.error, lookup.message)
+        if not lookup.hashes:
+            return _deny(conditions.REASON_NO_API_KEYS, "the API-key Secret holds no keys")
+        clash = next((self.claimed_keys[h] for h in lookup.hashes if h in self.claimed_keys), None)
+        if clash is not None:
+            return _deny(
+                REASON_DUPLICATE_API_KEY,
+                f"an API key of this binding is already used by {_other(clash, namespace)}",
+            )
+        return None
+
+    def _bind(self, b: TenantBinding, admit: _Admit, refused: Decision | None) -> None:
+        """Route ``b``'s tenant as ``admit`` says, claiming its API keys and guaranteed blocks."""
+        cname, effective = admit.spec.trust_class_name, admit.effective
+        used = self.guaranteed_used.get(cname, 0)
+        self.guaranteed_used[cname] = used + (effective.guaranteed_kv_blocks or 0)
         for h in admit.hashes:
-            claimed_keys[h] = b.key
-        tenants[b.spec.tenant_id] = TenantRoute(
+            self.claimed_keys[h] = b.key
+        self.tenants[b.spec.tenant_id] = TenantRoute(
             trust_class=cname,
             api_key_hashes=sorted(set(admit.hashes)),
             allowed_adapters=list(admit.adapters),
-            quotas=_route_quotas(effective, route_quotas),
+            quotas=_route_quotas(effective, self.route_quotas),
             binding=b.key,
         )
         defaults = admit.cls.tc.spec.quotas.defaults
@@ -363,8 +379,8 @@ def decide(
             defaults.guaranteed_kv_blocks,
             defaults.weight,
         ):
-            out.tenant_quotas.setdefault(cname, {})[b.spec.tenant_id] = effective
-        out.decisions[b.key] = Decision(
+            self.out.tenant_quotas.setdefault(cname, {})[b.spec.tenant_id] = effective
+        self.out.decisions[b.key] = Decision(
             bound=True,
             denied=False,
             reason=conditions.REASON_BOUND,
@@ -376,8 +392,71 @@ def decide(
             refused=refused,
             clamped=admit.clamped,
         )
-    out.table = RoutingTable(trust_classes=routes, tenants=dict(sorted(tenants.items())))
-    return out
+
+
+def _served_adapters(
+    spec: TenantBindingSpec, cs: ClassState, admitted: bool, clamped: list[str]
+) -> tuple[str, ...] | Decision:
+    """The adapters ``spec`` is served with, or its denial for asking one the class does not serve
+    (an ``admitted`` spec has those dropped instead, said in ``clamped``)."""
+    class_adapters = {a.name for a in cs.tc.spec.engine.adapters}
+    missing = sorted(set(spec.allowed_adapters) - class_adapters)
+    if missing and not admitted:
+        return _deny(
+            conditions.REASON_ADAPTER_NOT_IN_CLASS,
+            f"adapters {missing} are not served by TrustClass {spec.trust_class_name!r}",
+        )
+    if missing:
+        clamped.append(f"adapters {missing} dropped (no longer served)")
+    return tuple(sorted(set(spec.allowed_adapters) & class_adapters))
+
+
+def _guarantee_within_max(
+    effective: TenantQuotas, admitted: bool, clamped: list[str]
+) -> TenantQuotas | Decision:
+    """``effective`` with its guaranteed blocks no more than its maximum, or the denial of a spec
+    asking more (an ``admitted`` one is lowered to the maximum instead, said in ``clamped``)."""
+    guaranteed, maximum = effective.guaranteed_kv_blocks, effective.max_kv_blocks
+    if guaranteed is None or maximum is None or guaranteed <= maximum:
+        return effective
+    if not admitted:
+        return _deny(
+            conditions.REASON_QUOTA_EXCEEDS_LIMIT,
+            "effective guaranteedKVBlocks exceeds effective maxKVBlocks",
+        )
+    clamped.append(f"guaranteedKVBlocks {guaranteed} -> {maximum} (the effective maxKVBlocks)")
+    return effective.model_copy(update={"guaranteed_kv_blocks": maximum})
+
+
+def _within_budget(
+    effective: TenantQuotas, cname: str, cs: ClassState, used: int, admitted: bool, clamped: list[str]
+) -> TenantQuotas | Decision:
+    """``effective`` with its guaranteed blocks within what is left of class ``cname``'s KV block budget
+    once ``used`` are guaranteed to the bindings decided before, or the denial of a spec asking more
+    (an ``admitted`` one gets what is left instead, said in ``clamped``)."""
+    guaranteed = effective.guaranteed_kv_blocks or 0
+    eng = cs.tc.spec.engine
+    budget = eng.kv_block_budget
+    if not guaranteed or used + guaranteed <= budget:
+        return effective
+    vllm = eng.runtime == "vllm"
+    pool = f"the {budget} guaranteed blocks the operator admits on vllm" if vllm else f"the {budget} blocks"
+    if not admitted:
+        message = (
+            f"guaranteedKVBlocks {guaranteed} would exceed {pool} TrustClass {cname!r} ({used} "
+            "already guaranteed; vLLM sizes its pool from GPU memory when it starts, and its fence "
+            "checks them against that pool too)"
+            if vllm
+            else f"guaranteedKVBlocks {guaranteed} would overcommit {pool} of TrustClass {cname!r} "
+            f"({used} already guaranteed)"
+        )
+        return _deny(REASON_KV_OVERCOMMITTED, message)
+    fits = max(0, budget - used)
+    clamped.append(
+        f"guaranteedKVBlocks {guaranteed} -> {fits} (what is left of {pool}, {used} guaranteed to "
+        "older bindings)"
+    )
+    return effective.model_copy(update={"guaranteed_kv_blocks": fits})
 
 
 def table_json(table: RoutingTable) -> str:
