@@ -546,98 +546,7 @@ def rollout_strategy(tc: TrustClass) -> Obj:
 def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
     """The engine Deployment. Its pod template carries the hash of what needs a restart and nothing
     that reloads (signing keys, quotas, shared prefixes): changing those never replaces a pod."""
-    eng, pl = tc.spec.engine, tc.spec.placement
-    vllm = eng.runtime == "vllm"
     pod_labels = {**labels(tc.name, "engine", opts.version), **selector_labels(tc.name)}
-    container: Obj = {
-        "name": "engine",
-        "image": eng.image,
-        "imagePullPolicy": eng.image_pull_policy,
-        "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
-        "env": [
-            {"name": ENV_ENGINE_CONFIG, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
-            {"name": "HOME", "value": TMP_DIR},
-        ],
-        # Not ready while the engine config waits for its tenants' quotas (EngineConfig.tenants_pending).
-        "readinessProbe": _probe(READY_PATH, eng.port, period=5, failures=3),
-        "livenessProbe": _probe("/health", eng.port, period=10, failures=6),
-        # Loading weights takes minutes for real models: liveness starts after this succeeds.
-        "startupProbe": _probe("/health", eng.port, period=10, failures=180 if vllm else 30),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "volumeMounts": [
-            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "signing-key", "mountPath": KEY_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": TMP_DIR},
-        ],
-    }
-    volumes: list[Obj] = [
-        {"name": "config", "configMap": {"name": CONFIG_NAME}},
-        {"name": "signing-key", "secret": {"secretName": SIGNING_SECRET_NAME, "defaultMode": 0o440}},
-        {"name": "tmp", "emptyDir": {}},
-    ]
-    if vllm:
-        container["args"] = vllm_args(tc)
-        container["env"] += [
-            {"name": "HF_HOME", "value": HF_HOME_PATH},
-            {"name": VLLM_STATS_FILE_ENV, "value": VLLM_STATS_FILE},
-        ]
-        token = eng.model.token_secret_ref
-        if token is not None:
-            # A reference to the Secret, never its value: nothing the operator writes holds the token.
-            container["env"].append(
-                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
-            )
-        if eng.on_vllm_cpu:
-            container["env"] += [{"name": k, "value": v} for k, v in VLLM_CPU_ENV.items()]
-        container["volumeMounts"] += [
-            {"name": "cache", "mountPath": MODEL_CACHE_PATH},
-            {"name": "dshm", "mountPath": SHM_DIR},
-        ]
-        volumes += [model_cache_volume(tc), {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    else:
-        container["command"] = reference_command(tc)
-    container["env"] += [e.wire() for e in eng.extra_env]
-    container["volumeMounts"] += [
-        {"name": m.name, "mountPath": m.mount_path, "readOnly": m.read_only} for m in eng.extra_volume_mounts
-    ]
-    volumes += [v.pod_volume() for v in eng.extra_volumes]
-    res = _resources(tc)
-    if res:
-        container["resources"] = res
-    pod_spec: Obj = {
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "terminationGracePeriodSeconds": 30,
-        "containers": [container],
-        "volumes": volumes,
-    }
-    if pl.node_selector:
-        pod_spec["nodeSelector"] = dict(pl.node_selector)
-    tol = tolerations(tc)
-    if tol:
-        pod_spec["tolerations"] = tol
-    aff = affinity(tc)
-    if aff:
-        pod_spec["affinity"] = aff
-    if pl.runtime_class_name:
-        pod_spec["runtimeClassName"] = pl.runtime_class_name
-    if pl.priority_class_name:
-        pod_spec["priorityClassName"] = pl.priority_class_name
-    if eng.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in eng.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -653,10 +562,139 @@ def deployment(tc: TrustClass, cfg_hash: str, opts: OperatorOptions, owner: Obj 
                     "labels": pod_labels,
                     "annotations": {ANNOTATION_CONFIG_HASH: cfg_hash},
                 },
-                "spec": pod_spec,
+                "spec": _engine_pod_spec(tc),
             },
         },
     }
+
+
+def _engine_pod_spec(tc: TrustClass) -> Obj:
+    """The engine pod: its one container, as restricted a pod as Pod Security knows, placed as the
+    class says."""
+    pod_spec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,
+        "containers": [_engine_container(tc)],
+        "volumes": _engine_volumes(tc),
+        **_placement(tc),
+    }
+    if tc.spec.engine.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in tc.spec.engine.image_pull_secrets]
+    return pod_spec
+
+
+def _placement(tc: TrustClass) -> Obj:
+    """The pod spec's fields that place it (node selector, tolerations, affinity, runtime and priority
+    class), each only when the class sets it."""
+    pl = tc.spec.placement
+    out: Obj = {}
+    if pl.node_selector:
+        out["nodeSelector"] = dict(pl.node_selector)
+    tol = tolerations(tc)
+    if tol:
+        out["tolerations"] = tol
+    aff = affinity(tc)
+    if aff:
+        out["affinity"] = aff
+    if pl.runtime_class_name:
+        out["runtimeClassName"] = pl.runtime_class_name
+    if pl.priority_class_name:
+        out["priorityClassName"] = pl.priority_class_name
+    return out
+
+
+def _engine_container(tc: TrustClass) -> Obj:
+    """The engine container: ``vllm serve`` with the kvfence plugins, or the reference engine."""
+    eng = tc.spec.engine
+    vllm = eng.runtime == "vllm"
+    container: Obj = {
+        "name": "engine",
+        "image": eng.image,
+        "imagePullPolicy": eng.image_pull_policy,
+        "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
+        "env": _engine_env(tc),
+        # Not ready while the engine config waits for its tenants' quotas (EngineConfig.tenants_pending).
+        "readinessProbe": _probe(READY_PATH, eng.port, period=5, failures=3),
+        "livenessProbe": _probe("/health", eng.port, period=10, failures=6),
+        # Loading weights takes minutes for real models: liveness starts after this succeeds.
+        "startupProbe": _probe("/health", eng.port, period=10, failures=180 if vllm else 30),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": _engine_volume_mounts(tc),
+    }
+    if vllm:
+        container["args"] = vllm_args(tc)
+    else:
+        container["command"] = reference_command(tc)
+    res = _resources(tc)
+    if res:
+        container["resources"] = res
+    return container
+
+
+def _engine_env(tc: TrustClass) -> list[Obj]:
+    """The container's environment: the config file and HOME, vLLM's own on vllm, then ``extraEnv``."""
+    eng = tc.spec.engine
+    env: list[Obj] = [
+        {"name": ENV_ENGINE_CONFIG, "value": f"{CONFIG_DIR}/{CONFIG_KEY}"},
+        {"name": "HOME", "value": TMP_DIR},
+    ]
+    if eng.runtime == "vllm":
+        env += [
+            {"name": "HF_HOME", "value": HF_HOME_PATH},
+            {"name": VLLM_STATS_FILE_ENV, "value": VLLM_STATS_FILE},
+        ]
+        token = eng.model.token_secret_ref
+        if token is not None:
+            # A reference to the Secret, never its value: nothing the operator writes holds the token.
+            env.append(
+                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
+            )
+        if eng.on_vllm_cpu:
+            env += [{"name": k, "value": v} for k, v in VLLM_CPU_ENV.items()]
+    return env + [e.wire() for e in eng.extra_env]
+
+
+def _engine_volume_mounts(tc: TrustClass) -> list[Obj]:
+    """The container's mounts of :func:`_engine_volumes`: config, signing key and /tmp; on vllm the model
+    cache and shared memory; then ``extraVolumeMounts``."""
+    eng = tc.spec.engine
+    mounts: list[Obj] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "signing-key", "mountPath": KEY_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": TMP_DIR},
+    ]
+    if eng.runtime == "vllm":
+        mounts += [{"name": "cache", "mountPath": MODEL_CACHE_PATH}, {"name": "dshm", "mountPath": SHM_DIR}]
+    return mounts + [
+        {"name": m.name, "mountPath": m.mount_path, "readOnly": m.read_only} for m in eng.extra_volume_mounts
+    ]
+
+
+def _engine_volumes(tc: TrustClass) -> list[Obj]:
+    """The pod's volumes, each mounted by :func:`_engine_volume_mounts`."""
+    eng = tc.spec.engine
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": CONFIG_NAME}},
+        {"name": "signing-key", "secret": {"secretName": SIGNING_SECRET_NAME, "defaultMode": 0o440}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if eng.runtime == "vllm":
+        volumes += [model_cache_volume(tc), {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    return volumes + [v.pod_volume() for v in eng.extra_volumes]
 
 
 def service(tc: TrustClass, opts: OperatorOptions, owner: Obj | None = None) -> Obj:
