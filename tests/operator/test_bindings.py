@@ -374,7 +374,7 @@ def test_lowered_class_limits_clamp_an_admitted_binding_and_deny_a_new_one(
     q = out.tenant_quotas["gold"]["old"]
     assert (q.max_kv_blocks, q.guaranteed_kv_blocks) == (80, 80)
     assert d.quotas == q
-    # A binding never admitted has nothing to keep: the same spec is Denied, as before.
+    # A binding never admitted has nothing to keep: the same spec, above the limits, is Denied.
     n = out.decisions["team-a/new"]
     assert n.denied and n.reason == C.REASON_QUOTA_EXCEEDS_LIMIT and "new" not in out.table.tenants
 

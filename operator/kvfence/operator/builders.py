@@ -263,14 +263,14 @@ def engine_config(
         "listen": {"host": "0.0.0.0", "port": eng.port},  # noqa: S104 - fenced by the NetworkPolicy
     }
     shared = shared_prefixes(tc, shared_texts)
-    if shared:  # absent when none are declared: configs rendered before the field existed are unchanged
+    if shared:  # absent when none: an operator upgrade leaves the config of a class without them as it is
         data["prefixCache"]["sharedPrefixes"] = shared
     if eng.dtype != "auto":
         data["dtype"] = eng.dtype
     if eng.block_size is not None or eng.runtime == "reference":
         # Unset on vllm: vLLM's attention backend chooses, so the file names no size it may not use.
         data["blockSize"] = eng.block_size or DEFAULT_BLOCK_SIZE
-    if tenants_pending:  # absent otherwise: configs rendered before the field existed are unchanged
+    if tenants_pending:  # absent otherwise: an operator upgrade leaves every other class's config as it is
         data["tenantsPending"] = True
     # The engine's own model is the judge of what it accepts: fail here, not in a crash-looping pod.
     EngineConfig.model_validate(data)
@@ -325,7 +325,7 @@ def vllm_args(tc: TrustClass) -> list[str]:
         "--tensor-parallel-size", str(eng.tensor_parallel_size),
     ]  # fmt: skip
     if eng.gpu_memory_utilization is not None:
-        # Where it always was: a class stored with it set keeps byte-identical pods.
+        # Its place among the arguments is fixed: moving it would roll the pods of every class that sets it.
         args += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
     if eng.kv_cache_memory is not None:
         args += ["--kv-cache-memory-bytes", str(quantity_bytes(eng.kv_cache_memory))]
