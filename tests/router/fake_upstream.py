@@ -8,7 +8,8 @@ it received so that tests can check what the router sent. Test controls under ``
 A prompt that starts with ``SILENT`` is never answered (a hung engine). A prompt that starts with
 ``GATED`` streams its first chunk, then waits until ``POST /control/release``
 before sending the rest: a test can prove chunk-by-chunk relaying without timing anything. A prompt
-that starts with ``DROP`` is recorded, then its connection is closed unanswered (a query of death).
+that starts with ``DROP`` is recorded, then its connection is closed unanswered (a query of death);
+one that starts with ``FLOOD`` is streamed a 64 MiB answer (for clients that stop reading).
 """
 
 from __future__ import annotations
@@ -130,6 +131,12 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if prompt.startswith("FLOOD"):  # a long answer: 64 MiB of events, as fast as they are taken
+            event = b"data: " + json.dumps({"choices": [{"text": "x" * 65000}]}).encode() + b"\n\n"
+            for _ in range(1024):
+                await resp.write(event)
+            await resp.write_eof()
+            return resp
         for i, piece in enumerate(pieces):
             chunk = {
                 "id": "cmpl-1",

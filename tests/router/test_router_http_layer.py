@@ -847,3 +847,35 @@ def test_pool_resolves_once_per_ttl_and_bounds_the_wait_for_a_connection(run: An
         pool.close()
 
     run(main())
+
+
+def test_pool_gives_each_tenant_a_bounded_share_of_its_connections(run: Any) -> None:
+    """With a share of two, a tenant holding two connections waits for one of them; another tenant
+    is served meanwhile, and the waiter goes on when the first tenant frees one."""
+
+    async def main() -> None:
+        srv = RawServer(serve_forever)
+        pool = Pool("127.0.0.1", await srv.start(), limit=8, tenant_limit=2)
+        held = [await pool.request("POST", "/", {}, b"a%d" % i, tenant="a") for i in range(2)]
+        third = asyncio.ensure_future(pool.request("POST", "/", {}, b"a2", tenant="a"))
+        for _ in range(100):  # until it waits (a few loop turns: wait_for runs it in a task)
+            if pool._shares["a"].waiters:
+                break
+            await asyncio.sleep(0)
+        assert not third.done() and len(pool._shares["a"].waiters) == 1
+        other = await pool.request("POST", "/", {}, b"b", tenant="b")
+        assert await other.read() == b"b"
+        other.release()
+        assert "b" not in pool._shares  # a share exists while it is used
+        assert not third.done() and srv.connections == 3
+        assert await held[0].read() == b"a0"
+        held[0].release()
+        resp = await third
+        assert await resp.read() == b"a2"
+        for r in (resp, held[1]):
+            await r.read()
+            r.release()
+        assert "a" not in pool._shares and pool._slots.free == 8
+        pool.close()
+
+    run(main())

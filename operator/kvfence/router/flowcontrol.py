@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+_NONE: list[Any] = []  # what release returns when nobody is held (never appended to)
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ class ClassFlow(Generic[T]):
     def release(self, sequences: int) -> list[T]:
         """A request of ``sequences`` ended: the held requests that now go to the engines, in order."""
         self.inflight -= sequences
-        return self.pump()
+        return self.pump() if self.held else _NONE
 
     def set_capacity(self, capacity: int) -> list[T]:
         """The capacity changed (replicas came or went): what may go now."""

@@ -44,6 +44,8 @@ MAX_PIPELINE = 16
 KEEPALIVE_TIMEOUT = 75.0
 #: Seconds a client has to send a whole request, head and body, once it started (slow clients: 408).
 REQUEST_TIMEOUT = 60.0
+#: Seconds a client may leave an answer unread (the router's writes to it blocked) before it is cut off.
+WRITE_TIMEOUT = 60.0
 #: How long a connection answered early (413, 431, ...) keeps draining the client's bytes.
 LINGER_SECONDS = 2.0
 
@@ -210,6 +212,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.write_paused = False
+        self.write_paused_since = 0.0
         self._drain: asyncio.Future[None] | None = None
         self.pending: deque[Request] = deque()
         self.task: asyncio.Task[None] | None = None
@@ -251,6 +254,7 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self.write_paused_since = time.monotonic()
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -449,6 +453,12 @@ class _Connection(asyncio.Protocol):
         if self._reading and now - self._started > self.server.request_timeout:
             self._reading = False
             self._fail(408, "The request was not sent in time.")
+        elif self.write_paused and now - self.write_paused_since > self.server.write_timeout:
+            # The client stopped reading what it asked for: cut it off, so that its answer does not
+            # hold an engine connection (and the engine's work) for as long as it likes.
+            self.transport.abort()
+            if self.server.on_slow_client is not None:
+                self.server.on_slow_client()
         elif (
             not self._reading
             and self.task is None
@@ -475,8 +485,13 @@ class HttpServer:
         max_body: int,
         keepalive_timeout: float = KEEPALIVE_TIMEOUT,
         request_timeout: float = REQUEST_TIMEOUT,
+        write_timeout: float = WRITE_TIMEOUT,
+        on_slow_client: Callable[[], None] | None = None,
     ) -> None:
         self.handler = handler
+        #: Seconds a client may leave an answer unread (writing to it blocked) before it is cut off.
+        self.write_timeout = write_timeout
+        self.on_slow_client = on_slow_client
         self.error_response = error_response
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout

@@ -244,6 +244,38 @@ class RouterMetrics:
         self.table_tenants = Gauge(
             "kvfence_router_routing_table_tenants", "Tenants in the current table.", merge="min"
         )
+        self.queued = Gauge(
+            "kvfence_router_queued_requests",
+            "Requests held by flow control while their trust class's engines are saturated.",
+            ("trust_class", "tenant"),
+        )
+        self.inflight_sequences = Gauge(
+            "kvfence_router_inflight_sequences",
+            "Sequences (prompts x n) in flight to a trust class's engines, as flow control counts them.",
+            ("trust_class",),
+        )
+        self.flow_capacity = Gauge(
+            "kvfence_router_flow_control_capacity_sequences",
+            "Sequences in flight to a trust class's engines above which requests are held "
+            "(--sequences-per-engine times the serving replicas, this process's part).",
+            ("trust_class",),
+        )
+        self.held = Counter(
+            "kvfence_router_held_requests_total",
+            "Requests flow control held before sending them on (engines saturated).",
+            ("tenant",),
+        )
+        self.flow_rejections = Counter(
+            "kvfence_router_flow_control_rejections_total",
+            "Requests refused with 429 by flow control: the tenant's queue was full (queue_full) or the "
+            "request waited the whole hold timeout (timeout).",
+            ("tenant", "reason"),
+        )
+        self.slow_clients = Counter(
+            "kvfence_router_slow_clients_total",
+            "Client connections cut off because they left an answer unread longer than "
+            "--client-write-timeout.",
+        )
         #: Called before each scrape to set gauges that are read from live state (in-flight counts).
         self.collect: Callable[[], None] | None = None
         self.all: tuple[Counter | Histogram, ...] = (
@@ -266,6 +298,12 @@ class RouterMetrics:
             self.reloads,
             self.table_generation,
             self.table_tenants,
+            self.queued,
+            self.inflight_sequences,
+            self.flow_capacity,
+            self.held,
+            self.flow_rejections,
+            self.slow_clients,
         )
 
     def _collect(self) -> None:

@@ -36,7 +36,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -51,6 +51,7 @@ from kvfence.contract import (
 from kvfence.contract.errors import error_body
 from kvfence.router.endpoints import ClassEndpoints, Endpoint, Member, PoolFactory
 from kvfence.router.errors import RouterError
+from kvfence.router.flowcontrol import ClassFlow
 from kvfence.router.http import Request, Response, Stream
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.slices import ServiceKey, SliceSource, service_of
@@ -84,6 +85,13 @@ class ProxyConfig:
     health_interval: float = 2.0
     health_timeout: float = 1.0
     balance: str = "affinity"  # or "random" (the baseline: no affinity, no load bound)
+    pool_per_tenant: int = 128  # connections to one engine one tenant may hold (0: the whole pool)
+    # Flow control (kvfence.router.flowcontrol): sequences in flight per serving engine replica before
+    # requests are held (0: never held), requests held per tenant, and the longest hold (then a 429).
+    sequences_per_engine: int = 256
+    queue_per_tenant: int = 64
+    hold_timeout: float = 30.0
+    workers: int = 1  # processes of this router replica: each holds its part of the bound
 
 
 @dataclass(slots=True)
@@ -221,6 +229,16 @@ def _unavailable(cls: ClassPlan, why: str) -> RouterError:
     )
 
 
+def _saturated(plan: TenantPlan, why: str) -> RouterError:
+    return RouterError(
+        429,
+        f"The engines of trust class '{plan.trust_class.name}' are saturated and {why}. Retry later.",
+        "engine_saturated",
+        "rate_limit_error",
+        headers={"Retry-After": "1"},
+    )
+
+
 def _timeout(cls: ClassPlan) -> RouterError:
     message = f"The engine for trust class '{cls.name}' did not answer in time."
     return RouterError(504, message, "engine_timeout", "upstream_error")
@@ -240,12 +258,21 @@ class Proxy:
         self._urls: dict[str, str] = {}  # class -> the endpoint URL its ClassEndpoints was built for
         self._services: dict[str, ServiceKey] = {}  # class -> the Service followed through slices
         self.slices: SliceSource | None = None  # when following EndpointSlices (see sync)
+        self.flows: dict[str, ClassFlow[asyncio.Future[None]]] = {}  # class -> its flow control
         metrics.collect = self._collect
 
     def _collect(self) -> None:
-        self.metrics.endpoint_inflight.values = {
+        m = self.metrics
+        m.endpoint_inflight.values = {
             ep.labels: float(ep.inflight) for ce in self.classes.values() for ep in ce.members.values()
         }
+        m.queued.values = {
+            (name, tenant): float(len(t.queue))
+            for name, f in self.flows.items()
+            for tenant, t in f.tenants.items()
+        }
+        m.inflight_sequences.values = {(name,): float(f.inflight) for name, f in self.flows.items()}
+        m.flow_capacity.values = {(name,): float(f.capacity) for name, f in self.flows.items()}
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def close(self) -> None:
@@ -264,6 +291,7 @@ class Proxy:
                 host,
                 port,
                 limit=c.pool_per_engine,
+                tenant_limit=c.pool_per_tenant,
                 connect_timeout=c.connect_timeout,
                 read_timeout=c.read_timeout,
                 total_timeout=c.total_timeout,
@@ -281,6 +309,9 @@ class Proxy:
             self.classes.pop(name).close()
             self._urls.pop(name, None)
             self._services.pop(name, None)
+            gone = self.flows.pop(name, None)
+            if gone is not None:  # its held requests go on, and find their class gone
+                self._wake(gone.set_capacity(0))
         for name, cls in classes.items():
             ce = self.classes.get(name)
             if ce is not None and self._urls.get(name) == cls.endpoint:
@@ -323,9 +354,57 @@ class Proxy:
         self.metrics.endpoint_requests.values.pop(ep.labels, None)
 
     def _export(self, ce: ClassEndpoints) -> None:
+        self._resize(ce)
         for ep in ce.members.values():
             self.metrics.endpoint_serving.set(1.0 if ep.serving else 0.0, ep.labels)
         self.metrics.engine_healthy.set(1.0 if ce.serving else 0.0, (ce.name,))
+
+    # --- flow control --------------------------------------------------------------------------
+    def _resize(self, ce: ClassEndpoints) -> None:
+        """The class's flow control follows its serving replicas: the bound per replica times how
+        many serve, this process's part of it."""
+        c = self.config
+        if c.sequences_per_engine <= 0:
+            return
+        capacity = max(1, c.sequences_per_engine * len(ce.serving) // max(1, c.workers))
+        flow = self.flows.get(ce.name)
+        if flow is None:
+            self.flows[ce.name] = ClassFlow(capacity, c.queue_per_tenant)
+        elif flow.capacity != capacity:
+            self._wake(flow.set_capacity(capacity))
+
+    @staticmethod
+    def _wake(tickets: Sequence[asyncio.Future[None]]) -> None:
+        for fut in tickets:
+            if not fut.done():
+                fut.set_result(None)
+            # else: its request went away while being released; hold() gives its sequences back
+
+    def finish(self, flow: ClassFlow[asyncio.Future[None]], sequences: int) -> None:
+        """A request admitted by ``flow`` ended: wake what may go now."""
+        tickets = flow.release(sequences)
+        if tickets:
+            self._wake(tickets)
+
+    async def hold(self, flow: ClassFlow[asyncio.Future[None]], plan: TenantPlan, sequences: int) -> None:
+        """Wait until ``flow`` releases this request (:meth:`ClassFlow.try_admit` said no): a 429
+        with Retry-After when the tenant's queue is full or the wait exceeds the hold timeout. Returns
+        with ``sequences`` counted in flight; the caller ends them with :meth:`finish`."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        weight = plan.quotas.weight or 1
+        if not flow.hold(plan.name, weight, sequences, fut):
+            self.metrics.flow_rejections.inc((plan.name, "queue_full"))
+            raise _saturated(plan, f"{flow.queue_limit} of its requests are already waiting")
+        self.metrics.held.inc((plan.name,))
+        try:
+            await asyncio.wait_for(fut, self.config.hold_timeout)
+        except BaseException as e:
+            if not flow.cancel(plan.name, fut):
+                self.finish(flow, sequences)  # released while it was going away
+            if isinstance(e, TimeoutError):
+                self.metrics.flow_rejections.inc((plan.name, "timeout"))
+                raise _saturated(plan, f"its request waited {self.config.hold_timeout:g} s") from None
+            raise
 
     def _mark(self, ce: ClassEndpoints, ep: Endpoint, healthy: bool, error: str = "") -> None:
         if ep.healthy != healthy:
@@ -427,7 +506,9 @@ class Proxy:
             try:
                 # Signed for each attempt: a fresh nonce, since the engine refuses a replayed one.
                 head = build_head(plan, path, client_headers, payload)
-                return await ep.pool.request("POST", ce.base + path, None, payload, head=head), ce, ep
+                url = ce.base + path
+                resp = await ep.pool.request("POST", url, None, payload, head=head, tenant=plan.name)
+                return resp, ce, ep
             except UpstreamError as e:
                 ce.end(ep)
                 if e.kind == "connect":

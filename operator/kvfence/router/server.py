@@ -31,11 +31,20 @@ from kvfence.kube import connection
 from kvfence.router.auth import AuthError, authenticate
 from kvfence.router.endpoints import Member
 from kvfence.router.errors import RouterError, error_response
-from kvfence.router.http import KEEPALIVE_TIMEOUT, REQUEST_TIMEOUT, HttpServer, Request, Response, Stream
+from kvfence.router.flowcontrol import ClassFlow
+from kvfence.router.http import (
+    KEEPALIVE_TIMEOUT,
+    REQUEST_TIMEOUT,
+    WRITE_TIMEOUT,
+    HttpServer,
+    Request,
+    Response,
+    Stream,
+)
 from kvfence.router.metrics import RouterMetrics
 from kvfence.router.proxy import RECOVERY_PROBE_INTERVAL, Proxy, ProxyConfig, build_body, forwarded_headers
 from kvfence.router.quota_store import QuotaStore, SharedQuotaStore
-from kvfence.router.quotas import QuotaManager, Rejection
+from kvfence.router.quotas import QuotaManager, Rejection, Reservation
 from kvfence.router.siblings import SiblingError, Siblings
 from kvfence.router.slices import ENGINE_SERVICE, ServiceKey, SliceSource
 from kvfence.router.source import SecretSource
@@ -64,6 +73,7 @@ class RouterConfig:
     access_log: bool = False  # one JSON line per API request on the logger kvfence.router.access
     keepalive_timeout: float = KEEPALIVE_TIMEOUT  # idle client connections
     request_timeout: float = REQUEST_TIMEOUT  # a client's whole request, once started
+    client_write_timeout: float = WRITE_TIMEOUT  # an answer left unread by its client: cut off after
     workers: int = 1  # processes serving the port (SO_REUSEPORT), sharing the quota counters
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
 
@@ -242,6 +252,22 @@ def _authenticate(state: RouterState, request: Request) -> TenantPlan:
     return plan
 
 
+async def _hold(
+    state: RouterState,
+    flow: ClassFlow[asyncio.Future[None]],
+    plan: TenantPlan,
+    sequences: int,
+    grant: Reservation,
+) -> None:
+    """Flow control held the request: wait for its turn (:meth:`Proxy.hold`); refused or gone while
+    held, it was never sent and its quota is given back whole."""
+    try:
+        await state.proxy.hold(flow, plan, sequences)
+    except BaseException:
+        state.quotas.release(grant, 0)
+        raise
+
+
 async def _inference(state: RouterState, request: Request, path: str) -> Answer:
     started = time.perf_counter()
     plan = _authenticate(state, request)
@@ -281,6 +307,9 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         if isinstance(grant, Rejection):
             state.metrics.quota_rejections.inc((plan.name, grant.quota))
             raise _refusal(grant)
+        flow = state.proxy.flows.get(cls.name)
+        if flow is not None and not flow.try_admit(sequences):
+            await _hold(state, flow, plan, sequences, grant)
         inflight = state.metrics.inflight
         inflight.inc((cls.name,))
         used: int | None = None
@@ -303,6 +332,8 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
             return relay.response
         finally:
             inflight.inc((cls.name,), -1)
+            if flow is not None:
+                state.proxy.finish(flow, sequences)
             charged = state.quotas.release(grant, used)
             if charged:
                 state.metrics.tokens.inc((plan.name,), charged)
@@ -472,6 +503,8 @@ async def serve(
         max_body=config.max_body_bytes,
         keepalive_timeout=config.keepalive_timeout,
         request_timeout=config.request_timeout,
+        write_timeout=config.client_write_timeout,
+        on_slow_client=state.metrics.slow_clients.inc,
     )
     shared_port = config.workers > 1
     await api.start(host, port, reuse_port=shared_port)
@@ -592,12 +625,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="tokens reserved for the completion when a request does not set max_tokens",
     )
-    p.add_argument("--connect-timeout", type=float, default=2.0)
-    p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence from an engine")
-    p.add_argument("--total-timeout", type=float, default=1800.0)
-    p.add_argument("--health-interval", type=float, default=2.0)
-    p.add_argument("--health-path", default="/health")
-    p.add_argument("--pool-per-engine", type=int, default=256, help="keep-alive connections per engine")
+    _upstream_args(p)
+    _flow_control_args(p)
     p.add_argument("--shutdown-timeout", type=float, default=60.0)
     p.add_argument(
         "--drain-delay",
@@ -626,6 +655,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a client has to send a whole request once it started (408 after)",
     )
     args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _upstream_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--read-timeout", type=float, default=300.0, help="longest silence from an engine")
+    p.add_argument("--total-timeout", type=float, default=1800.0)
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--health-path", default="/health")
+    p.add_argument("--pool-per-engine", type=int, default=256, help="keep-alive connections per engine")
+    p.add_argument(
+        "--pool-per-tenant",
+        type=int,
+        default=128,
+        help="connections to one engine one tenant may hold at once (more of its requests wait for one "
+        "of them); 0: the whole pool",
+    )
+    p.add_argument(
+        "--client-write-timeout",
+        type=float,
+        default=WRITE_TIMEOUT,
+        help="seconds a client may leave an answer unread (the router's writes to it blocked) before "
+        "its connection is cut off, freeing the engine connection and the engine's work",
+    )
+
+
+def _flow_control_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sequences-per-engine",
+        type=int,
+        default=256,
+        help="flow control: sequences (prompts x n) in flight per serving engine replica of a trust "
+        "class above which requests are held per tenant and released by weight; 0: never held",
+    )
+    p.add_argument(
+        "--queue-per-tenant",
+        type=int,
+        default=64,
+        help="flow control: requests held per tenant and trust class at most (more: 429 + Retry-After)",
+    )
+    p.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=30.0,
+        help="flow control: seconds a request may be held before it is answered 429 + Retry-After",
+    )
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if bool(args.routing_table) == bool(args.routing_secret):
         p.error("give exactly one of --routing-table FILE and --routing-secret NAMESPACE/NAME")
     if args.routing_secret:
@@ -640,7 +719,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         namespace, _, name = args.router_service.partition("/")
         if not namespace or not name or "/" in name:
             p.error("--router-service must be NAMESPACE/NAME")
-    return args
+    for flag, least in (("pool_per_engine", 1), ("pool_per_tenant", 0), ("sequences_per_engine", 0)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}")
+    if args.queue_per_tenant < 1:
+        p.error("--queue-per-tenant must be >= 1")
+    if not args.hold_timeout > 0 or not args.client_write_timeout > 0:
+        p.error("--hold-timeout and --client-write-timeout must be > 0")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -659,6 +744,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         access_log=args.access_log,
         keepalive_timeout=args.keepalive_timeout,
         request_timeout=args.request_timeout,
+        client_write_timeout=args.client_write_timeout,
         workers=args.workers,
         proxy=ProxyConfig(
             connect_timeout=args.connect_timeout,
@@ -668,6 +754,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             health_path=args.health_path,
             health_interval=args.health_interval,
             balance=args.balance,
+            pool_per_tenant=args.pool_per_tenant,
+            sequences_per_engine=args.sequences_per_engine,
+            queue_per_tenant=args.queue_per_tenant,
+            hold_timeout=args.hold_timeout,
+            workers=args.workers,
         ),
     )
 

@@ -2,7 +2,8 @@
 
 An asyncio protocol around httptools' response parser (see :mod:`kvfence.router.http` for why the
 router does not use a framework here). Per engine: at most ``limit`` connections in use at once
-(more requests wait for a free one), idle connections reused most-recent-first and closed after
+(more requests wait for a free one), at most ``tenant_limit`` of them for one tenant (so that one
+tenant's slow streams cannot hold them all), idle connections reused most-recent-first and closed after
 ``idle_timeout`` (below uvicorn's 5 s keep-alive, the shortest among the engines, so that the router
 rarely picks a connection the engine is closing), addresses resolved once per :data:`DNS_TTL`.
 Timeouts: connect, read (the longest silence while an answer is awaited or streamed), total (which
@@ -138,6 +139,7 @@ class _Connection(asyncio.Protocol):
         self._deadline = 0.0
         self._until_eof = False
         self._interim = False  # parsing a 1xx answer
+        self.share: _Share | None = None  # the tenant's share of the pool this request holds
 
     # --- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -286,13 +288,14 @@ class _Connection(asyncio.Protocol):
 
     def finish(self, reusable: bool) -> None:
         self.resp = None
+        share, self.share = self.share, None
         if not reusable or self.transport is None or self.paused:
             self._disarm()
             if self.transport is not None:
                 self.transport.close()
-            self.pool._done(None)
+            self.pool._done(None, share)
         else:
-            self.pool._done(self)
+            self.pool._done(self, share)
 
 
 class Slots:
@@ -341,6 +344,16 @@ class Slots:
         self.free += 1
 
 
+class _Share(Slots):
+    """One tenant's share of a pool's connections."""
+
+    __slots__ = ("tenant",)
+
+    def __init__(self, tenant: str, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit, loop)
+        self.tenant = tenant
+
+
 class Pool:
     """Keep-alive connections to one engine (``host:port``)."""
 
@@ -350,6 +363,7 @@ class Pool:
         port: int,
         *,
         limit: int = 256,
+        tenant_limit: int = 0,
         connect_timeout: float = 2.0,
         read_timeout: float = 300.0,
         total_timeout: float = 1800.0,
@@ -370,6 +384,10 @@ class Pool:
         self.idle_timeout = idle_timeout
         self._idle: deque[_Connection] = deque()
         self._slots = Slots(limit, self.loop)
+        # Connections one tenant may hold at once (0: no share, the whole pool): one tenant's slow
+        # streams cannot take every connection. A tenant's Slots exist while it holds or waits for one.
+        self.tenant_limit = tenant_limit if 0 < tenant_limit < limit else 0
+        self._shares: dict[str, _Share] = {}
         self._host_line = f"Host: {self.server_name}:{port}\r\n".encode("latin-1")
         self._request_lines: dict[tuple[str, str], bytes] = {}
         self._addrs: list[str] = []
@@ -427,8 +445,31 @@ class Pool:
             return conn
         return None
 
-    def _done(self, conn: _Connection | None) -> None:
+    def _give_share(self, share: _Share | None) -> None:
+        if share is not None:
+            share.give()
+            if share.free == self.tenant_limit and not share.waiters:
+                self._shares.pop(share.tenant, None)
+
+    async def _take_share(self, tenant: str) -> _Share | None:
+        """The tenant's share of the pool, one slot of it taken (waiting, within the total timeout,
+        while the tenant holds all of it); None without shares."""
+        if not self.tenant_limit or not tenant:
+            return None
+        share = self._shares.get(tenant)
+        if share is None:
+            share = self._shares[tenant] = _Share(tenant, self.tenant_limit, self.loop)
+        if not share.take_now():
+            try:
+                await asyncio.wait_for(share.take(), self.total_timeout)
+            except TimeoutError:
+                raise UpstreamError("timeout", "no free connection to the engine in time") from None
+        return share
+
+    def _done(self, conn: _Connection | None, share: _Share | None = None) -> None:
         self._slots.give()
+        if share is not None:
+            self._give_share(share)
         now = time.monotonic()
         idle = self._idle
         while idle and (now - idle[0].idle_since > self.idle_timeout or idle[0].transport is None):
@@ -452,10 +493,11 @@ class Pool:
         *,
         head: bytes = b"",
         fresh: bool = False,
+        tenant: str = "",
     ) -> Response:
         """Send a request; returns once the answer's status and headers arrived. ``head``: header
         lines already formatted (``Name: value\\r\\n`` each), sent after ``headers``. ``fresh``: on a
-        new connection."""
+        new connection. ``tenant``: whose share of the pool the connection counts against."""
         line = self._request_lines.get((method, path))
         if line is None:
             line = f"{method} {path} HTTP/1.1\r\n".encode("latin-1")
@@ -472,20 +514,27 @@ class Pool:
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
         lines.append(body)
+        share = await self._take_share(tenant) if self.tenant_limit else None
         if not self._slots.take_now():
             # Every connection to this engine is busy: wait for one, but not past the total timeout.
             try:
                 await asyncio.wait_for(self._slots.take(), self.total_timeout)
             except TimeoutError:
+                self._give_share(share)
                 raise UpstreamError("timeout", "no free connection to the engine in time") from None
+            except BaseException:
+                self._give_share(share)
+                raise
         conn: _Connection | None = None
         try:
             conn = None if fresh else self._reuse()
             if conn is None:
                 conn = await self._connect()
             resp = conn.send(b"".join(lines))
+            conn.share = share
         except BaseException:
             self._slots.give()
+            self._give_share(share)
             if conn is not None and conn.transport is not None:
                 conn.transport.close()
             raise

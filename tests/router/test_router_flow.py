@@ -1,0 +1,157 @@
+"""Flow control and the upstream pool's shares, through the router process in front of a real upstream
+process (fake_upstream.py) over real sockets: a flooding tenant cannot make another tenant wait behind
+its backlog, a full queue answers 429 with Retry-After, and a client that stops reading is cut off.
+Orderings and counts, never timings."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from router.support import (
+    GOLD_KEY,
+    GOLD_KEY_OLD,
+    KEYS,
+    Proc,
+    auth,
+    request,
+    standard_table,
+    start_fake,
+    start_router,
+    write_table,
+)
+from support import prom
+from support.waiting import wait_until
+
+QUEUE = 10
+QUEUED = "kvfence_router_queued_requests"
+REJECTED = "kvfence_router_flow_control_rejections_total"
+SLOW = "kvfence_router_slow_clients_total"
+
+
+@dataclass
+class Flow:
+    router: Proc
+    engine: Proc
+
+    def post(self, tenant: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+        return request("POST", self.router.url + "/v1/completions", body, auth(KEYS[tenant]), timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples that carry every one of ``labels``."""
+        _, _, data = request("GET", self.router.url + "/metrics")
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(
+            v
+            for k, v in prom.samples(data.decode()).items()
+            if k.partition("{")[0] == name and all(w in k for w in want)
+        )
+
+    def prompts(self) -> list[str]:
+        _, _, data = request("GET", self.engine.url + "/control/requests")
+        return [str(r["body"].get("prompt")) for r in json.loads(data)]
+
+    def waiting(self) -> int:
+        _, _, data = request("GET", self.engine.url + "/control/waiting")
+        return int(json.loads(data)["waiting"])
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flow]:
+    logs: Path = tmp_path_factory.mktemp("flow")
+    engine = start_fake(logs, "gold", [GOLD_KEY, GOLD_KEY_OLD])
+    table_path = logs / "routing.json"
+    write_table(table_path, standard_table(engine.url, "http://127.0.0.1:9"))
+    router = start_router(
+        logs,
+        table_path,
+        "--sequences-per-engine", "2",
+        "--queue-per-tenant", str(QUEUE),
+        "--client-write-timeout", "0.5",
+    )  # fmt: skip
+    try:
+        yield Flow(router, engine)
+    finally:
+        router.stop()
+        engine.stop()
+
+
+def test_a_flooding_tenant_cannot_make_another_wait_behind_its_backlog(flow: Flow) -> None:
+    """Alice fills the engines (two gated streams: the bound is two sequences), then queues ten more
+    requests and one past her queue (429 + Retry-After). Bob's request, sent last, is held too; when
+    the engines free up it is among the first two released, not after Alice's ten."""
+    rejected = flow.metric(REJECTED, reason="queue_full", tenant="alice")
+    with ThreadPoolExecutor(16) as pool:
+        gated = [
+            pool.submit(flow.post, "alice", {"model": "tiny", "prompt": f"GATED {i}", "stream": True})
+            for i in range(2)
+        ]
+        wait_until(lambda: flow.waiting() == 2, "both streams at the gate", 30, 0.02)
+        backlog = [
+            pool.submit(flow.post, "alice", {"model": "tiny", "prompt": f"alice {i}"}) for i in range(QUEUE)
+        ]
+        wait_until(lambda: flow.metric(QUEUED, tenant="alice") == QUEUE, "alice's backlog held", 30, 0.02)
+        status, headers, data = flow.post("alice", {"model": "tiny", "prompt": "one too many"})
+        assert status == 429 and headers["retry-after"] == "1", data
+        assert json.loads(data)["error"]["code"] == "engine_saturated"
+        victim = pool.submit(flow.post, "bob", {"model": "tiny", "prompt": "bob"})
+        wait_until(lambda: flow.metric(QUEUED, tenant="bob") == 1, "bob held", 30, 0.02)
+        assert "bob" not in flow.prompts()  # held at the router, not at the engine
+        request("POST", flow.engine.url + "/control/release", {})
+        assert all(f.result()[0] == 200 for f in [*gated, *backlog, victim])
+    after_gate = [p for p in flow.prompts() if p == "bob" or p.startswith("alice ")]
+    assert after_gate.index("bob") <= 1, after_gate
+    assert after_gate.count("bob") == 1 and len(after_gate) == QUEUE + 1
+    assert flow.metric(REJECTED, reason="queue_full", tenant="alice") == rejected + 1
+    assert flow.metric("kvfence_router_inflight_sequences") == 0
+
+
+def test_below_the_bound_nothing_is_held(flow: Flow) -> None:
+    held = flow.metric("kvfence_router_held_requests_total")
+    for i in range(5):
+        status, _, _ = flow.post("bob", {"model": "tiny", "prompt": f"sequential {i}"})
+        assert status == 200
+    assert flow.metric("kvfence_router_held_requests_total") == held
+
+
+def read_to_the_end(s: socket.socket) -> bool:
+    try:
+        while s.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off(flow: Flow) -> None:
+    """The client reads the answer's head, then nothing: the router cuts it off, and the stream's
+    engine connection and flow-control sequences are freed (a later request passes unheld)."""
+    cut = flow.metric(SLOW)
+    body = json.dumps({"model": "tiny", "prompt": "FLOOD", "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: {auth(KEYS['bob'])['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", flow.router.port))
+        s.sendall(head + body)
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+        wait_until(
+            lambda: flow.metric("kvfence_router_slow_clients_total") == cut + 1,
+            "the slow client cut off",
+            60,
+            0.1,
+        )
+        s.settimeout(30)
+        assert read_to_the_end(s)  # what was buffered, then the end (a timeout here fails)
+    wait_until(lambda: flow.metric("kvfence_router_inflight_sequences") == 0, "its sequences freed", 30, 0.05)
+    held = flow.metric("kvfence_router_held_requests_total")
+    status, _, _ = flow.post("bob", {"model": "tiny", "prompt": "after the slow one"})
+    assert status == 200 and flow.metric("kvfence_router_held_requests_total") == held
