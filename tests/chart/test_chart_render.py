@@ -236,6 +236,14 @@ def test_router_deployment_reads_the_routing_table_the_operator_renders(
     args = parse_args(c["args"])
     assert args.replicas == 2 and args.port == c["ports"][0]["containerPort"]
     assert args.keepalive_timeout == 75 and not args.access_log
+    assert (args.client_write_timeout, args.pool_per_tenant) == (60, 128)
+    assert (args.sequences_per_engine, args.queue_per_tenant, args.hold_timeout) == (256, 64, 30)
+    off = parse_args(
+        container(
+            one(render(sets=["router.flowControl.sequencesPerEngine=0"]), "Deployment", "kvfence-router")
+        )["args"]
+    )
+    assert off.sequences_per_engine == 0
     logged = parse_args(
         container(one(render(sets=["router.accessLog=true"]), "Deployment", "kvfence-router"))["args"]
     )
