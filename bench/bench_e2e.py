@@ -262,35 +262,43 @@ def start_engines(stack: Stack) -> None:
     stack.servers["kvfence"] = start_vllm(stack, "kvfence", args, env, tc.spec.engine.port)
 
 
-def start_router(stack: Stack) -> None:
-    """kvfence-router with its default flags, following a routing table file for one tenant."""
-    from router.support import b64, request
-    from support.ports import free_port
-    from support.process import ManagedProcess
+def routing_table(
+    stack: Stack, tenants: dict[str, str], request_limits: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """The routing table of the kvfence engine's class with ``tenants`` (tenant -> API key), as the
+    operator writes it; ``request_limits`` replaces the router's default request limits."""
+    from router.support import b64
 
     from kvfence.contract.routing import hash_api_key
 
-    table = {
-        "version": 1,
-        "trustClasses": {
-            CLASS: {
-                "endpoint": stack.servers["kvfence"].url,
-                "runtime": "vllm",
-                "servedModels": ["tiny"],
-                "cacheScope": "Tenant",
-                "signingKeys": [b64(stack.key_file.read_bytes())],
-            }
-        },
-        "tenants": {
-            TENANT["kvfence + router"]: {"trustClass": CLASS, "apiKeyHashes": [hash_api_key(API_KEY)]}
-        },
+    route: dict[str, Any] = {
+        "endpoint": stack.servers["kvfence"].url,
+        "runtime": "vllm",
+        "servedModels": ["tiny"],
+        "cacheScope": "Tenant",
+        "signingKeys": [b64(stack.key_file.read_bytes())],
     }
+    if request_limits:
+        route["requestLimits"] = request_limits
+    bound = {t: {"trustClass": CLASS, "apiKeyHashes": [hash_api_key(k)]} for t, k in tenants.items()}
+    return {"version": 1, "trustClasses": {CLASS: route}, "tenants": bound}
+
+
+def start_router(
+    stack: Stack, table: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> None:
+    """kvfence-router with its default flags, following a routing table file (by default: one tenant)."""
+    from router.support import request
+    from support.ports import free_port
+    from support.process import ManagedProcess
+
+    table = table or routing_table(stack, {TENANT["kvfence + router"]: API_KEY})
     path = stack.workdir / "routing.json"
     path.write_text(json.dumps(table))
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence.router.server", "--routing-table", str(path)]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    proc = ManagedProcess(cmd, stack.workdir / "router.log", new_session=True).start()
+    proc = ManagedProcess(cmd, stack.workdir / "router.log", env=env, new_session=True).start()
     url = f"http://127.0.0.1:{port}"
     proc.wait_ready(lambda: request("GET", url + "/readyz", timeout=2)[0] == 200, "router /readyz", 60, 0.2)
     stack.servers["router"] = Server("router", url, proc)
