@@ -142,3 +142,24 @@ def test_weights_must_be_positive() -> None:
         FairShare(0)
     with pytest.raises(ValueError, match="positive"):
         FairShare(1, {"a": 0})
+
+
+def test_the_waiting_order_always_takes_the_head_with_the_smallest_projected_counter() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        tenants = [f"t{i}" for i in range(rng.randint(1, 5))]
+        fs = FairShare(1, {t: rng.randint(1, 4) for t in tenants})
+        fs.sync(tenants)
+        for t in tenants:
+            fs.charge(t, rng.randint(0, 40))
+        queue = [(rng.choice(tenants), n, rng.randint(1, 30)) for n in range(rng.randint(0, 40))]
+        got = fs.order(queue, lambda x: x[0], lambda x: x[2])
+        assert sorted(got) == sorted(queue)
+        heads = {t: [x for x in queue if x[0] == t] for t in tenants}
+        level = {t: fs.counter(t) for t in tenants}
+        for item in got:
+            t = item[0]
+            assert heads[t][0] == item  # first in, first out within a tenant
+            assert level[t] <= min(level[u] for u in tenants if heads[u])
+            heads[t].pop(0)
+            level[t] += item[2] / fs.weight(t)

@@ -31,8 +31,6 @@ plugin from vLLM's scheduler.
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -121,21 +119,21 @@ class FairShare:
     ) -> list[T]:
         """``queue`` in admission order: each tenant's items in their own order, the next one always
         the head of the tenant whose counter, advanced by the cost of what is already placed before
-        it, is the smallest (ties: the tenant whose head came first in ``queue``)."""
-        per: dict[str, deque[T]] = {}
-        for item in queue:
-            per.setdefault(tenant_of(item), deque()).append(item)
-        heap = [(self.counter(t), i, t) for i, t in enumerate(per)]
-        heapq.heapify(heap)
-        out: list[T] = []
-        while heap:
-            c, i, t = heapq.heappop(heap)
-            items = per[t]
-            item = items.popleft()
-            out.append(item)
-            if items:
-                heapq.heappush(heap, (c + cost_of(item) / self.weight(t), i, t))
-        return out
+        it, is the smallest (ties: the tenant whose head came first in ``queue``). One sort on
+        (projected counter, tenant, position): the merge of the tenants' non-decreasing sequences."""
+        first: dict[str, int] = {}
+        level: dict[str, float] = {}
+        keyed: list[tuple[float, int, int, T]] = []
+        for pos, item in enumerate(queue):
+            t = tenant_of(item)
+            i = first.get(t)
+            if i is None:
+                i = first[t] = len(first)
+                level[t] = self.counter(t)
+            keyed.append((level[t], i, pos, item))
+            level[t] += cost_of(item) / self.weight(t)
+        keyed.sort(key=_sort_key)
+        return [k[3] for k in keyed]
 
     def divide(self, budget: int, demands: Mapping[str, int]) -> dict[str, int]:
         """``budget`` units (tokens, slots) among the tenants of ``demands`` (what each could use) in
@@ -169,3 +167,7 @@ class FairShare:
             (n - shares.get(t, 0), self.counter(t), t) for t, n in running.items() if n > shares.get(t, 0)
         ]
         return max(over)[2] if over else None
+
+
+def _sort_key(k: tuple[float, int, int, object]) -> tuple[float, int, int]:
+    return k[0], k[1], k[2]

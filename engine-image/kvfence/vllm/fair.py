@@ -62,6 +62,8 @@ class StepShares:
         shares = policy.divide(self.max_num_seqs, in_run + queued)
         self._preempt_for_slots(sched, tenant, in_run, queued, shares)
         running[:] = policy.order(running, tenant, _running_cost)
+        if len(running) >= self.max_num_seqs:  # no slot: vLLM admits nothing this step
+            return []
         waiting = list(sched.waiting)
         keep: list[Any] = []
         held: list[Any] = []
