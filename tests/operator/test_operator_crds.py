@@ -64,6 +64,12 @@ VLLM_CPU = {"runtime": "vllm", "device": "CPU", "image": "x", "model": {"name": 
             "must not exceed limits.requestsPerMinute",
         ),
         (
+            {"quotas": {"defaults": {"weight": 5}, "limits": {"weight": 4}}},
+            "spec.quotas.defaults.weight",
+            "must not exceed limits.weight",
+        ),
+        ({"quotas": {"limits": {"weight": 1001}}}, "spec.quotas.limits.weight", "less than or equal to 1000"),
+        (
             {"resources": {"gpu": {"resourceName": "not a resource"}}},
             "spec.resources.gpu.resourceName",
             "should match",
@@ -375,6 +381,7 @@ def test_bad_tenantbinding_is_rejected_with_the_field_named(installed: Any, kv: 
             ),
             (tenant_binding("c", "crd-tb", apiKeySecretRef={}), "spec.apiKeySecretRef.name"),
             (tenant_binding("d", "crd-tb", quotas={"requestsPerMinute": 0}), "spec.quotas.requestsPerMinute"),
+            (tenant_binding("w", "crd-tb", quotas={"weight": 0}), "spec.quotas.weight"),
         ]
         for obj, field in bad:
             res = kv.apply(obj)
