@@ -859,14 +859,14 @@ def test_pool_gives_each_tenant_a_bounded_share_of_its_connections(run: Any) -> 
         held = [await pool.request("POST", "/", {}, b"a%d" % i, tenant="a") for i in range(2)]
         third = asyncio.ensure_future(pool.request("POST", "/", {}, b"a2", tenant="a"))
         for _ in range(100):  # until it waits (a few loop turns: wait_for runs it in a task)
-            if pool._shares["a"].waiters:
+            if pool._share_waiters.get("a"):
                 break
             await asyncio.sleep(0)
-        assert not third.done() and len(pool._shares["a"].waiters) == 1
+        assert not third.done() and len(pool._share_waiters["a"]) == 1 and pool._used == {"a": 2}
         other = await pool.request("POST", "/", {}, b"b", tenant="b")
         assert await other.read() == b"b"
         other.release()
-        assert "b" not in pool._shares  # a share exists while it is used
+        assert "b" not in pool._used  # counted while used only
         assert not third.done() and srv.connections == 3
         assert await held[0].read() == b"a0"
         held[0].release()
@@ -875,7 +875,7 @@ def test_pool_gives_each_tenant_a_bounded_share_of_its_connections(run: Any) -> 
         for r in (resp, held[1]):
             await r.read()
             r.release()
-        assert "a" not in pool._shares and pool._slots.free == 8
+        assert pool._used == {} and not pool._share_waiters and pool._slots.free == 8
         pool.close()
 
     run(main())

@@ -311,7 +311,7 @@ class Proxy:
             self._services.pop(name, None)
             gone = self.flows.pop(name, None)
             if gone is not None:  # its held requests go on, and find their class gone
-                self._wake(gone.set_capacity(0))
+                self.wake(gone.set_capacity(0))
         for name, cls in classes.items():
             ce = self.classes.get(name)
             if ce is not None and self._urls.get(name) == cls.endpoint:
@@ -371,20 +371,21 @@ class Proxy:
         if flow is None:
             self.flows[ce.name] = ClassFlow(capacity, c.queue_per_tenant)
         elif flow.capacity != capacity:
-            self._wake(flow.set_capacity(capacity))
+            self.wake(flow.set_capacity(capacity))
 
     @staticmethod
-    def _wake(tickets: Sequence[asyncio.Future[None]]) -> None:
+    def wake(tickets: Sequence[asyncio.Future[None]]) -> None:
         for fut in tickets:
             if not fut.done():
                 fut.set_result(None)
             # else: its request went away while being released; hold() gives its sequences back
 
     def finish(self, flow: ClassFlow[asyncio.Future[None]], sequences: int) -> None:
-        """A request admitted by ``flow`` ended: wake what may go now."""
+        """A request admitted by ``flow`` ended: wake what may go now (the hot path calls
+        :meth:`ClassFlow.release` and :meth:`wake` itself)."""
         tickets = flow.release(sequences)
         if tickets:
-            self._wake(tickets)
+            self.wake(tickets)
 
     async def hold(self, flow: ClassFlow[asyncio.Future[None]], plan: TenantPlan, sequences: int) -> None:
         """Wait until ``flow`` releases this request (:meth:`ClassFlow.try_admit` said no): a 429

@@ -333,7 +333,9 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         finally:
             inflight.inc((cls.name,), -1)
             if flow is not None:
-                state.proxy.finish(flow, sequences)
+                woken = flow.release(sequences)
+                if woken:
+                    state.proxy.wake(woken)
             charged = state.quotas.release(grant, used)
             if charged:
                 state.metrics.tokens.inc((plan.name,), charged)

@@ -139,7 +139,8 @@ class _Connection(asyncio.Protocol):
         self._deadline = 0.0
         self._until_eof = False
         self._interim = False  # parsing a 1xx answer
-        self.share: _Share | None = None  # the tenant's share of the pool this request holds
+        self.tenant = ""  # whose share of the pool this connection counts against while in use
+        self._poller: select.poll | None = None
 
     # --- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -246,11 +247,15 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return True
-        sock = transport.get_extra_info("socket")
-        if sock is None:
-            return False
+        poller = self._poller
+        if poller is None:
+            sock = transport.get_extra_info("socket")
+            if sock is None:
+                return False
+            poller = self._poller = select.poll()  # made once per connection, on its first reuse
+            poller.register(sock.fileno(), select.POLLIN)
         try:
-            return bool(select.select((sock.fileno(),), (), (), 0)[0])
+            return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
 
@@ -288,14 +293,14 @@ class _Connection(asyncio.Protocol):
 
     def finish(self, reusable: bool) -> None:
         self.resp = None
-        share, self.share = self.share, None
+        tenant, self.tenant = self.tenant, ""
         if not reusable or self.transport is None or self.paused:
             self._disarm()
             if self.transport is not None:
                 self.transport.close()
-            self.pool._done(None, share)
+            self.pool._done(None, tenant)
         else:
-            self.pool._done(self, share)
+            self.pool._done(self, tenant)
 
 
 class Slots:
@@ -344,16 +349,6 @@ class Slots:
         self.free += 1
 
 
-class _Share(Slots):
-    """One tenant's share of a pool's connections."""
-
-    __slots__ = ("tenant",)
-
-    def __init__(self, tenant: str, limit: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit, loop)
-        self.tenant = tenant
-
-
 class Pool:
     """Keep-alive connections to one engine (``host:port``)."""
 
@@ -387,7 +382,8 @@ class Pool:
         # Connections one tenant may hold at once (0: no share, the whole pool): one tenant's slow
         # streams cannot take every connection. A tenant's Slots exist while it holds or waits for one.
         self.tenant_limit = tenant_limit if 0 < tenant_limit < limit else 0
-        self._shares: dict[str, _Share] = {}
+        self._used: dict[str, int] = {}  # tenant -> connections it holds (only tenants holding one)
+        self._share_waiters: dict[str, deque[asyncio.Future[None]]] = {}  # tenants at their share
         self._host_line = f"Host: {self.server_name}:{port}\r\n".encode("latin-1")
         self._request_lines: dict[tuple[str, str], bytes] = {}
         self._addrs: list[str] = []
@@ -445,31 +441,44 @@ class Pool:
             return conn
         return None
 
-    def _give_share(self, share: _Share | None) -> None:
-        if share is not None:
-            share.give()
-            if share.free == self.tenant_limit and not share.waiters:
-                self._shares.pop(share.tenant, None)
-
-    async def _take_share(self, tenant: str) -> _Share | None:
-        """The tenant's share of the pool, one slot of it taken (waiting, within the total timeout,
-        while the tenant holds all of it); None without shares."""
-        if not self.tenant_limit or not tenant:
-            return None
-        share = self._shares.get(tenant)
-        if share is None:
-            share = self._shares[tenant] = _Share(tenant, self.tenant_limit, self.loop)
-        if not share.take_now():
-            try:
-                await asyncio.wait_for(share.take(), self.total_timeout)
-            except TimeoutError:
+    async def _wait_share(self, tenant: str) -> None:
+        """Wait (within the total timeout) until ``tenant``, holding its whole share of this pool, may
+        take a connection (counted for it when handed over); its waiters go first come, first served."""
+        waiters = self._share_waiters.setdefault(tenant, deque())
+        waiter = self.loop.create_future()
+        waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, self.total_timeout)
+        except BaseException as e:
+            if waiter.done() and not waiter.cancelled():
+                self._give_share(tenant)  # it was handed a connection, but its request is going away
+            elif waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._share_waiters[tenant]
+            if isinstance(e, TimeoutError):
                 raise UpstreamError("timeout", "no free connection to the engine in time") from None
-        return share
+            raise
 
-    def _done(self, conn: _Connection | None, share: _Share | None = None) -> None:
+    def _give_share(self, tenant: str) -> None:
+        waiters = self._share_waiters.get(tenant)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiters:
+                del self._share_waiters[tenant]
+            if not waiter.done():
+                waiter.set_result(None)  # handed over: the count stays
+                return
+        n = self._used[tenant] - 1
+        if n:
+            self._used[tenant] = n
+        else:
+            del self._used[tenant]
+
+    def _done(self, conn: _Connection | None, tenant: str = "") -> None:
         self._slots.give()
-        if share is not None:
-            self._give_share(share)
+        if tenant:
+            self._give_share(tenant)
         now = time.monotonic()
         idle = self._idle
         while idle and (now - idle[0].idle_since > self.idle_timeout or idle[0].transport is None):
@@ -514,16 +523,24 @@ class Pool:
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
         lines.append(body)
-        share = await self._take_share(tenant) if self.tenant_limit else None
+        if not self.tenant_limit:
+            tenant = ""
+        elif tenant:
+            used = self._used
+            n = used.get(tenant, 0)
+            if n < self.tenant_limit and tenant not in self._share_waiters:
+                used[tenant] = n + 1
+            else:
+                await self._wait_share(tenant)  # the tenant holds its whole share of this pool
         if not self._slots.take_now():
             # Every connection to this engine is busy: wait for one, but not past the total timeout.
             try:
                 await asyncio.wait_for(self._slots.take(), self.total_timeout)
-            except TimeoutError:
-                self._give_share(share)
-                raise UpstreamError("timeout", "no free connection to the engine in time") from None
-            except BaseException:
-                self._give_share(share)
+            except BaseException as e:
+                if tenant:
+                    self._give_share(tenant)
+                if isinstance(e, TimeoutError):
+                    raise UpstreamError("timeout", "no free connection to the engine in time") from None
                 raise
         conn: _Connection | None = None
         try:
@@ -531,10 +548,11 @@ class Pool:
             if conn is None:
                 conn = await self._connect()
             resp = conn.send(b"".join(lines))
-            conn.share = share
+            conn.tenant = tenant
         except BaseException:
             self._slots.give()
-            self._give_share(share)
+            if tenant:
+                self._give_share(tenant)
             if conn is not None and conn.transport is not None:
                 conn.transport.close()
             raise
