@@ -155,3 +155,35 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off(flow: Flow) -> None:
     held = flow.metric("kvfence_router_held_requests_total")
     status, _, _ = flow.post("bob", {"model": "tiny", "prompt": "after the slow one"})
     assert status == 200 and flow.metric("kvfence_router_held_requests_total") == held
+
+
+def test_held_requests_are_released_by_the_weights_in_the_routing_table(
+    flow: Flow, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A router whose engines take one sequence at a time, Bob at weight 2 (``quotas.weight`` in the
+    table the operator renders), Alice at 1: with both backlogged, the engine receives their held
+    requests in the order alice, bob, bob, alice, bob, bob, ..."""
+    logs = tmp_path_factory.mktemp("weights")
+    table = standard_table(flow.engine.url, "http://127.0.0.1:9")
+    table["tenants"]["bob"]["quotas"] = {"weight": 2}
+    write_table(logs / "routing.json", table)
+    router = start_router(logs, logs / "routing.json", "--sequences-per-engine", "1")
+    weighted = Flow(router, flow.engine)
+    try:
+        with ThreadPoolExecutor(24) as pool:
+            gate = pool.submit(weighted.post, "alice", {"model": "tiny", "prompt": "GATED w", "stream": True})
+            wait_until(lambda: flow.waiting() == 1, "the stream at the gate", 30, 0.02)
+            futures = []
+            for tenant in ("alice", "bob"):
+                futures += [
+                    pool.submit(weighted.post, tenant, {"model": "tiny", "prompt": f"w-{tenant} {i}"})
+                    for i in range(9)
+                ]
+                wait_until(lambda t=tenant: weighted.metric(QUEUED, tenant=t) == 9, "held", 30, 0.02)
+            request("POST", flow.engine.url + "/control/release", {})
+            assert all(f.result()[0] == 200 for f in [gate, *futures])
+    finally:
+        router.stop()
+    order = [p.split()[0][2:] for p in flow.prompts() if p.startswith("w-")]
+    assert order[:9] == ["alice", "bob", "bob"] * 3, order
+    assert sorted(order) == ["alice"] * 9 + ["bob"] * 9
