@@ -879,3 +879,42 @@ def test_pool_gives_each_tenant_a_bounded_share_of_its_connections(run: Any) -> 
         pool.close()
 
     run(main())
+
+
+def test_proxy_hold_gives_back_what_a_cancelled_or_timed_out_request_held(run: Any) -> None:
+    """A held request whose client leaves is withdrawn from its tenant's queue; one released at the
+    moment it leaves gives its sequences back; one held past the hold timeout is a 429 with
+    Retry-After. Nothing stays counted in flight."""
+
+    async def main() -> None:
+        table = parse_table(json.dumps(standard_table("http://127.0.0.1:9", "http://silver:8000")).encode())
+        plan = table.tenants["alice"]
+        proxy = Proxy(RouterMetrics(), ProxyConfig(sequences_per_engine=1, hold_timeout=0.05))
+        proxy.sync(table.classes)
+        flow = proxy.flows["gold"]
+        assert flow.capacity == 1 and flow.try_admit(1) and not flow.try_admit(1)
+        gone = asyncio.ensure_future(proxy.hold(flow, plan, 1))
+        await asyncio.sleep(0)
+        assert flow.queued("alice") == 1
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        assert flow.held == 0 and flow.inflight == 1
+        racing = asyncio.ensure_future(proxy.hold(flow, plan, 1))
+        await asyncio.sleep(0)
+        proxy.finish(flow, 1)  # releases it...
+        racing.cancel()  # ...as its client leaves
+        with contextlib.suppress(asyncio.CancelledError):
+            await racing
+        assert flow.held == 0 and flow.inflight in (0, 1)
+        if flow.inflight:  # it went through before the cancel reached it
+            proxy.finish(flow, 1)
+        assert flow.try_admit(1) and flow.inflight == 1
+        with pytest.raises(RouterError) as e:
+            await proxy.hold(flow, plan, 1)
+        assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+        assert flow.held == 0 and flow.inflight == 1
+        assert proxy.metrics.flow_rejections.values == {("alice", "timeout"): 1.0}
+        await proxy.close()
+
+    run(main())
