@@ -553,25 +553,7 @@ def _env(name: str, default: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfence-router", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--routing-table",
-        default=_env("KVFENCE_ROUTING_TABLE", ""),
-        help="routing table JSON file (the mounted kvfence-routing Secret), polled [KVFENCE_ROUTING_TABLE]",
-    )
-    p.add_argument(
-        "--routing-secret",
-        default=_env("KVFENCE_ROUTING_SECRET", ""),
-        metavar="NAMESPACE/NAME",
-        help="follow the routing table Secret through the Kubernetes API instead of a file: changes "
-        "(a revoked key) apply within a second, not at the kubelet's next volume refresh "
-        "[KVFENCE_ROUTING_SECRET]",
-    )
-    p.add_argument("--routing-secret-key", default=ROUTING_SECRET_KEY, help="the Secret's data key")
-    p.add_argument(
-        "--kubeconfig",
-        default=os.environ.get("KUBECONFIG"),
-        help="for --routing-secret (default: in-cluster) [KUBECONFIG]",
-    )
+    _table_args(p)
     p.add_argument("--host", default=_env("KVFENCE_ROUTER_HOST", "0.0.0.0"))  # noqa: S104
     p.add_argument("--port", type=int, default=int(_env("KVFENCE_ROUTER_PORT", "8080")))
     p.add_argument(
@@ -590,35 +572,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "per-tenant quotas are counted in memory they share, so the limits hold exactly across them "
         "[KVFENCE_ROUTER_WORKERS]",
     )
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=int(_env("KVFENCE_ROUTER_REPLICAS", "1")),
-        help="router replicas sharing the quotas; each enforces limit // replicas; with --router-service "
-        "only until the router Service's EndpointSlices are read [KVFENCE_ROUTER_REPLICAS]",
-    )
-    p.add_argument(
-        "--router-service",
-        default=_env("KVFENCE_ROUTER_SERVICE", ""),
-        metavar="NAMESPACE/NAME",
-        help="the router's own Service: each tenant's quotas are divided by the number of its ready "
-        "endpoints, followed through its EndpointSlices [KVFENCE_ROUTER_SERVICE]",
-    )
-    p.add_argument(
-        "--endpoint-slices",
-        action="store_true",
-        default=_env("KVFENCE_ROUTER_ENDPOINT_SLICES", "") in ("1", "true"),
-        help="send each request to an engine replica the router picks from the EndpointSlices of the "
-        "class's Service (tenant affinity, bounded load, per-replica health, drain), instead of "
-        "dialing the Service by name [KVFENCE_ROUTER_ENDPOINT_SLICES=1]",
-    )
-    p.add_argument(
-        "--balance",
-        choices=("affinity", "random"),
-        default="affinity",
-        help="replica choice: affinity (a tenant's requests stay on one replica, consistent hashing with "
-        "bounded load) or random (the baseline, for comparison)",
-    )
+    _replica_args(p)
     p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between routing table checks")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument(
@@ -659,6 +613,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
+
+
+def _table_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--routing-table",
+        default=_env("KVFENCE_ROUTING_TABLE", ""),
+        help="routing table JSON file (the mounted kvfence-routing Secret), polled [KVFENCE_ROUTING_TABLE]",
+    )
+    p.add_argument(
+        "--routing-secret",
+        default=_env("KVFENCE_ROUTING_SECRET", ""),
+        metavar="NAMESPACE/NAME",
+        help="follow the routing table Secret through the Kubernetes API instead of a file: changes "
+        "(a revoked key) apply within a second, not at the kubelet's next volume refresh "
+        "[KVFENCE_ROUTING_SECRET]",
+    )
+    p.add_argument("--routing-secret-key", default=ROUTING_SECRET_KEY, help="the Secret's data key")
+    p.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="for --routing-secret (default: in-cluster) [KUBECONFIG]",
+    )
+
+
+def _replica_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=int(_env("KVFENCE_ROUTER_REPLICAS", "1")),
+        help="router replicas sharing the quotas; each enforces limit // replicas; with --router-service "
+        "only until the router Service's EndpointSlices are read [KVFENCE_ROUTER_REPLICAS]",
+    )
+    p.add_argument(
+        "--router-service",
+        default=_env("KVFENCE_ROUTER_SERVICE", ""),
+        metavar="NAMESPACE/NAME",
+        help="the router's own Service: each tenant's quotas are divided by the number of its ready "
+        "endpoints, followed through its EndpointSlices [KVFENCE_ROUTER_SERVICE]",
+    )
+    p.add_argument(
+        "--endpoint-slices",
+        action="store_true",
+        default=_env("KVFENCE_ROUTER_ENDPOINT_SLICES", "") in ("1", "true"),
+        help="send each request to an engine replica the router picks from the EndpointSlices of the "
+        "class's Service (tenant affinity, bounded load, per-replica health, drain), instead of "
+        "dialing the Service by name [KVFENCE_ROUTER_ENDPOINT_SLICES=1]",
+    )
+    p.add_argument(
+        "--balance",
+        choices=("affinity", "random"),
+        default="affinity",
+        help="replica choice: affinity (a tenant's requests stay on one replica, consistent hashing with "
+        "bounded load) or random (the baseline, for comparison)",
+    )
 
 
 def _upstream_args(p: argparse.ArgumentParser) -> None:
