@@ -43,13 +43,13 @@ untimed warm-up of each; every figure is the median over the rounds. ``--process
 round in a process forked for it alone (after a warm-up of its kind there): both schedulers run vLLM's
 own code (``Scheduler.schedule``, ``KVCacheManager.allocate_slots``, ...) with objects of different
 classes, and in one process CPython's adaptive specialisation of those shared call sites sees both,
-which no real engine (one scheduler per process) does. Measured on 2026-12-01 it made no difference
-(per-step minima 1.103 in one process, 1.107 with a process per run), so one process stays the
+which no real engine (one scheduler per process) does. It made no measurable difference to the
+per-step minima (the ``--process-per-run`` row in bench/results/engine.jsonl), so one process stays the
 default. ``--lockstep`` runs each round's two schedulers at once, in two forked processes (each after
 its own warm-up) stepped in turn, one step each, the order swapped every step, only one running at any
 time: a step of one and the same step of the other are then milliseconds apart, so a change in the
-machine's other load hits both alike (on the shared 2-core VM of 2026-12-02 rounds minutes apart gave the
-same code 1.011 and 1.224). Step times are wall clock; the same steps in the thread's CPU time ("CPU")
+machine's other load hits both alike (on a shared VM, rounds minutes apart can give the same code
+ratios 20% apart). Step times are wall clock; the same steps in the thread's CPU time ("CPU")
 are shown too, as a check that preemption of the benchmark by other work on the machine did not make
 the ratio. ``--floor`` adds, after each round, a lockstep round of stock vLLM against itself: the same
 ratios for two identical schedulers, measured in the same minutes, say how far from 1.000 the method
@@ -207,6 +207,135 @@ class Run:
         }
 
 
+class Drive:
+    """One pass of the workload through a built scheduler: the closed-loop users, the timed calls and
+    the counts kept between steps (see :func:`drive`)."""
+
+    def __init__(
+        self, h: Harness, streams: dict[str, list[Spec]], run: Run, prof: cProfile.Profile | None
+    ) -> None:
+        self.h, self.sched, self.streams, self.run = h, h.sched, streams, run
+        self.nxt = dict.fromkeys(TENANTS, 0)
+        self.users = dict(zip(TENANTS, CONCURRENCY, strict=True))
+        self.open_ = dict.fromkeys(TENANTS, 0)
+        self.tenant_of: dict[str, str] = {}
+        self.seen: set[str] = set()
+        self.digest = hashlib.sha256()
+        self.on: Callable[[], None] = prof.enable if prof is not None else (lambda: None)
+        self.off: Callable[[], None] = prof.disable if prof is not None else (lambda: None)
+        self.add_step = self.add_cpu = 0  # add_request time since the last step
+
+    def send_arrivals(self) -> None:
+        """Every user with nothing outstanding sends its next request (``add_request`` timed)."""
+        h, sched, run, on, off = self.h, self.sched, self.run, self.on, self.off
+        pc, tt = time.perf_counter_ns, time.thread_time_ns
+        for t in TENANTS:
+            stream = self.streams[t]
+            while self.open_[t] < self.users[t] and self.nxt[t] < len(stream):
+                spec = stream[self.nxt[t]]
+                self.nxt[t] += 1
+                # Fresh int objects for every request, as vLLM's engine core decodes each
+                # request's token ids (msgspec): prompts of one tenant share no int objects.
+                prompt = array("q", spec.prompt).tolist()
+                req = h.make(t, prompt, spec.max_tokens, request_id=spec.rid)
+                self.tenant_of[spec.rid] = t
+                on()
+                c0 = tt()
+                t0 = pc()
+                sched.add_request(req)
+                t1 = pc()
+                c1 = tt()
+                off()
+                run.add_ns += t1 - t0
+                self.add_step += t1 - t0
+                self.add_cpu += c1 - c0
+                run.added += 1
+                self.open_[t] += 1
+
+    def step(self, writer: Any, stats_every: int) -> None:
+        """One engine step: ``schedule()`` and ``update_from_output()`` timed (with the stats write
+        when ``writer`` is due), the model's part not."""
+        sched, requests, run, on, off = self.sched, self.sched.requests, self.run, self.on, self.off
+        pc, tt = time.perf_counter_ns, time.thread_time_ns
+        on()
+        c0 = tt()
+        t0 = pc()
+        out = sched.schedule()
+        t1 = pc()
+        c1 = tt()
+        off()
+        # The model's part (not timed): one token for every request whose prompt is complete
+        # (schedule() has already advanced num_computed_tokens by what it scheduled).
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            r = requests[rid]
+            sampled.append([SAMPLED] if r.num_computed_tokens >= r.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
+        on()
+        c2 = tt()
+        t2 = pc()
+        ecos = sched.update_from_output(out, mro)
+        if writer is not None and len(run.step_ns) % stats_every == 0:
+            writer.write()
+        t3 = pc()
+        c3 = tt()
+        off()
+        # The step includes the add_request calls before it: vLLM's engine core adds arriving
+        # requests on the scheduler's thread, and the plugin does work there too.
+        run.step_ns.append(t1 - t0 + t3 - t2 + self.add_step)
+        run.cpu_ns.append(c1 - c0 + c3 - c2 + self.add_cpu)
+        self.add_step = self.add_cpu = 0
+        run.schedule_ns += t1 - t0
+        run.update_ns += t3 - t2
+        run.scheduled_reqs += len(ids)
+        self.record(out, ids, ecos)
+
+    def record(self, out: Any, ids: list[str], ecos: Any) -> None:
+        """The step's counts: its schedule in the fingerprint, new requests' cache hits, preemptions,
+        vLLM's prefix-cache stats and the finished requests (whose users send again)."""
+        run = self.run
+        self.digest.update(repr(sorted(out.num_scheduled_tokens.items())).encode())
+        new = 0
+        for nr in out.scheduled_new_reqs:
+            if nr.req_id in self.seen:  # resumed after preemption
+                continue
+            self.seen.add(nr.req_id)
+            new += 1
+            t = self.tenant_of[nr.req_id]
+            run.hit_tokens[t] = run.hit_tokens.get(t, 0) + nr.num_computed_tokens
+            run.prompt_tokens[t] = run.prompt_tokens.get(t, 0) + len(nr.prompt_token_ids or ())
+        run.preempted += len(out.preempted_req_ids or ())
+        finished = 0
+        for eco in ecos.values():
+            st = eco.scheduler_stats
+            if st is not None and st.prefix_cache_stats is not None:
+                run.vllm_queries += st.prefix_cache_stats.queries
+                run.vllm_hits += st.prefix_cache_stats.hits
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    reason = str(o.finish_reason)
+                    run.finish[reason] = run.finish.get(reason, 0) + 1
+                    self.open_[self.tenant_of[o.request_id]] -= 1
+                    finished += 1
+        run.shape.append((len(ids), new, finished))
+
+
+def fence_counters(c: Any) -> dict[str, Any]:
+    return {
+        "hash_collision": c.hash_collision,
+        "cross_access_rejected": c.cross_access_rejected,
+        "stale_reference": c.stale_reference,
+        "evictions_own": c.evictions_own,
+        "evictions_cross": c.evictions_cross,
+        "quota_held_back": dict(c.quota_held_back),
+        "quota_rejected": dict(c.quota_rejected),
+        "identity_rejected": dict(c.identity_rejected),
+    }
+
+
 def drive(
     kind: str,
     streams: dict[str, list[Spec]],
@@ -233,130 +362,31 @@ def drive(
             stock=kind == "stock",
         )
         sched = h.sched
-        requests = sched.requests
         run = Run(kind)
         writer = getattr(sched, "stats", None) if stats_every else None
         if writer is not None:
             writer.stop()  # its thread ends; write() is called below instead
         # The fenced scheduler checks its files when its clock passes _next_reload (FenceMixin._maybe_reload).
         reloader: Any = sched if reload_every and hasattr(sched, "_next_reload") else None
-        nxt = dict.fromkeys(TENANTS, 0)
-        users = dict(zip(TENANTS, CONCURRENCY, strict=True))
-        open_ = dict.fromkeys(TENANTS, 0)
-        tenant_of: dict[str, str] = {}
-        seen: set[str] = set()
-        digest = hashlib.sha256()
-        pc = time.perf_counter_ns
-        tt = time.thread_time_ns
-        on: Callable[[], None] = prof.enable if prof is not None else (lambda: None)
-        off: Callable[[], None] = prof.disable if prof is not None else (lambda: None)
+        d = Drive(h, streams, run, prof)
         # As vLLM's engine core does once its scheduler is built (vllm.utils.gc_utils.freeze_gc_heap):
         # the startup heap, the scheduler's structures included, is frozen out of the collector.
         gc.collect()
         gc.freeze()
-        add_step = add_cpu = 0  # add_request time since the last step
         try:
             while True:
                 if pace is not None:
                     pace()
                 if reloader is not None:  # due at this step's first call, or not before the next such step
                     reloader._next_reload = 0.0 if len(run.step_ns) % reload_every == 0 else float("inf")
-                for t in TENANTS:  # every user with nothing outstanding sends its next request
-                    stream = streams[t]
-                    while open_[t] < users[t] and nxt[t] < len(stream):
-                        spec = stream[nxt[t]]
-                        nxt[t] += 1
-                        # Fresh int objects for every request, as vLLM's engine core decodes each
-                        # request's token ids (msgspec): prompts of one tenant share no int objects.
-                        prompt = array("q", spec.prompt).tolist()
-                        req = h.make(t, prompt, spec.max_tokens, request_id=spec.rid)
-                        tenant_of[spec.rid] = t
-                        on()
-                        c0 = tt()
-                        t0 = pc()
-                        sched.add_request(req)
-                        t1 = pc()
-                        c1 = tt()
-                        off()
-                        run.add_ns += t1 - t0
-                        add_step += t1 - t0
-                        add_cpu += c1 - c0
-                        run.added += 1
-                        open_[t] += 1
+                d.send_arrivals()
                 if not sched.has_requests():
                     break
-                on()
-                c0 = tt()
-                t0 = pc()
-                out = sched.schedule()
-                t1 = pc()
-                c1 = tt()
-                off()
-                # The model's part (not timed): one token for every request whose prompt is complete
-                # (schedule() has already advanced num_computed_tokens by what it scheduled).
-                ids = list(out.num_scheduled_tokens)
-                sampled = []
-                for rid in ids:
-                    r = requests[rid]
-                    sampled.append([SAMPLED] if r.num_computed_tokens >= r.num_tokens else [])
-                mro = ModelRunnerOutput(
-                    req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-                )
-                on()
-                c2 = tt()
-                t2 = pc()
-                ecos = sched.update_from_output(out, mro)
-                if writer is not None and len(run.step_ns) % stats_every == 0:
-                    writer.write()
-                t3 = pc()
-                c3 = tt()
-                off()
-                # The step includes the add_request calls before it: vLLM's engine core adds arriving
-                # requests on the scheduler's thread, and the plugin does work there too.
-                run.step_ns.append(t1 - t0 + t3 - t2 + add_step)
-                run.cpu_ns.append(c1 - c0 + c3 - c2 + add_cpu)
-                add_step = add_cpu = 0
-                run.schedule_ns += t1 - t0
-                run.update_ns += t3 - t2
-                run.scheduled_reqs += len(ids)
-                digest.update(repr(sorted(out.num_scheduled_tokens.items())).encode())
-                new = 0
-                for nr in out.scheduled_new_reqs:
-                    if nr.req_id in seen:  # resumed after preemption
-                        continue
-                    seen.add(nr.req_id)
-                    new += 1
-                    t = tenant_of[nr.req_id]
-                    run.hit_tokens[t] = run.hit_tokens.get(t, 0) + nr.num_computed_tokens
-                    run.prompt_tokens[t] = run.prompt_tokens.get(t, 0) + len(nr.prompt_token_ids or ())
-                run.preempted += len(out.preempted_req_ids or ())
-                finished = 0
-                for eco in ecos.values():
-                    st = eco.scheduler_stats
-                    if st is not None and st.prefix_cache_stats is not None:
-                        run.vllm_queries += st.prefix_cache_stats.queries
-                        run.vllm_hits += st.prefix_cache_stats.hits
-                    for o in eco.outputs:
-                        if o.finish_reason is not None:
-                            reason = str(o.finish_reason)
-                            run.finish[reason] = run.finish.get(reason, 0) + 1
-                            open_[tenant_of[o.request_id]] -= 1
-                            finished += 1
-                run.shape.append((len(ids), new, finished))
-            run.fingerprint = digest.hexdigest()[:16]
+                d.step(writer, stats_every)
+            run.fingerprint = d.digest.hexdigest()[:16]
             if h.fence is not None:
                 h.check()  # the shadow still agrees with vLLM's pool (not timed)
-                c = h.fence.counters
-                run.fence = {
-                    "hash_collision": c.hash_collision,
-                    "cross_access_rejected": c.cross_access_rejected,
-                    "stale_reference": c.stale_reference,
-                    "evictions_own": c.evictions_own,
-                    "evictions_cross": c.evictions_cross,
-                    "quota_held_back": dict(c.quota_held_back),
-                    "quota_rejected": dict(c.quota_rejected),
-                    "identity_rejected": dict(c.identity_rejected),
-                }
+                run.fence = fence_counters(h.fence.counters)
         finally:
             gc.unfreeze()
             sched.shutdown()
@@ -649,7 +679,8 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
     return res
 
 
-def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
+def step_table(results: dict[str, Any], rounds: int, n_req: int) -> None:
+    """Each variant's stock and fenced step times, with the fenced/stock ratios."""
     rows = []
     for label, res in results.items():
         for kind in KINDS:
@@ -698,6 +729,9 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
         ],
         rows,
     )
+
+
+def hit_rate_table(results: dict[str, Any]) -> None:
     hrows = []
     for label, res in results.items():
         for t in TENANTS:
@@ -708,6 +742,10 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
         ["variant", "tenant", "stock", "fenced", "fenced - stock (pp)"],
         hrows,
     )
+
+
+def cost_model_tables(results: dict[str, Any]) -> None:
+    """The per-step cost model of each variant that scheduled alike."""
     for label, res in results.items():
         cm = res["cost_model"]
         if cm is None:
@@ -728,22 +766,17 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
                 for term in COST_TERMS
             ],
         )
-    print()
-    for label, res in results.items():
-        print(
-            f"[{label}] fence counters {json.dumps(res['fenced']['fence'])}; preempted: stock "
-            f"{res['stock']['preempted']}, fenced {res['fenced']['preempted']}; vLLM PrefixCacheStats: stock "
-            f"{res['stock']['vllm_prefix_cache_stats']}, fenced {res['fenced']['vllm_prefix_cache_stats']}"
-        )
-    print()
+
+
+def print_targets(results: dict[str, Any]) -> None:
+    """Per variant: the target's verdict, and the A/A floor's ratios where measured."""
     for label, res in results.items():
         r = res["ratio_mean_step"]
         minima = res["ratio_min_per_step"]
         per_round = res["ratio_mean_step_per_round"]
         under = sum(1 for x in per_round if x <= TARGET)
-        # The median of a few rounds swings by several points between runs here (1.03 and 1.06 for the
-        # same code the same morning); the per-step minima (noise only adds time) swing less. "met"
-        # needs both.
+        # The median of a few rounds swings by several points between runs of the same code; the
+        # per-step minima (noise only adds time) swing less. "met" needs both.
         met = r <= TARGET and (minima is None or minima <= TARGET)
         print(
             f"target [{label}]: fenced/stock mean step time <= {TARGET:.2f}: {r:.3f} "
@@ -760,6 +793,21 @@ def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
                 f"(rounds {min(aa_rounds):.3f}-{max(aa_rounds):.3f}); per-step minima "
                 f"{aa['ratio_min_per_step']:.3f}: how far from 1.000 the method itself lands here"
             )
+
+
+def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
+    step_table(results, rounds, n_req)
+    hit_rate_table(results)
+    cost_model_tables(results)
+    print()
+    for label, res in results.items():
+        print(
+            f"[{label}] fence counters {json.dumps(res['fenced']['fence'])}; preempted: stock "
+            f"{res['stock']['preempted']}, fenced {res['fenced']['preempted']}; vLLM PrefixCacheStats: stock "
+            f"{res['stock']['vllm_prefix_cache_stats']}, fenced {res['fenced']['vllm_prefix_cache_stats']}"
+        )
+    print()
+    print_targets(results)
 
 
 HIT_TENANTS = ["h0", "h1", "h2", "h3"]
@@ -849,7 +897,8 @@ CALLGRIND_EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 #: Under callgrind the plugin's stats thread would write its snapshot every 0.25 s of *valgrind's* time,
 #: about every other step of a run 50-100x slower than real, and how often would depend on the machine's
 #: load. Instead the write is made every this many steps, on the scheduler's thread, counted: the steps in
-#: 0.25 s at about 1.5 ms per step (the stock scheduler's mean on this workload, docs/engine.md).
+#: 0.25 s at about 1.5 ms per step (the stock scheduler's mean step on this workload, in the timed runs'
+#: records of bench/results/engine.jsonl).
 CALLGRIND_STATS_EVERY = 166
 #: Likewise the plugin's check of its key and config files, every second of wall time: under callgrind a
 #: step takes about a second, so it ran at almost every step (three file stats through pathlib, about
@@ -890,6 +939,121 @@ def callgrind_child(
     print(json.dumps({"steps": len(run.step_ns), "fingerprint": run.fingerprint}))
 
 
+def callgrind_command(
+    kind: str, label: str, per_user: int, a: argparse.Namespace, lib: Path, out: Path
+) -> list[str]:
+    """valgrind running this script as ``--callgrind-child``, collection off until it turns it on."""
+    return [
+        "valgrind",
+        "--tool=callgrind",
+        "--cache-sim=yes",
+        f"--LL={CALLGRIND_LL}",
+        "--instr-atstart=no",
+        "--collect-atstart=no",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--callgrind-child",
+        kind,
+        "--callgrind-lib",
+        str(lib),
+        "--variants",
+        label,
+        "--requests-per-user",
+        str(per_user),
+        "--seed",
+        str(a.seed),
+        *(["--pure-python-records"] if a.pure_python_records else []),
+    ]
+
+
+def callgrind_counts(out: Path) -> dict[str, int]:
+    """callgrind's totals from its output file, with the L1 and last-level misses and its cycle
+    estimate (CEst) summed up."""
+    events = totals = None
+    for line in out.read_text().splitlines():
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith("totals:"):
+            totals = [int(x) for x in line.split()[1:]]
+    assert events is not None and totals is not None, f"no totals in {out}"
+    counts = dict(zip(events, totals, strict=True))
+    counts["LLm"] = counts["ILmr"] + counts["DLmr"] + counts["DLmw"]
+    counts["L1m"] = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
+    counts["CEst"] = counts["Ir"] + 10 * counts["L1m"] + 100 * counts["LLm"]
+    return counts
+
+
+def callgrind_variant(
+    label: str, per_user: int, a: argparse.Namespace, tmp: Path, lib: Path, env: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Both kinds of one variant under valgrind at once; each one's counts, steps and fingerprint."""
+    import subprocess
+
+    procs = {}
+    for kind in KINDS:
+        out = tmp / f"callgrind.{kind}"
+        cmd = callgrind_command(kind, label, per_user, a, lib, out)
+        procs[kind] = (out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+    got: dict[str, dict[str, Any]] = {}
+    for kind, (out, proc) in procs.items():
+        stdout, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"[{label}] the {kind} run under valgrind failed (exit {proc.returncode})")
+        counts = callgrind_counts(out)
+        if a.callgrind_keep:  # for callgrind_annotate / KCachegrind
+            Path(a.callgrind_keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(out, Path(a.callgrind_keep) / f"callgrind.{label.replace(' ', '-')}.{kind}")
+        got[kind] = {**counts, **json.loads(stdout.decode().strip().splitlines()[-1])}
+    return got
+
+
+def callgrind_table(label: str, got: dict[str, dict[str, Any]], res: dict[str, Any]) -> None:
+    """Counts per step of each kind, the fenced/stock ratios, and the target's verdict."""
+    steps = got["stock"]["steps"]
+    rows = [
+        [
+            label,
+            kind,
+            str(got[kind]["steps"]),
+            f"{got[kind]['Ir'] / steps / 1e3:,.0f}",
+            f"{got[kind]['L1m'] / steps:,.0f}",
+            f"{got[kind]['LLm'] / steps:,.0f}",
+            f"{got[kind]['CEst'] / steps / 1e3:,.0f}",
+            "" if kind == "stock" else f"{res['ratio_Ir']:.3f}",
+            "" if kind == "stock" else f"{res['ratio_LLm']:.3f}",
+            "" if kind == "stock" else f"{res['ratio_CEst']:.3f}",
+            "" if kind == "stock" else ("yes" if res["same_schedule"] else "NO"),
+        ]
+        for kind in KINDS
+    ]
+    table(
+        f"Scheduler step = add_request() + schedule() + update_from_output(), under callgrind: "
+        f"counts per step, last-level cache simulated as {CALLGRIND_LL} (size, ways, line); vLLM "
+        f"{vllm.__version__}",
+        [
+            "variant",
+            "scheduler",
+            "steps",
+            "k instr/step",
+            "L1 misses/step",
+            "LL misses/step",
+            "k CEst/step",
+            "fenced/stock instr",
+            "fenced/stock LL misses",
+            "fenced/stock CEst",
+            "same schedule",
+        ],
+        rows,
+    )
+    if label == "no quotas":
+        verdict = "met" if res["ratio_CEst"] <= TARGET else "NOT met"
+        print(
+            f"\ntarget [{label}]: fenced/stock estimated cycles <= {TARGET}: {res['ratio_CEst']:.3f} "
+            f"({verdict}; instructions {res['ratio_Ir']:.3f})"
+        )
+
+
 def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
     """Instructions and simulated cache misses of the same timed calls, stock and fenced, under
     valgrind's callgrind (both kinds at once, one process each): counts that do not depend on what
@@ -906,105 +1070,13 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         results: dict[str, Any] = {}
         for label in chosen:
-            procs = {}
-            for kind in KINDS:
-                out = Path(tmp) / f"callgrind.{kind}"
-                cmd = [
-                    "valgrind",
-                    "--tool=callgrind",
-                    "--cache-sim=yes",
-                    f"--LL={CALLGRIND_LL}",
-                    "--instr-atstart=no",
-                    "--collect-atstart=no",
-                    f"--callgrind-out-file={out}",
-                    sys.executable,
-                    str(Path(__file__).resolve()),
-                    "--callgrind-child",
-                    kind,
-                    "--callgrind-lib",
-                    str(lib),
-                    "--variants",
-                    label,
-                    "--requests-per-user",
-                    str(per_user),
-                    "--seed",
-                    str(a.seed),
-                    *(["--pure-python-records"] if a.pure_python_records else []),
-                ]
-                procs[kind] = (
-                    out,
-                    subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL),
-                )
-            got: dict[str, dict[str, Any]] = {}
-            for kind, (out, proc) in procs.items():
-                stdout, _ = proc.communicate()
-                if proc.returncode != 0:
-                    raise SystemExit(
-                        f"[{label}] the {kind} run under valgrind failed (exit {proc.returncode})"
-                    )
-                events = totals = None
-                for line in out.read_text().splitlines():
-                    if line.startswith("events:"):
-                        events = line.split()[1:]
-                    elif line.startswith("totals:"):
-                        totals = [int(x) for x in line.split()[1:]]
-                assert events is not None and totals is not None, f"no totals in {out}"
-                if a.callgrind_keep:  # for callgrind_annotate / KCachegrind
-                    Path(a.callgrind_keep).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(out, Path(a.callgrind_keep) / f"callgrind.{label.replace(' ', '-')}.{kind}")
-                counts = dict(zip(events, totals, strict=True))
-                counts["LLm"] = counts["ILmr"] + counts["DLmr"] + counts["DLmw"]
-                counts["L1m"] = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
-                counts["CEst"] = counts["Ir"] + 10 * counts["L1m"] + 100 * counts["LLm"]
-                got[kind] = {**counts, **json.loads(stdout.decode().strip().splitlines()[-1])}
-            same = got["stock"]["fingerprint"] == got["fenced"]["fingerprint"]
-            steps = got["stock"]["steps"]
-            res = {k: got[k] for k in KINDS}
-            res["same_schedule"] = same
+            got = callgrind_variant(label, per_user, a, Path(tmp), lib, env)
+            res: dict[str, Any] = {k: got[k] for k in KINDS}
+            res["same_schedule"] = got["stock"]["fingerprint"] == got["fenced"]["fingerprint"]
             for key in ("Ir", "L1m", "LLm", "CEst"):
                 res[f"ratio_{key}"] = got["fenced"][key] / got["stock"][key]
             results[label] = res
-            rows = [
-                [
-                    label,
-                    kind,
-                    str(got[kind]["steps"]),
-                    f"{got[kind]['Ir'] / steps / 1e3:,.0f}",
-                    f"{got[kind]['L1m'] / steps:,.0f}",
-                    f"{got[kind]['LLm'] / steps:,.0f}",
-                    f"{got[kind]['CEst'] / steps / 1e3:,.0f}",
-                    "" if kind == "stock" else f"{res['ratio_Ir']:.3f}",
-                    "" if kind == "stock" else f"{res['ratio_LLm']:.3f}",
-                    "" if kind == "stock" else f"{res['ratio_CEst']:.3f}",
-                    "" if kind == "stock" else ("yes" if same else "NO"),
-                ]
-                for kind in KINDS
-            ]
-            table(
-                f"Scheduler step = add_request() + schedule() + update_from_output(), under callgrind: "
-                f"counts per step, last-level cache simulated as {CALLGRIND_LL} (size, ways, line); vLLM "
-                f"{vllm.__version__}",
-                [
-                    "variant",
-                    "scheduler",
-                    "steps",
-                    "k instr/step",
-                    "L1 misses/step",
-                    "LL misses/step",
-                    "k CEst/step",
-                    "fenced/stock instr",
-                    "fenced/stock LL misses",
-                    "fenced/stock CEst",
-                    "same schedule",
-                ],
-                rows,
-            )
-            if label == "no quotas":
-                verdict = "met" if res["ratio_CEst"] <= TARGET else "NOT met"
-                print(
-                    f"\ntarget [{label}]: fenced/stock estimated cycles <= {TARGET}: {res['ratio_CEst']:.3f} "
-                    f"({verdict}; instructions {res['ratio_Ir']:.3f})"
-                )
+            callgrind_table(label, got, res)
     setup = {
         "vllm": vllm.__version__,
         "python": platform.python_version(),
@@ -1051,40 +1123,48 @@ class OpcodeCounter:
         sys.settrace(None)
 
 
+def code_name(code: Any) -> str:
+    """A code object as ``path:line(qualified name)``, the path from site-packages or the repository."""
+    path = code.co_filename
+    for root in ("site-packages/", f"{ROOT}/"):
+        path = path.split(root)[-1]
+    return f"{path}:{code.co_firstlineno}({code.co_qualname})"
+
+
+def count_bytecodes(
+    kind: str, quotas: dict[str, Any], per_user: int, seed: int, config: Any
+) -> tuple[dict[str, float], float, str]:
+    """One run of ``kind`` after a warm-up, its bytecodes counted: per step, by function and in all;
+    and its schedule's fingerprint."""
+    drive(kind, workload(1, seed + 1), quotas, config)  # warm-up, not counted
+    counter = OpcodeCounter()
+    run = drive(
+        kind,
+        workload(per_user, seed),
+        quotas,
+        config,
+        counter,  # type: ignore[arg-type]
+        stats_every=CALLGRIND_STATS_EVERY,
+        reload_every=CALLGRIND_RELOAD_EVERY,
+    )
+    steps = len(run.step_ns)
+    funcs: dict[str, float] = {}
+    for c, n in counter.counts.items():  # (two code objects may share a name: summed)
+        funcs[code_name(c)] = funcs.get(code_name(c), 0.0) + n / steps
+    return funcs, sum(counter.counts.values()) / steps, run.fingerprint
+
+
 def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, records: str, top: int = 25) -> None:
     """Bytecodes per step of each scheduler, and the functions where the fenced run differs most."""
-
-    def name(code: Any) -> str:
-        path = code.co_filename
-        for root in ("site-packages/", f"{ROOT}/"):
-            path = path.split(root)[-1]
-        return f"{path}:{code.co_firstlineno}({code.co_qualname})"
-
     results: dict[str, Any] = {}
     for label in chosen:
-        quotas = VARIANTS[label]
         per_step: dict[str, dict[str, float]] = {}
         totals: dict[str, float] = {}
         fingerprints = {}
         for kind in KINDS:
-            drive(kind, workload(1, seed + 1), quotas, config)  # warm-up, not counted
-            counter = OpcodeCounter()
-            run = drive(
-                kind,
-                workload(per_user, seed),
-                quotas,
-                config,
-                counter,  # type: ignore[arg-type]
-                stats_every=CALLGRIND_STATS_EVERY,
-                reload_every=CALLGRIND_RELOAD_EVERY,
+            per_step[kind], totals[kind], fingerprints[kind] = count_bytecodes(
+                kind, VARIANTS[label], per_user, seed, config
             )
-            steps = len(run.step_ns)
-            funcs: dict[str, float] = {}
-            for c, n in counter.counts.items():  # (two code objects may share a name: summed)
-                funcs[name(c)] = funcs.get(name(c), 0.0) + n / steps
-            per_step[kind] = funcs
-            totals[kind] = sum(counter.counts.values()) / steps
-            fingerprints[kind] = run.fingerprint
         ratio = totals["fenced"] / totals["stock"]
         print(
             f"\n[{label}, {records} records] bytecodes per step: stock {totals['stock']:,.0f}, "
@@ -1218,7 +1298,7 @@ def hooks(chosen: list[str], per_user: int, seed: int, config: Any, rounds: int)
     print(f"\nwritten to {path}")
 
 
-def main() -> None:
+def argument_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; quick 3)")
@@ -1276,16 +1356,24 @@ def main() -> None:
     )
     ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """The flags, and the variants ``--variants`` chose."""
+    ap = argument_parser()
     a = ap.parse_args()
-    rounds = a.rounds or (3 if a.quick else 5)
-    per_user = a.requests_per_user or (2 if a.quick else 8)
     chosen = [v.strip() for v in a.variants.split(",") if v.strip()]
     unknown = set(chosen) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     if a.floor and not a.lockstep:
         ap.error("--floor needs --lockstep (the floor is stock against itself, stepped in lockstep)")
+    return a, chosen
 
+
+def scheduler_config(a: argparse.Namespace) -> Any:
+    """The VllmConfig both schedulers are built over."""
     config = base_config(
         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS
     )
@@ -1293,35 +1381,24 @@ def main() -> None:
         config = copy.copy(config)
         config.scheduler_config = copy.copy(config.scheduler_config)
         config.scheduler_config.async_scheduling = True
-    sc = config.scheduler_config
-    if a.pure_python_records:
-        use_pure_python_records()
-    if a.callgrind_child:
-        callgrind_child(a.callgrind_child, per_user, a.seed, VARIANTS[a.variants], config, a.callgrind_lib)
-        return
-    if a.callgrind:
-        callgrind(chosen, per_user, a)
-        return
-    if a.bytecodes:
-        bytecodes(chosen, per_user, a.seed, config, records_kind(a))
-        return
-    if a.hooks:
-        hooks(chosen, per_user, a.seed, config, rounds)
-        return
-    if a.hit_rate:
-        n_rounds = 6 if a.quick else 12
-        rows = hit_rates(config, n_rounds, a.seed)
-        table(
-            f"Prefix-cache hit rate on vLLM's scheduler, shared-system-prompt workload ({n_rounds} rounds x "
-            f"{len(HIT_TENANTS)} tenants, one at a time; the declared system prompt + 256-token tenant "
-            f"context + 64-token question; blocks of {BLOCK_SIZE}; tight pool = 3 requests' blocks; vLLM "
-            f"{vllm.__version__})",
-            ["pool", "mode", "blocks", "hit rate (tokens)"],
-            rows,
-        )
-        return
-    streams = workload(per_user, a.seed)
-    n_req = sum(len(s) for s in streams.values())
+    return config
+
+
+def print_hit_rates(config: Any, a: argparse.Namespace) -> None:
+    """``--hit-rate``: the four modes' hit rates, roomy and tight pool."""
+    n_rounds = 6 if a.quick else 12
+    rows = hit_rates(config, n_rounds, a.seed)
+    table(
+        f"Prefix-cache hit rate on vLLM's scheduler, shared-system-prompt workload ({n_rounds} rounds x "
+        f"{len(HIT_TENANTS)} tenants, one at a time; the declared system prompt + 256-token tenant "
+        f"context + 64-token question; blocks of {BLOCK_SIZE}; tight pool = 3 requests' blocks; vLLM "
+        f"{vllm.__version__})",
+        ["pool", "mode", "blocks", "hit rate (tokens)"],
+        rows,
+    )
+
+
+def print_header(a: argparse.Namespace, sc: Any, n_req: int, rounds: int) -> None:
     mode = (
         "in lockstep, a forked process each"
         if a.lockstep
@@ -1329,7 +1406,6 @@ def main() -> None:
         if a.process_per_run
         else "all in this process"
     )
-    load_before = os.getloadavg()[0]
     print(
         f"kvfence vLLM scheduler benchmark - vLLM {vllm.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, {os.cpu_count()} cores; {NUM_BLOCKS} blocks of {BLOCK_SIZE}, max_num_seqs "
@@ -1339,63 +1415,74 @@ def main() -> None:
         f"{mode}; {records_kind(a)} prefix-cache records",
         file=sys.stderr,
     )
-    results: dict[str, Any] = {}
-    for label in chosen:
-        quotas = VARIANTS[label]
-        warm = workload(1, a.seed + 1)
-        if not a.process_per_run and not a.lockstep:
-            for kind in KINDS:  # warm-up (imports, caches), not counted
-                drive(kind, warm, quotas, config)
-        got: dict[str, list[Run]] = {k: [] for k in KINDS}
-        floor: dict[str, list[Run]] = {k: [] for k in FLOOR_SIDES}
-        for rnd in range(rounds):
-            paired = lockstep(streams, warm, quotas, config) if a.lockstep else {}
-            if a.floor:  # the A/A floor's round, right after this round (same minutes, same machine)
-                for side, r in lockstep(streams, warm, quotas, config, FLOOR_SIDES).items():
-                    floor[side].append(r)
-                print(
-                    f"  [{label}] round {rnd + 1}/{rounds}  floor: stock again/stock "
-                    f"{step_ratios(floor['stock'][-1:], floor['stock again'][-1:])[0][0]:.3f}",
-                    file=sys.stderr,
-                )
-            for kind in KINDS:
-                if a.lockstep:
-                    r = paired[kind]
-                elif not a.process_per_run:
-                    r = drive(kind, streams, quotas, config)
-                else:
 
-                    def warm_then_timed(
-                        kind: str = kind, warm: dict[str, list[Spec]] = warm, quotas: dict[str, Any] = quotas
-                    ) -> Run:
-                        drive(kind, warm, quotas, config)  # warm-up of this kind, not counted
-                        return drive(kind, streams, quotas, config)
 
-                    r = isolated(warm_then_timed)
-                got[kind].append(r)
-                s = r.summary()
-                print(
-                    f"  [{label}] round {rnd + 1}/{rounds} {kind:>6}: {s['steps']} steps, mean step "
-                    f"{s['mean_us']:.0f} us, {s['us_per_sched_req']:.2f} us per scheduled request",
-                    file=sys.stderr,
-                )
-        results[label] = summarize(label, got)
-        if a.floor:
-            per_round, minima = step_ratios(floor["stock"], floor["stock again"])
-            results[label]["floor"] = {
-                "ratio_mean_step": statistics.median(per_round),
-                "ratio_mean_step_per_round": per_round,
-                "ratio_min_per_step": minima,
-            }
-    report(results, rounds, n_req)
+def timed_run(
+    a: argparse.Namespace,
+    kind: str,
+    streams: dict[str, list[Spec]],
+    warm: dict[str, list[Spec]],
+    quotas: dict[str, Any],
+    config: Any,
+) -> Run:
+    """One run of ``kind`` outside lockstep: in this process, or in a forked process of its own after
+    a warm-up there (``--process-per-run``)."""
+    if not a.process_per_run:
+        return drive(kind, streams, quotas, config)
 
-    profiles: dict[str, Any] = {}
-    for label, res in results.items():
-        if a.profile or res["ratio_mean_step"] > TARGET:
-            profiles[label] = profile(streams, VARIANTS[label], config)
-            print_profile(label, profiles[label])
+    def warm_then_timed() -> Run:
+        drive(kind, warm, quotas, config)  # warm-up of this kind, not counted
+        return drive(kind, streams, quotas, config)
 
-    setup = {
+    return isolated(warm_then_timed)
+
+
+def time_variant(
+    a: argparse.Namespace, label: str, streams: dict[str, list[Spec]], config: Any, rounds: int
+) -> dict[str, Any]:
+    """Every round of one variant, its progress on stderr; the variant's summary (and floor)."""
+    quotas = VARIANTS[label]
+    warm = workload(1, a.seed + 1)
+    if not a.process_per_run and not a.lockstep:
+        for kind in KINDS:  # warm-up (imports, caches), not counted
+            drive(kind, warm, quotas, config)
+    got: dict[str, list[Run]] = {k: [] for k in KINDS}
+    floor: dict[str, list[Run]] = {k: [] for k in FLOOR_SIDES}
+    for rnd in range(rounds):
+        paired = lockstep(streams, warm, quotas, config) if a.lockstep else {}
+        if a.floor:  # the A/A floor's round, right after this round (same minutes, same machine)
+            for side, r in lockstep(streams, warm, quotas, config, FLOOR_SIDES).items():
+                floor[side].append(r)
+            print(
+                f"  [{label}] round {rnd + 1}/{rounds}  floor: stock again/stock "
+                f"{step_ratios(floor['stock'][-1:], floor['stock again'][-1:])[0][0]:.3f}",
+                file=sys.stderr,
+            )
+        for kind in KINDS:
+            r = paired[kind] if a.lockstep else timed_run(a, kind, streams, warm, quotas, config)
+            got[kind].append(r)
+            s = r.summary()
+            print(
+                f"  [{label}] round {rnd + 1}/{rounds} {kind:>6}: {s['steps']} steps, mean step "
+                f"{s['mean_us']:.0f} us, {s['us_per_sched_req']:.2f} us per scheduled request",
+                file=sys.stderr,
+            )
+    res = summarize(label, got)
+    if a.floor:
+        per_round, minima = step_ratios(floor["stock"], floor["stock again"])
+        res["floor"] = {
+            "ratio_mean_step": statistics.median(per_round),
+            "ratio_mean_step_per_round": per_round,
+            "ratio_min_per_step": minima,
+        }
+    return res
+
+
+def timed_setup(
+    a: argparse.Namespace, sc: Any, load_before: float, rounds: int, n_req: int, per_user: int
+) -> dict[str, Any]:
+    """The timed run's conditions, as its JSON records them."""
+    return {
         "vllm": vllm.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -1418,8 +1505,49 @@ def main() -> None:
         "lockstep": a.lockstep,
         "records": records_kind(a),
     }
+
+
+def timed(a: argparse.Namespace, chosen: list[str], config: Any, rounds: int, per_user: int) -> None:
+    """The timed benchmark: the rounds of every chosen variant, the report, the profiles where over
+    the target (or with ``--profile``), the JSON."""
+    sc = config.scheduler_config
+    streams = workload(per_user, a.seed)
+    n_req = sum(len(s) for s in streams.values())
+    load_before = os.getloadavg()[0]
+    print_header(a, sc, n_req, rounds)
+    results = {label: time_variant(a, label, streams, config, rounds) for label in chosen}
+    report(results, rounds, n_req)
+
+    profiles: dict[str, Any] = {}
+    for label, res in results.items():
+        if a.profile or res["ratio_mean_step"] > TARGET:
+            profiles[label] = profile(streams, VARIANTS[label], config)
+            print_profile(label, profiles[label])
+
+    setup = timed_setup(a, sc, load_before, rounds, n_req, per_user)
     path = write_results("vllm", {"setup": setup, "variants": results, "profiles": profiles})
     print(f"\nwritten to {path}")
+
+
+def main() -> None:
+    a, chosen = parse_args()
+    rounds = a.rounds or (3 if a.quick else 5)
+    per_user = a.requests_per_user or (2 if a.quick else 8)
+    config = scheduler_config(a)
+    if a.pure_python_records:
+        use_pure_python_records()
+    if a.callgrind_child:
+        callgrind_child(a.callgrind_child, per_user, a.seed, VARIANTS[a.variants], config, a.callgrind_lib)
+    elif a.callgrind:
+        callgrind(chosen, per_user, a)
+    elif a.bytecodes:
+        bytecodes(chosen, per_user, a.seed, config, records_kind(a))
+    elif a.hooks:
+        hooks(chosen, per_user, a.seed, config, rounds)
+    elif a.hit_rate:
+        print_hit_rates(config, a)
+    else:
+        timed(a, chosen, config, rounds, per_user)
 
 
 if __name__ == "__main__":
