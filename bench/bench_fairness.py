@@ -49,10 +49,11 @@ Figures and goals:
   leaves (the attacker's rate alone less the victim's rate in the same run; for slow readers, whose
   rate their own reads set, their rate alone; goal: at least 0.9);
 * the service difference of the backlogged pair: with W_A(t), W_B(t) each tenant's cumulative units
-  and D = W_A - W_B, the largest |D(t2) - D(t1)| over t1 < t2 in the measured window (= max D - min
-  D), against VTC's bound for two backlogged clients (Sheng et al., OSDI '24, Theorem 4.4): 2 U with
-  U = max(w_p L_input, w_q M), here w_p = 4, w_q = 8, L_input the longest prompt and M the tokens a
-  running batch can hold (``max_num_seqs`` x the longest prompt plus its output).
+  and D = W_A - W_B (0 where the measured window starts; printed at each second, the last round's),
+  the largest |D(t2) - D(t1)| over t1 < t2 in the window (= max D - min D), against the bound VTC
+  proves for two backlogged clients (Sheng et al., OSDI '24): 2 U with U = max(w_p L_input, w_q M),
+  here w_p = 4, w_q = 8, L_input the longest prompt and M the tokens a running batch can hold
+  (``max_num_seqs`` x the longest prompt plus its output).
 
 Pairing: each round runs every row of a scenario back to back, in an order rotated every round;
 the other engines are stopped (SIGSTOP) while one is measured, and after each measurement the engine
@@ -522,10 +523,13 @@ def pair_figures(ta: Tenant, tb: Tenant, start: float, end: float, a: argparse.N
     """Service of two backlogged tenants: rates, B's share, VTC's service difference and its bound."""
     events = sorted([(t, u) for t, u in service_curve(ta.records, start, end)] +
                     [(t, -u) for t, u in service_curve(tb.records, start, end)])  # fmt: skip
-    d, lo, hi = 0, 0, 0
-    for _, u in events:
+    d, lo, hi, by_second = 0, 0, 0, []
+    for t, u in events:
+        while t >= start + len(by_second) + 1:
+            by_second.append(d)
         d += u
         lo, hi = min(lo, d), max(hi, d)
+    by_second += [d] * (int(end - start) - len(by_second))
     wa, wb = units_in(ta.records, start, end), units_in(tb.records, start, end)
     sa, sb = shapes(a)["tenant-a"], shapes(a)["tenant-b"]
     longest_prompt = max(sa.prompt_len, sb.prompt_len)
@@ -537,6 +541,7 @@ def pair_figures(ta: Tenant, tb: Tenant, start: float, end: float, a: argparse.N
         "b_share": wb / (wa + wb) if wa + wb else float("nan"),
         "service_difference": hi - lo,
         "difference_at_end": d,
+        "difference_by_second": by_second,
         "vtc_bound": bound,
         "vtc_bound_terms": {
             "w_p": PROMPT_UNITS,
@@ -610,6 +615,7 @@ def victim_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def pair_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("a_units_per_s", "b_units_per_s", "b_share", "service_difference", "vtc_bound")
     out: dict[str, Any] = {k: median_of(runs, k) for k in keys}
+    out["difference_by_second"] = runs[-1].get("difference_by_second", []) if runs else []
     out["within_bound_rounds"] = f"{sum(r['service_difference'] <= r['vtc_bound'] for r in runs)}/{len(runs)}"
     out["errors"] = sum(r["errors"] for r in runs)
     return out
@@ -668,7 +674,11 @@ def pair_table(summary: dict[str, Any]) -> str:
         cells = [fmt(s["a_units_per_s"], ".0f"), fmt(s["b_units_per_s"], ".0f"), fmt(s["b_share"], ".3f")]
         cells += [fmt(s["service_difference"], ".0f"), fmt(s["vtc_bound"], ".0f"), s["within_bound_rounds"]]
         lines.append([row, *cells])
-    return markdown(header, lines)
+    series = [
+        f"{row}: D(t) = W_A - W_B at each second: {s['difference_by_second']}"
+        for row, s in summary["pair"].items()
+    ]
+    return markdown(header, lines) + "\n\n" + "\n".join(series)
 
 
 def report(stack: e2e.Stack, runs: list[dict[str, Any]], started: float, load: list[float]) -> Path:
