@@ -79,7 +79,8 @@ class FairShare:
     # --- counters -------------------------------------------------------------------------------
     def counter(self, tenant: str) -> float:
         """The tenant's virtual counter (weighted service / weight)."""
-        return self._counter.get(tenant, self._lift_to())
+        c = self._counter.get(tenant)
+        return self._lift_to() if c is None else c
 
     def _lift_to(self) -> float:
         if self._active:
@@ -123,6 +124,7 @@ class FairShare:
         (projected counter, tenant, position): the merge of the tenants' non-decreasing sequences."""
         first: dict[str, int] = {}
         level: dict[str, float] = {}
+        weight: dict[str, int] = {}
         keyed: list[tuple[float, int, int, T]] = []
         for pos, item in enumerate(queue):
             t = tenant_of(item)
@@ -130,8 +132,9 @@ class FairShare:
             if i is None:
                 i = first[t] = len(first)
                 level[t] = self.counter(t)
+                weight[t] = self.weight(t)
             keyed.append((level[t], i, pos, item))
-            level[t] += cost_of(item) / self.weight(t)
+            level[t] += cost_of(item) / weight[t]
         keyed.sort(key=_sort_key)
         return [k[3] for k in keyed]
 
