@@ -8,7 +8,7 @@ its waiting queue while slots and budget last. Before each ``schedule`` the fenc
 * orders the running list by the policy (the next request always of the tenant with the smallest
   counter, advanced by what its earlier requests in the list will compute), so the budget goes to
   the tenants furthest below their share first and vLLM's preemption takes the tenant furthest above
-  its share first;
+  its share first (left as it is in a step that serves all of it and cannot run short of blocks);
 * gives each tenant at most its weighted share of the running slots (``max_num_seqs``): a tenant
   below its share with requests waiting while every slot is taken preempts the newest running
   request of the tenant furthest above its share (never one at or below it), and waiting requests of
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.fairshare import FairShare, request_cost
+from kvfence.engine.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, FairShare
 from kvfence.vllm.fence import UNATTRIBUTED
 
 
@@ -61,7 +61,8 @@ class StepShares:
             return []
         shares = policy.divide(self.max_num_seqs, in_run + queued)
         self._preempt_for_slots(sched, tenant, in_run, queued, shares)
-        running[:] = policy.order(running, tenant, _running_cost)
+        if _order_matters(sched, running):
+            running[:] = policy.order(running, tenant, _running_cost)
         if len(running) >= self.max_num_seqs:  # no slot: vLLM admits nothing this step
             return []
         waiting = list(sched.waiting)
@@ -102,27 +103,49 @@ class StepShares:
 
     def after(self, output: Any, requests: Mapping[str, Any], tenant_of: Mapping[str, str]) -> None:
         """Charge each tenant what ``output`` (vLLM's SchedulerOutput) scheduled for it."""
-        policy = self.policy
+        units: dict[str, int] = {}
         for new in output.scheduled_new_reqs:
-            cached = new.num_computed_tokens
-            if cached:
-                policy.charge(tenant_of.get(new.req_id, UNATTRIBUTED), request_cost(cached=cached))
+            if new.num_computed_tokens:  # its prefix-cache hit
+                t = tenant_of.get(new.req_id, UNATTRIBUTED)
+                units[t] = units.get(t, 0) + new.num_computed_tokens * CACHED_COST
         for rid, n in output.num_scheduled_tokens.items():
             r = requests.get(rid)
             if r is None:
                 continue
             before = r.num_computed_tokens - n  # vLLM has advanced it by what it scheduled
-            sampled = before + n >= r.num_tokens
-            decode = sampled and n == 1 and before >= r.num_prompt_tokens
-            units = request_cost(prefill=0 if decode else n, output=int(sampled))
-            policy.charge(tenant_of.get(rid, UNATTRIBUTED), units)
+            if before + n < r.num_tokens:  # a prompt chunk that samples nothing
+                u = n * PREFILL_COST
+            elif n == 1 and before >= r.num_prompt_tokens:  # a decoding step: one output token
+                u = OUTPUT_COST
+            else:  # the prompt's last chunk, and its first output token
+                u = n * PREFILL_COST + OUTPUT_COST
+            t = tenant_of.get(rid, UNATTRIBUTED)
+            units[t] = units.get(t, 0) + u
+        for t, u in units.items():
+            self.policy.charge(t, u)
+
+
+def _order_matters(sched: Any, running: list[Any]) -> bool:
+    """Whether the running list's order can change this step: its requests want more tokens than the
+    step's budget, or the pool may run short (vLLM then preempts from the end of the list). With
+    enough clean free blocks and no quotas (whose reservations hold blocks back) it cannot."""
+    fence = sched.fence
+    if fence.has_limits:
+        return True
+    bs = sched.block_size
+    tokens = blocks = 0
+    for r in running:
+        new = r.num_tokens_with_spec - r.num_computed_tokens
+        tokens += new
+        blocks += new // bs + 1
+    return tokens > sched.max_num_scheduled_tokens or blocks > len(fence.pool.free)
 
 
 def _running_cost(r: Any) -> int:
     """What a running request is projected to compute this step: its prompt left, or one token."""
-    left = r.num_prompt_tokens - r.num_computed_tokens
-    return request_cost(prefill=left) if left > 0 else request_cost(output=1)
+    left: int = r.num_prompt_tokens - r.num_computed_tokens
+    return left * PREFILL_COST if left > 0 else OUTPUT_COST
 
 
 def _waiting_cost(r: Any) -> int:
-    return request_cost(prefill=r.num_tokens)
+    return int(r.num_tokens) * PREFILL_COST
