@@ -153,11 +153,14 @@ def test_umbrella_is_held_to_its_kv_blocks_and_hooli_is_not(
     usage = r.json()["usage"]
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert usage["prompt_tokens"] + usage["completion_tokens"] == UMBRELLA_MAX_BLOCKS * BLOCK, usage
-    # A prompt that cannot fit at all is refused with an OpenAI error, and counted.
+    # A prompt that cannot fit at all is refused with an OpenAI error that clients do not retry (400,
+    # naming the limit), and counted.
     rejected = prom.total(engine_metrics(kube), "kvfence_engine_quota_rejected_total")
     long_prompt = text(330)
     r = router.complete(umbrella, long_prompt, max_tokens=4)
-    assert r.status >= 400 and set(r.json()["error"]) >= {"message", "type", "code"}, (r.status, r.body)
+    assert r.status == 400 and set(r.json()["error"]) >= {"message", "type", "code"}, (r.status, r.body)
+    assert r.json()["error"]["code"] == "max_kv_blocks_exceeded", r.body
+    assert "(maxKVBlocks)" in r.json()["error"]["message"], r.body
     eventually(
         lambda: prom.total(engine_metrics(kube), "kvfence_engine_quota_rejected_total") == rejected + 1,
         "kvfence_engine_quota_rejected_total to count the refusal",

@@ -64,7 +64,7 @@ MIDDLEWARE_FLAG = "kvfence.vllm.middleware.KvfenceMiddleware"  # what the operat
 REFUSED_PROMPT = "refused by the scheduler"
 #: A prompt the stand-in app fails with vLLM's generic error, with no refusal left (a real engine error).
 FAILED_PROMPT = "failed in the engine"
-QUOTA = EngineRefusal(429, "quota_exceeded", "KV-block quota exceeded for tenant 'alice': ...")
+QUOTA = EngineRefusal(400, "max_kv_blocks_exceeded", "KV-block quota exceeded for tenant 'alice': ...")
 #: vLLM's answers for a request finished with an error (vllm/entrypoints: GenerationError)
 VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
 
@@ -348,14 +348,14 @@ def test_every_request_gets_its_own_reference(env: Env) -> None:
 
 # --- the scheduler's refusals answered in OpenAI's shape ------------------------------------------
 QUOTA_ANSWER = {
-    "error": {"message": QUOTA.message, "type": "rate_limit_error", "param": None, "code": QUOTA.code}
+    "error": {"message": QUOTA.message, "type": "invalid_request_error", "param": None, "code": QUOTA.code}
 }
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_scheduler_refusal_replaces_vllms_generic_error(env: Env, stream: bool) -> None:
     status, headers, body = env.post({"prompt": REFUSED_PROMPT, "stream": stream})
-    assert status == 429, body
+    assert status == 400, body
     assert headers["content-type"] == "application/json"
     assert json.loads(body) == QUOTA_ANSWER
     assert list(env.box.directory.iterdir()) == []  # taken
@@ -710,7 +710,7 @@ def test_loads_the_way_vllm_loads_middleware(tmp_path: Path, monkeypatch: pytest
         assert e.post({"prompt": "x", "cache_salt": "mine"}, identity=None)[0] == 401
         assert e.post({"prompt": "x"})[0] == 200
         status, _, body = e.post({"prompt": REFUSED_PROMPT})
-        assert (status, json.loads(body)) == (429, QUOTA_ANSWER)
+        assert (status, json.loads(body)) == (400, QUOTA_ANSWER)
         assert seen.requests[0]["body"]["cache_salt"] == salt(ALICE)
         # The default registry is the one vLLM's /metrics serves.
         from prometheus_client import REGISTRY

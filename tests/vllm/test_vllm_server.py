@@ -409,19 +409,21 @@ def test_a_request_beyond_the_kv_quota_is_cut_or_refused_with_an_openai_error(st
     assert doc["choices"][0]["finish_reason"] == "length"
     assert usage["prompt_tokens"] + usage["completion_tokens"] == CAROL_MAX_BLOCKS * 128
     rejected = stack.server.metric("kvfence_engine_quota_rejected_total")
-    # A prompt that alone exceeds carol's maximum: refused as the reference engine refuses it (429
-    # quota_exceeded, OpenAI's error shape, relayed by the router), streamed or not.
+    # A prompt that alone exceeds carol's maximum: refused as the reference engine refuses it (400
+    # max_kv_blocks_exceeded, which clients do not retry, in OpenAI's error shape, relayed by the
+    # router), streamed or not.
     for i, stream in enumerate((False, True)):
         status, doc = stack.post(
             "carol",
             "/v1/completions",
             {"model": "tiny", "prompt": text(6000 + i, 150), "max_tokens": 4, "stream": stream},
         )
-        assert status == 429, doc
+        assert status == 400, doc
         err = doc["error"]
-        assert (err["type"], err["code"], err["param"]) == ("rate_limit_error", "quota_exceeded", None), doc
+        want = ("invalid_request_error", "max_kv_blocks_exceeded", None)
+        assert (err["type"], err["code"], err["param"]) == want, doc
         assert err["message"].startswith("KV-block quota exceeded for tenant 'carol': the prompt needs ")
-        assert err["message"].endswith(f"more than the tenant's maximum of {CAROL_MAX_BLOCKS} (maxKVBlocks)")
+        assert f"more than the tenant's maximum of {CAROL_MAX_BLOCKS} (maxKVBlocks);" in err["message"]
     eventually(
         lambda: stack.server.metric("kvfence_engine_quota_rejected_total") == rejected + 2,
         "the refusals counted",

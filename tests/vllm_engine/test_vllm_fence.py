@@ -156,11 +156,12 @@ def test_a_request_larger_than_the_maximum_is_cut_or_refused(tmp_path: Path) -> 
     assert h.finished[cut.request_id] == "length" and len(h.outputs[cut.request_id]) == 80 - 64
     assert h.finished[too_big.request_id] == "error"
     assert h.fence.counters.quota_rejected == {"alice": 1}
+    # No wait makes it fit: a 400 that clients do not retry, naming the limit.
     assert box.take(ref) == EngineRefusal(
-        429,
-        "quota_exceeded",
+        400,
+        "max_kv_blocks_exceeded",
         "KV-block quota exceeded for tenant 'alice': the prompt needs 7 KV blocks of 16 tokens, more than "
-        "the tenant's maximum of 5 (maxKVBlocks)",
+        "the tenant's maximum of 5 (maxKVBlocks); the request can never be served within it",
     )
     # A request without a reference (not through the middleware) is refused all the same.
     h.add("alice", list(range(100)))

@@ -39,8 +39,8 @@ What it does, per HTTP request:
   requests without a valid tag. It also carries a reference for the request
   (:mod:`kvfence.vllm.refusals`): when the scheduler refuses the request (a prompt that alone exceeds
   the tenant's ``maxKVBlocks``) it leaves its answer under that reference, and vLLM's generic error
-  (``500``, or a streamed error event) is replaced by it: ``429 quota_exceeded``, as the reference
-  engine answers.
+  (``500``, or a streamed error event) is replaced by it: ``400 max_kv_blocks_exceeded``, as the
+  reference engine answers.
 
 Rejections are counted in ``kvfence_engine_signature_rejected_total{reason}`` (the contract's name,
 the same series the reference engine exports) and salt mismatches also in

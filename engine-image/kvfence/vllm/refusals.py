@@ -11,7 +11,8 @@ error event). So the two kvfence halves pass the reason beside vLLM:
   reference into a directory next to the stats file (:meth:`RefusalBox.put`, an atomic rename) *before*
   it finishes the request, so the file exists by the time vLLM's error reaches the middleware;
 * the middleware, seeing vLLM's error answer for a request, takes the file (:meth:`RefusalBox.take`)
-  and answers with it instead, as the reference engine would (for a KV quota: ``429 quota_exceeded``).
+  and answers with it instead, as the reference engine would (for a prompt beyond the tenant's KV
+  maximum: ``400 max_kv_blocks_exceeded``).
 
 Refusals are rare; a file whose request went away (the client disconnected) is removed by the next
 :meth:`RefusalBox.put` once older than :data:`MAX_AGE`.

@@ -57,6 +57,7 @@ from kvfence.contract.engine_config import (
     file_stamp,
     load_config,
 )
+from kvfence.contract.errors import CODE_MAX_KV_BLOCKS_EXCEEDED
 from kvfence.engine.quotas import SHARED_OWNER
 from kvfence.vllm.block_pool import FencedBlockPool, FenceFreeCount, constructing_as
 from kvfence.vllm.fair import StepShares
@@ -296,8 +297,8 @@ class FenceMixin:
     def _refuse_quota(self, request: Request, tenant: str, shared_tokens: int) -> None:
         """Refuse a request whose prompt alone (with the output so far, for one preempted after its
         tenant's maximum was lowered) exceeds its tenant's maximum: finished with an error in the next
-        update_from_output, its answer (the reference engine's ``429 quota_exceeded``) left for the
-        middleware first."""
+        update_from_output, its answer left for the middleware first. No wait makes it fit, so the answer
+        is the reference engine's ``400 max_kv_blocks_exceeded``, which clients do not retry."""
         need = self.fence.blocks_for(request.num_tokens + 1 - shared_tokens)
         what = (
             "the prompt needs" if request.num_output_tokens == 0 else "the prompt and its output so far need"
@@ -305,9 +306,10 @@ class FenceMixin:
         message = (
             f"KV-block quota exceeded for tenant {tenant!r}: {what} {need} KV blocks of "
             f"{self.block_size} tokens, more than the tenant's maximum of "
-            f"{self.fence.maximum(tenant)} (maxKVBlocks)"
+            f"{self.fence.maximum(tenant)} (maxKVBlocks); the request can never be served within it"
         )
-        self._refuse(request, "QuotaExceeded", EngineRefusal(429, "quota_exceeded", message))
+        refusal = EngineRefusal(400, CODE_MAX_KV_BLOCKS_EXCEEDED, message)
+        self._refuse(request, "QuotaExceeded", refusal)
 
     def _refuse(self, request: Request, reason: str, answer: EngineRefusal) -> None:
         """Finish ``request`` with an error in the next update_from_output, ``answer`` left for the
