@@ -87,6 +87,8 @@ class Harness:
     num_blocks: int = 64
     block_size: int = 16
     quotas: dict[str, Any] = field(default_factory=dict)
+    #: the engine config's quotas.default (every tenant not listed)
+    default_quota: dict[str, Any] = field(default_factory=dict)
     #: the engine config's prefixCache.sharedPrefixes (declared shared prefixes)
     shared: list[dict[str, Any]] = field(default_factory=list)
     hash_fn: Callable[[Any], bytes] = sha256
@@ -110,7 +112,7 @@ class Harness:
         (keys / "current").write_bytes(KEY)
         self.config_path = self.dir / "engine.json"
         self.stats_path = self.dir / "stats.json"
-        self.write_quotas(self.quotas)
+        self.write_quotas(self.quotas, self.default_quota)
         os.environ["KVFENCE_ENGINE_CONFIG"] = str(self.config_path)
         os.environ["KVFENCE_VLLM_STATS_FILE"] = str(self.stats_path)
         os.environ.pop("KVFENCE_TRUST_CLASS", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -264,12 +265,32 @@ class FencedBlockPool(BlockPool):  # type: ignore[misc]
                 self.fence.uncached(bid)
 
     def reset_prefix_cache(self) -> bool:
-        self.rid = ""  # the pool's own count (no tenant) decides whether everything is free
-        ok: bool = super().reset_prefix_cache()
+        """vLLM's reset (its weights changed, or a benchmark starts clean): True, and every cached block
+        forgotten, only if no request holds a block. That is a question about the whole pool, so it is
+        answered from the pool's own count, never from what one tenant may obtain (vLLM's check reads
+        ``get_num_free_blocks``, which with quotas answers for the request being allocated for). The
+        declared shared prefixes' pinned blocks are the fence's, not a request's: when nothing else
+        is held they are unpinned and forgotten with the rest (the scheduler pins them again)."""
+        fence = self.fence
+        pinned = Counter(bid for pin in fence.shared for bid in pin.block_ids)
+        used = self.num_gpu_blocks - 1 - self.free_count.num_free_blocks
+        if used != len(pinned) or any(self.blocks[bid].ref_cnt != n for bid, n in pinned.items()):
+            log.warning("kvfence: prefix cache not reset: requests hold %d KV blocks", used - len(pinned))
+            return False
+        if pinned:
+            held = [self.blocks[bid] for pin in fence.shared for bid in reversed(pin.block_ids)]
+            fence.shared = ()
+            fence.version += 1
+            self.free_blocks(held)
+        queue, self.free_block_queue = self.free_block_queue, self.free_count
+        try:
+            ok: bool = super().reset_prefix_cache()
+        finally:
+            self.free_block_queue = queue
         if ok:
             for block in self.blocks:
                 if not block.is_null:
-                    self.fence.uncached(block.block_id)
+                    fence.uncached(block.block_id)
         return ok
 
     def cache_full_blocks(

@@ -151,7 +151,10 @@ class FencedKVCacheManager(KVCacheManager):  # type: ignore[misc]
 
     def free(self, request: Request) -> None:
         rid = request.request_id
-        plan = self.pinning.pop(rid, None)
+        # A request computing a shared prefix pins it when it finishes; preempted (vLLM's preemption,
+        # or a prefix-cache reset that preempts the running requests), it keeps its plan and pins when
+        # it has run again.
+        plan = self.pinning.pop(rid, None) if request.is_finished() else None
         if plan is not None:
             self._pin(request, plan)
         else:

@@ -550,6 +550,25 @@ class FenceMixin:
         self._packed_of.pop(rid, None)
         return out
 
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        """vLLM's reset, as vLLM's engine core calls it (``reset_running_requests`` preempts the
+        running requests first): the pool forgets every cached block, the declared shared prefixes'
+        pinned ones included (KV computed before a reset, e.g. under the weights before an update,
+        must not be served after it), and they are computed again from the next step, except those
+        whose requests are computing them now."""
+        ok: bool = super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+        if not ok or not self._shared_decls:
+            return ok
+        self._retiring = []  # the pool dropped every pin
+        try:
+            plans = self._plan_pins(self._shared_decls)
+        except FenceError as e:
+            log.error("kvfence: shared prefixes not pinned again after the prefix-cache reset: %s", e)
+            return ok
+        computing = {(name, tuple(tokens)) for name, tokens, _ in self._pinning.values()}
+        self._pins_todo = [pl for pl in plans if (pl[0], tuple(pl[1])) not in computing]
+        return ok
+
     def shutdown(self) -> None:
         self.stats.stop()
         super().shutdown()  # type: ignore[misc]
