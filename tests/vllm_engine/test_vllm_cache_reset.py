@@ -144,7 +144,7 @@ def test_vllms_pause_with_clear_cache_and_kv_memory_release_work(h: Harness, mod
     h.step()
     waiting = h.add("bob", list(range(600, 700)), max_tokens=6)
     core = engine_core(h)
-    assert core.pause_scheduler(mode=mode, clear_cache=True) is None  # raised before the fence's fix
+    assert core.pause_scheduler(mode=mode, clear_cache=True) is None  # vLLM raises if the reset fails
     assert "synchronize_device" in core.model_executor.calls
     if mode == "abort":
         assert not h.sched.has_unfinished_requests()
