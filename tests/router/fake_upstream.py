@@ -9,7 +9,8 @@ A prompt that starts with ``SILENT`` is never answered (a hung engine). A prompt
 ``GATED`` streams its first chunk, then waits until ``POST /control/release``
 before sending the rest: a test can prove chunk-by-chunk relaying without timing anything. A prompt
 that starts with ``DROP`` is recorded, then its connection is closed unanswered (a query of death);
-one that starts with ``FLOOD`` is streamed a 64 MiB answer (for clients that stop reading).
+one that starts with ``FLOOD`` is streamed a 64 MiB answer (for clients that stop reading); one that
+starts with ``BUSY`` is answered 429 with ``Retry-After: 7`` (an engine whose tenant quota is full).
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
             # An engine that dies of this request: the connection closes, nothing answered.
             request.transport.abort()
             return web.Response(status=500)
+        if prompt.startswith("BUSY"):  # the engine's own 429: waiting cures it, and it says how long
+            error = {"message": "busy", "type": "rate_limit_error", "param": None, "code": "quota_exceeded"}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "7"})
         if prompt.startswith("COOKIE"):  # an engine (or something in front of it) setting a cookie
             resp = web.json_response(
                 {

@@ -325,6 +325,13 @@ def test_chunked_body_over_the_limit_is_413(stack: Stack) -> None:
     asyncio.run(asyncio.wait_for(run(), 60))
 
 
+def test_an_engines_429_reaches_the_client_with_its_retry_after(stack: Stack) -> None:
+    """A 429 is for what waiting cures: the engine's own Retry-After travels to the client unchanged."""
+    status, headers, data = stack.post(KEYS["alice"], "/v1/completions", {"model": "tiny", "prompt": "BUSY"})
+    assert status == 429 and _err(data)["code"] == "quota_exceeded", data
+    assert headers["retry-after"] == "7", headers
+
+
 def test_a_request_the_engine_received_and_died_on_is_sent_once(stack: Stack) -> None:
     """The engine reads the request, then closes the connection unanswered, on a kept-alive connection
     (warmed by an ordinary request first) as on a new one: the client gets a 502, and the engine saw

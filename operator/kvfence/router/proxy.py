@@ -69,6 +69,7 @@ RELAY_HEADERS = (
     ("content-encoding", "Content-Encoding"),
     ("x-request-id", "X-Request-Id"),
     ("cache-control", "Cache-Control"),
+    ("retry-after", "Retry-After"),  # an engine's 429 says when waiting will have cured it
 )
 #: Response header on every answer that comes from the engine (its status code), so that a client or a
 #: test can tell an engine's error from the router's own.
