@@ -38,7 +38,9 @@ def tenant_of(rid: str) -> str:
 def step(h: Harness) -> tuple[Any, Counter[str]]:
     """One step, and VTC's weighted service of it per tenant (prompt tokens computed, tokens sampled),
     from the requests as they stood before it."""
-    state = {rid: (r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens) for rid, r in h.sched.requests.items()}
+    state = {
+        rid: (r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens) for rid, r in h.sched.requests.items()
+    }
     out = h.step()
     got: Counter[str] = Counter()
     for rid, n in out.num_scheduled_tokens.items():
