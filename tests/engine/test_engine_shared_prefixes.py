@@ -1,5 +1,5 @@
 """Declared shared prefixes on the reference engine: pinned, exact, block-aligned, outside every quota,
-and nothing private shared (issue 15)."""
+and nothing private shared."""
 
 from __future__ import annotations
 

@@ -538,7 +538,7 @@ def test_declared_shared_prefixes_reach_running_vllm_and_share_only_the_declared
     assert stack.server.metrics()["kvfence_engine_kv_blocks_pinned"] == pinned_blocks
 
 
-# --- changes without restarts, under traffic (issue 12, item 3) ------------------------------------
+# --- changes without restarts, under traffic --------------------------------------------------------
 def _replace(path: Path, data: bytes) -> None:
     """Replace a mounted file atomically, as the kubelet swaps a Secret volume."""
     tmp = path.with_name(path.name + ".tmp")

@@ -1,4 +1,4 @@
-"""Declared shared prefixes inside vLLM's real scheduler (issue 15): computed by the plugin's own
+"""Declared shared prefixes inside vLLM's real scheduler: computed by the plugin's own
 requests at the first step, pinned outside every quota and eviction, a hit for every tenant whose prompt
 begins with one token for token, and the tenant's own namespace from the next block on."""
 

@@ -169,7 +169,7 @@ class TenantsPending:
                 self._pending = load_config(self._path).tenants_pending
             except ConfigError as e:
                 log.warning(
-                    "kvfence: the engine config changed but does not load; readiness as before: %s", e
+                    "kvfence: the engine config changed but does not load; readiness unchanged: %s", e
                 )
         return self._pending
 
