@@ -71,8 +71,9 @@ fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind a
 client-request library is compiled on the fly).
 
 ``--pure-python-records`` runs the fenced scheduler with the pure-Python prefix-cache records
-(``kvfence.vllm.records.PyRecord`` and its functions), what the GPU image installs (its kvfence wheel is
-pure Python: docs/engine.md), instead of the compiled ones this machine built; any mode.
+(``kvfence.vllm.records.PyRecord`` and its functions), the fallback an engine runs only where the
+compiled records do not load (every image ships them: docs/engine.md), instead of the compiled ones
+this machine built; any mode.
 
 ``--hooks`` times where the plugin's cost lands: each vLLM method the plugin overrides (``add_request``,
 ``get_computed_blocks``, ``allocate_slots``, ``get_new_blocks``, ``cache_full_blocks``, ``touch``,
@@ -1094,8 +1095,8 @@ def records_kind(a: argparse.Namespace) -> str:
 
 
 def use_pure_python_records() -> None:
-    """The fenced scheduler with the pure-Python records, as in the GPU image (the switch the vLLM
-    lane's ``record_impl`` fixture makes for a test)."""
+    """The fenced scheduler with the pure-Python fallback records (the switch the vLLM lane's
+    ``record_impl`` fixture makes for a test)."""
     for module, name, value in pure_python_records():
         setattr(module, name, value)
 
@@ -1342,7 +1343,7 @@ def argument_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--pure-python-records",
         action="store_true",
-        help="the fenced scheduler with the pure-Python records the GPU image runs (see above)",
+        help="the fenced scheduler with the pure-Python fallback records (see above)",
     )
     ap.add_argument(
         "--bytecodes",
