@@ -185,8 +185,9 @@ def test_requests_that_cannot_fit_fail_cleanly() -> None:
     assert out == [] and isinstance(end, Failed) and (end.status, end.code) == (400, "max_kv_blocks_exceeded")
     assert "4 KV blocks" in end.message and "maximum of 2 (maxKVBlocks)" in end.message
     assert end.retry_after is None
-    out, end = e.generate("big", TOKENIZER.encode("y" * 150), 8)  # 10 blocks > the pool
-    assert isinstance(end, Failed) and end.status == 503 and end.code == "kv_cache_exhausted"
+    out, end = e.generate("big", TOKENIZER.encode("y" * 150), 8)  # 10 blocks > the pool: never fits either
+    assert isinstance(end, Failed) and (end.status, end.code) == (400, "kv_cache_too_small")
+    assert "needs 10 blocks" in end.message and "can never fit" in end.message and end.retry_after is None
     acc = check_consistency(e.allocator)
     assert acc.active == acc.fenced == 0 and acc.free == 8
 

@@ -20,6 +20,10 @@ TYPE_BY_STATUS = {
 #: ``max_tokens``): HTTP 400, which OpenAI clients do not retry. What waiting cures is a 429 with
 #: ``Retry-After``.
 CODE_MAX_KV_BLOCKS_EXCEEDED = "max_kv_blocks_exceeded"
+#: The error ``code`` of a request that needs more KV blocks than the engine's pool can ever give its
+#: tenant (the pool less others' guarantees and the pinned shared prefixes), found when nothing else
+#: runs: HTTP 400 as well, since no wait makes it fit.
+CODE_KV_CACHE_TOO_SMALL = "kv_cache_too_small"
 
 
 def error_type(status: int) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvfence.contract import cache_namespace
 from kvfence.contract.engine_config import EngineConfig, SharedPrefixConfig
-from kvfence.contract.errors import CODE_MAX_KV_BLOCKS_EXCEEDED
+from kvfence.contract.errors import CODE_KV_CACHE_TOO_SMALL, CODE_MAX_KV_BLOCKS_EXCEEDED
 from kvfence.engine.allocator import (
     AllocationError,
     BeyondMaximum,
@@ -443,8 +443,11 @@ class Engine:
             running[req.tenant] += 1
         if exhausted and not self._running:
             # Nothing runs, so nothing will free blocks: the first request that did not fit never will.
+            # The request made this, not the engine: a 400 that clients do not retry.
             first, err = exhausted[0]
-            self._drop_waiting(first, Failed(503, "kv_cache_exhausted", str(err)))
+            self._drop_waiting(
+                first, Failed(400, CODE_KV_CACHE_TOO_SMALL, f"{err}; it can never fit this engine")
+            )
 
     def _start(self, req: Request) -> None:
         """Open ``req``'s sequence (raises the allocator's errors) and move it to the running list. A
