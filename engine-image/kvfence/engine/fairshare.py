@@ -91,6 +91,11 @@ class FairShare:
     def active(self) -> frozenset[str]:
         return frozenset(self._active)
 
+    @property
+    def busy(self) -> int:
+        """How many tenants have work (:meth:`sync`)."""
+        return len(self._active)
+
     def sync(self, with_work: Iterable[str]) -> None:
         """Declare the tenants that have work now (waiting or running). A tenant that had none is
         lifted to the smallest counter of those that had work; one that has none any more is kept
@@ -120,23 +125,29 @@ class FairShare:
     ) -> list[T]:
         """``queue`` in admission order: each tenant's items in their own order, the next one always
         the head of the tenant whose counter, advanced by the cost of what is already placed before
-        it, is the smallest (ties: the tenant whose head came first in ``queue``). One sort on
-        (projected counter, tenant, position): the merge of the tenants' non-decreasing sequences."""
+        it, is the smallest (ties: the tenant whose head came first in ``queue``)."""
+        ranks = self.ranks([tenant_of(x) for x in queue], [cost_of(x) for x in queue])
+        return [queue[i] for i in ranks]
+
+    def ranks(self, tenants: Sequence[str], costs: Sequence[int]) -> list[int]:
+        """:meth:`order` on positions: item ``i`` of a queue is ``tenants[i]``'s and costs
+        ``costs[i]``; the positions in admission order. One sort on (projected counter, tenant's first
+        position, position): the merge of the tenants' non-decreasing sequences."""
         first: dict[str, int] = {}
         level: dict[str, float] = {}
         weight: dict[str, int] = {}
-        keyed: list[tuple[float, int, int, T]] = []
-        for pos, item in enumerate(queue):
-            t = tenant_of(item)
+        keyed: list[tuple[float, int, int]] = []
+        append = keyed.append
+        for pos, t in enumerate(tenants):
             i = first.get(t)
             if i is None:
                 i = first[t] = len(first)
                 level[t] = self.counter(t)
                 weight[t] = self.weight(t)
-            keyed.append((level[t], i, pos, item))
-            level[t] += cost_of(item) / weight[t]
-        keyed.sort(key=_sort_key)
-        return [k[3] for k in keyed]
+            append((level[t], i, pos))
+            level[t] += costs[pos] / weight[t]
+        keyed.sort()  # the positions are distinct: no two keys are equal
+        return [k[2] for k in keyed]
 
     def divide(self, budget: int, demands: Mapping[str, int]) -> dict[str, int]:
         """``budget`` units (tokens, slots) among the tenants of ``demands`` (what each could use) in
@@ -170,7 +181,3 @@ class FairShare:
             (n - shares.get(t, 0), self.counter(t), t) for t, n in running.items() if n > shares.get(t, 0)
         ]
         return max(over)[2] if over else None
-
-
-def _sort_key(k: tuple[float, int, int, object]) -> tuple[float, int, int]:
-    return k[0], k[1], k[2]

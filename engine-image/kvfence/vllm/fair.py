@@ -47,82 +47,90 @@ class StepShares:
     def before(self, sched: Any, tenant_of: Mapping[str, str]) -> list[Any]:
         """Order vLLM's running list and waiting queue and preempt for slots; the waiting requests
         held back for this step (the caller puts them back after ``schedule``)."""
-
-        def tenant(r: Any) -> str:
-            return tenant_of.get(r.request_id, UNATTRIBUTED)
-
+        get = tenant_of.get
         running: list[Any] = sched.running
-        waiting = list(sched.waiting)
-        in_run = Counter(tenant(r) for r in running)
-        queued = Counter(tenant(r) for r in waiting)
+        run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
+        wait_t = [get(r.request_id, UNATTRIBUTED) for r in sched.waiting]
+        in_run, queued = Counter(run_t), Counter(wait_t)
         policy = self.policy
-        policy.sync({*in_run, *queued})
-        if len(policy.active) < 2:
+        policy.sync(in_run.keys() | queued.keys())
+        if policy.busy < 2:
             return []
         shares = policy.divide(self.max_num_seqs, in_run + queued)
-        self._preempt_for_slots(sched, tenant, in_run, queued, shares)
+        if self._preempt_for_slots(sched, get, in_run, queued, shares):
+            run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
+            wait_t = [get(r.request_id, UNATTRIBUTED) for r in sched.waiting]
         if _order_matters(sched, running):
-            running[:] = policy.order(running, tenant, _running_cost)
+            costs = [_running_cost(r.num_prompt_tokens - r.num_computed_tokens) for r in running]
+            running[:] = [running[i] for i in policy.ranks(run_t, costs)]
         if len(running) >= self.max_num_seqs:  # no slot: vLLM admits nothing this step
             return []
-        waiting = list(sched.waiting)
+        queue = sched.waiting  # vLLM's FCFS queue: a deque
+        waiting = list(queue)
         keep: list[Any] = []
         held: list[Any] = []
-        for r in policy.order(waiting, tenant, _waiting_cost):
-            t = tenant(r)
+        for i in policy.ranks(wait_t, [r.num_tokens * PREFILL_COST for r in waiting]):
+            t = wait_t[i]
             if in_run[t] >= shares.get(t, 0):
-                held.append(r)
+                held.append(waiting[i])
             else:
-                keep.append(r)
+                keep.append(waiting[i])
                 in_run[t] += 1
-        sched.waiting.remove_requests(waiting)
-        sched.waiting.prepend_requests(reversed(keep))  # vLLM prepends them last first
+        if held or keep != waiting:
+            queue.clear()
+            queue.extend(keep)
         return held
 
     def _preempt_for_slots(
-        self, sched: Any, tenant: Any, in_run: Counter[str], queued: Counter[str], shares: dict[str, int]
-    ) -> None:
+        self, sched: Any, get: Any, in_run: Counter[str], queued: Counter[str], shares: dict[str, int]
+    ) -> int:
         """While every slot is taken and a tenant below its share has requests waiting, preempt the
-        newest running request of the tenant furthest above its share."""
+        newest running request of the tenant furthest above its share; how many it preempted."""
         running: list[Any] = sched.running
+        done = 0
         short = {t: min(n, shares.get(t, 0) - in_run[t]) for t, n in queued.items()}
         want = sum(n for n in short.values() if n > 0)
         while want > 0 and len(running) >= self.max_num_seqs:
             victim_tenant = self.policy.victim(in_run, shares)
             if victim_tenant is None:
-                return
-            victim = next(r for r in reversed(running) if tenant(r) == victim_tenant)
+                break
+            victim = next(r for r in reversed(running) if get(r.request_id, UNATTRIBUTED) == victim_tenant)
             if not sched._request_blocks_can_be_freed(victim):
-                return
+                break
             running.remove(victim)
             sched._preempt_request(victim, time.monotonic())
             in_run[victim_tenant] -= 1
             queued[victim_tenant] += 1
             self.preemptions += 1
+            done += 1
             want -= 1
+        return done
 
     def after(self, output: Any, requests: Mapping[str, Any], tenant_of: Mapping[str, str]) -> None:
         """Charge each tenant what ``output`` (vLLM's SchedulerOutput) scheduled for it."""
         units: dict[str, int] = {}
+        get = tenant_of.get
         for new in output.scheduled_new_reqs:
             if new.num_computed_tokens:  # its prefix-cache hit
-                t = tenant_of.get(new.req_id, UNATTRIBUTED)
+                t = get(new.req_id, UNATTRIBUTED)
                 units[t] = units.get(t, 0) + new.num_computed_tokens * CACHED_COST
+        find = requests.get
         for rid, n in output.num_scheduled_tokens.items():
-            r = requests.get(rid)
+            r = find(rid)
             if r is None:
                 continue
-            before = r.num_computed_tokens - n  # vLLM has advanced it by what it scheduled
-            if before + n < r.num_tokens:  # a prompt chunk that samples nothing
+            done = r.num_computed_tokens  # vLLM has advanced it by what it scheduled
+            if done < r.num_tokens:  # a prompt chunk that samples nothing
                 u = n * PREFILL_COST
-            elif n == 1 and before >= r.num_prompt_tokens:  # a decoding step: one output token
+            elif n == 1 and done > r.num_prompt_tokens:  # a decoding step: one output token
                 u = OUTPUT_COST
             else:  # the prompt's last chunk, and its first output token
                 u = n * PREFILL_COST + OUTPUT_COST
-            t = tenant_of.get(rid, UNATTRIBUTED)
+            t = get(rid, UNATTRIBUTED)
             units[t] = units.get(t, 0) + u
+        charge = self.policy.charge
         for t, u in units.items():
-            self.policy.charge(t, u)
+            charge(t, u)
 
 
 def _order_matters(sched: Any, running: list[Any]) -> bool:
@@ -132,20 +140,15 @@ def _order_matters(sched: Any, running: list[Any]) -> bool:
     fence = sched.fence
     if fence.has_limits:
         return True
-    bs = sched.block_size
-    tokens = blocks = 0
-    for r in running:
-        new = r.num_tokens_with_spec - r.num_computed_tokens
-        tokens += new
-        blocks += new // bs + 1
-    return tokens > sched.max_num_scheduled_tokens or blocks > len(fence.pool.free)
+    bs: int = sched.block_size
+    new: list[int] = [r.num_tokens_with_spec - r.num_computed_tokens for r in running]
+    budget: int = sched.max_num_scheduled_tokens
+    if sum(new) > budget:
+        return True
+    return sum([n // bs for n in new]) + len(new) > len(fence.pool.free)
 
 
-def _running_cost(r: Any) -> int:
-    """What a running request is projected to compute this step: its prompt left, or one token."""
-    left: int = r.num_prompt_tokens - r.num_computed_tokens
+def _running_cost(left: int) -> int:
+    """What a running request with ``left`` prompt tokens to compute is projected to compute this
+    step: its prompt left, or one token."""
     return left * PREFILL_COST if left > 0 else OUTPUT_COST
-
-
-def _waiting_cost(r: Any) -> int:
-    return int(r.num_tokens) * PREFILL_COST
