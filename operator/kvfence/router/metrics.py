@@ -150,6 +150,43 @@ class RouterMetrics:
     """Every metric the router exports, in one place."""
 
     def __init__(self) -> None:
+        self._request_metrics()
+        self._engine_metrics()
+        self._table_metrics()
+        self._flow_metrics()
+        #: Called before each scrape to set gauges that are read from live state (in-flight counts).
+        self.collect: Callable[[], None] | None = None
+        # Render order, and the order merged() pairs a copy's metrics with this one's.
+        self.all: tuple[Counter | Histogram, ...] = (
+            self.requests,
+            self.duration,
+            self.auth_failures,
+            self.forbidden,
+            self.quota_rejections,
+            self.tokens,
+            self.stripped,
+            self.upstream_errors,
+            self.inflight,
+            self.engine_healthy,
+            self.endpoint_serving,
+            self.endpoint_requests,
+            self.endpoint_inflight,
+            self.affinity,
+            self.retries,
+            self.router_replicas,
+            self.reloads,
+            self.table_generation,
+            self.table_tenants,
+            self.queued,
+            self.inflight_sequences,
+            self.flow_capacity,
+            self.held,
+            self.flow_rejections,
+            self.slow_clients,
+        )
+
+    def _request_metrics(self) -> None:
+        """What each request was answered, and why one was refused."""
         self.requests = Counter(
             "kvfence_router_requests_total",
             "Requests answered, by tenant, trust class, endpoint and HTTP status code.",
@@ -192,6 +229,9 @@ class RouterMetrics:
         self.inflight = Gauge(
             "kvfence_router_inflight_requests", "Requests being proxied now.", ("trust_class",), merge="sum"
         )
+
+    def _engine_metrics(self) -> None:
+        """The engine replicas: which serve, how requests were spread over them and retried."""
         self.engine_healthy = Gauge(
             "kvfence_router_engine_healthy",
             "1 if at least one replica of the trust class's engine serves (ready and healthy).",
@@ -227,6 +267,9 @@ class RouterMetrics:
             "by what happened (connect, unsent).",
             ("trust_class", "reason"),
         )
+
+    def _table_metrics(self) -> None:
+        """The routing table and the replica count quotas are divided by."""
         self.router_replicas = Gauge(
             "kvfence_router_replicas",
             "Router replicas this router divides each tenant's quotas by (ready endpoints of its "
@@ -244,6 +287,9 @@ class RouterMetrics:
         self.table_tenants = Gauge(
             "kvfence_router_routing_table_tenants", "Tenants in the current table.", merge="min"
         )
+
+    def _flow_metrics(self) -> None:
+        """Flow control (requests held while a class's engines are saturated) and slow clients."""
         self.queued = Gauge(
             "kvfence_router_queued_requests",
             "Requests held by flow control while their trust class's engines are saturated.",
@@ -275,35 +321,6 @@ class RouterMetrics:
             "kvfence_router_slow_clients_total",
             "Client connections cut off because they left an answer unread longer than "
             "--client-write-timeout.",
-        )
-        #: Called before each scrape to set gauges that are read from live state (in-flight counts).
-        self.collect: Callable[[], None] | None = None
-        self.all: tuple[Counter | Histogram, ...] = (
-            self.requests,
-            self.duration,
-            self.auth_failures,
-            self.forbidden,
-            self.quota_rejections,
-            self.tokens,
-            self.stripped,
-            self.upstream_errors,
-            self.inflight,
-            self.engine_healthy,
-            self.endpoint_serving,
-            self.endpoint_requests,
-            self.endpoint_inflight,
-            self.affinity,
-            self.retries,
-            self.router_replicas,
-            self.reloads,
-            self.table_generation,
-            self.table_tenants,
-            self.queued,
-            self.inflight_sequences,
-            self.flow_capacity,
-            self.held,
-            self.flow_rejections,
-            self.slow_clients,
         )
 
     def _collect(self) -> None:
