@@ -24,7 +24,19 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self._isolation_counters(self.registry)
+        self._serving_counters(self.registry)
+        self._gauges: dict[str, Gauge] = {}
+        self._info = Gauge(
+            "kvfence_engine_info",
+            "The engine's build: which prefix-cache walk runs (compiled, python, or none without a cache)",
+            labelnames=["prefix_walk"],
+            registry=self.registry,
+        )
+        self._info.labels(prefix_walk="none").set(1)
+
+    def _isolation_counters(self, r: CollectorRegistry) -> None:
+        """The contract's isolation counters, and quota refusals."""
         self.hash_collision = Counter(
             METRIC_HASH_COLLISION,
             "Prefix-cache hits whose stored block did not match the request token for token (a miss)",
@@ -52,6 +64,9 @@ class EngineMetrics:
             ["tenant"],
             registry=r,
         )
+
+    def _serving_counters(self, r: CollectorRegistry) -> None:
+        """What the engine answered, served from its prefix cache, evicted, generated and preempted."""
         self.requests = Counter(
             "kvfence_engine_requests_total",
             "Requests answered, by endpoint and status",
@@ -86,14 +101,6 @@ class EngineMetrics:
             "Running sequences sent back to the waiting queue for a tenant below its fair share",
             registry=r,
         )
-        self._gauges: dict[str, Gauge] = {}
-        self._info = Gauge(
-            "kvfence_engine_info",
-            "The engine's build: which prefix-cache walk runs (compiled, python, or none without a cache)",
-            labelnames=["prefix_walk"],
-            registry=r,
-        )
-        self._info.labels(prefix_walk="none").set(1)
 
     def prefix_walk(self, walk: str) -> None:
         """``kvfence_engine_info{prefix_walk=walk} 1``, the only series (the prefix cache sets it)."""
