@@ -34,7 +34,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
@@ -44,6 +44,9 @@ from kvfence.contract import (
 )
 from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
 from kvfence.vllm import records
+
+if TYPE_CHECKING:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 log = logging.getLogger("kvfence.vllm.stats")
 
@@ -143,110 +146,144 @@ class FenceCollector:
         return data if isinstance(data, dict) else {}
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         s = self._read()
+        yield from _isolation_families(s, self.edge)
+        yield from _quota_families(s)
+        yield from _block_families(s)
+        yield from _tenant_families(s)
+        yield _info_family(s)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
 
-        yield counter(
-            METRIC_HASH_COLLISION,
-            "Prefix-cache hits whose stored block did not match the request token for token (a miss)",
-            s.get("hash_collision", 0),
-        )
-        yield counter(
-            METRIC_CROSS_ACCESS_REJECTED,
-            "Prefix-cache entries reached by a request of another cache namespace, refused",
-            s.get("cross_access_rejected", 0) + self.edge.cross_access_rejected,
-        )
-        yield counter(
-            METRIC_STALE_REFERENCE,
-            "Uses of a block whose generation moved since it was looked up, refused",
-            s.get("stale_reference", 0),
-        )
-        reasons = dict(self.edge.signature_rejected)
-        for reason, n in (s.get("identity_rejected") or {}).items():
-            reasons[reason] = reasons.get(reason, 0) + n
-        fam = CounterMetricFamily(
-            METRIC_SIGNATURE_REJECTED.removesuffix("_total"),
-            "Requests refused because their router signature (or tenant tag) did not verify",
-            labels=["reason"],
-        )
-        for reason, n in sorted(reasons.items()):
-            fam.add_metric([reason], n)
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    from prometheus_client.core import CounterMetricFamily
+
+    return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
+
+
+def _isolation_families(s: dict[str, Any], edge: EdgeCounters) -> Iterator[Metric]:
+    """The contract's isolation counters: the engine core's, plus the middleware's refusals."""
+    from prometheus_client.core import CounterMetricFamily
+
+    yield _counter(
+        METRIC_HASH_COLLISION,
+        "Prefix-cache hits whose stored block did not match the request token for token (a miss)",
+        s.get("hash_collision", 0),
+    )
+    yield _counter(
+        METRIC_CROSS_ACCESS_REJECTED,
+        "Prefix-cache entries reached by a request of another cache namespace, refused",
+        s.get("cross_access_rejected", 0) + edge.cross_access_rejected,
+    )
+    yield _counter(
+        METRIC_STALE_REFERENCE,
+        "Uses of a block whose generation moved since it was looked up, refused",
+        s.get("stale_reference", 0),
+    )
+    reasons = dict(edge.signature_rejected)
+    for reason, n in (s.get("identity_rejected") or {}).items():
+        reasons[reason] = reasons.get(reason, 0) + n
+    fam = CounterMetricFamily(
+        METRIC_SIGNATURE_REJECTED.removesuffix("_total"),
+        "Requests refused because their router signature (or tenant tag) did not verify",
+        labels=["reason"],
+    )
+    for reason, n in sorted(reasons.items()):
+        fam.add_metric([reason], n)
+    yield fam
+
+
+def _quota_families(s: dict[str, Any]) -> Iterator[Metric]:
+    """Quota refusals and waits per tenant, and evictions by whose block was evicted."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for name, doc, key in (
+        (
+            "kvfence_engine_quota_rejected",
+            "Requests refused because they can never fit the tenant's KV-block quota",
+            "quota_rejected",
+        ),
+        (
+            "kvfence_engine_quota_held_back",
+            "Scheduling steps in which a request waited for its tenant's KV-block quota",
+            "quota_held_back",
+        ),
+    ):
+        fam = CounterMetricFamily(name, doc, labels=["tenant"])
+        for tenant, n in sorted((s.get(key) or {}).items()):
+            fam.add_metric([tenant], n)
         yield fam
-        for name, doc, key in (
-            (
-                "kvfence_engine_quota_rejected",
-                "Requests refused because they can never fit the tenant's KV-block quota",
-                "quota_rejected",
-            ),
-            (
-                "kvfence_engine_quota_held_back",
-                "Scheduling steps in which a request waited for its tenant's KV-block quota",
-                "quota_held_back",
-            ),
-        ):
-            fam = CounterMetricFamily(name, doc, labels=["tenant"])
-            for tenant, n in sorted((s.get(key) or {}).items()):
-                fam.add_metric([tenant], n)
-            yield fam
-        ev = s.get("evictions") or {}
-        fam = CounterMetricFamily(
-            "kvfence_engine_kv_evictions",
-            "Cached blocks evicted, by whether the evicting tenant was the owner (own) or not (cross)",
-            labels=["kind"],
-        )
-        for kind in ("own", "cross"):
-            fam.add_metric([kind], ev.get(kind, 0))
-        yield fam
-        blocks = s.get("blocks") or {}
-        for name, doc, key in (
-            ("kvfence_engine_kv_blocks_total", "KV blocks in vLLM's pool (without the null block)", "total"),
-            ("kvfence_engine_kv_blocks_free", "KV blocks free and holding no cache entry", "free"),
-            ("kvfence_engine_kv_blocks_active", "KV blocks referenced by running requests", "active"),
-            ("kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the prefix cache", "cached"),
-            (
-                "kvfence_engine_kv_blocks_pinned",
-                "KV blocks pinned for the declared shared prefixes (outside every tenant's quota)",
-                "pinned",
-            ),
-        ):
-            yield GaugeMetricFamily(name, doc, value=blocks.get(key, 0))
-        yield counter(
-            "kvfence_engine_shared_prefix_hits",
-            "Prompt tokens served from the trust class's declared, pinned shared prefixes",
-            s.get("shared_prefix_hit_tokens", 0),
-        )
-        yield GaugeMetricFamily(
-            "kvfence_engine_shared_prefixes_pinned",
-            "Declared shared prefixes computed and pinned",
-            value=s.get("shared_prefixes", 0),
-        )
-        usage = GaugeMetricFamily(
-            "kvfence_engine_tenant_kv_blocks",
-            "KV blocks charged to a tenant: active (in use), cached (cold, evictable), reserved "
-            "(what its admitted requests may reach)",
-            labels=["tenant", "state"],
-        )
-        limits = GaugeMetricFamily(
-            "kvfence_engine_tenant_kv_blocks_limit",
-            "A tenant's KV-block quota: max (absent: the pool) and guaranteed",
-            labels=["tenant", "kind"],
-        )
-        for tenant, t in sorted((s.get("tenants") or {}).items()):
-            for state in ("active", "cached", "reserved"):
-                usage.add_metric([tenant, state], t.get(state, 0))
-            if t.get("max") is not None:
-                limits.add_metric([tenant, "max"], t["max"])
-            limits.add_metric([tenant, "guaranteed"], t.get("guaranteed", 0))
-        yield usage
-        yield limits
-        info = GaugeMetricFamily(
-            "kvfence_engine_info",
-            "The engine's build: which prefix-cache records the fence runs (compiled or python)",
-            labels=["records"],
-        )
-        info.add_metric([str(s.get("records") or records.IMPLEMENTATION)], 1)
-        yield info
+    ev = s.get("evictions") or {}
+    fam = CounterMetricFamily(
+        "kvfence_engine_kv_evictions",
+        "Cached blocks evicted, by whether the evicting tenant was the owner (own) or not (cross)",
+        labels=["kind"],
+    )
+    for kind in ("own", "cross"):
+        fam.add_metric([kind], ev.get(kind, 0))
+    yield fam
+
+
+def _block_families(s: dict[str, Any]) -> Iterator[Metric]:
+    """The pool's blocks by state, and the declared shared prefixes."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    blocks = s.get("blocks") or {}
+    for name, doc, key in (
+        ("kvfence_engine_kv_blocks_total", "KV blocks in vLLM's pool (without the null block)", "total"),
+        ("kvfence_engine_kv_blocks_free", "KV blocks free and holding no cache entry", "free"),
+        ("kvfence_engine_kv_blocks_active", "KV blocks referenced by running requests", "active"),
+        ("kvfence_engine_kv_blocks_cached", "Unreferenced KV blocks held by the prefix cache", "cached"),
+        (
+            "kvfence_engine_kv_blocks_pinned",
+            "KV blocks pinned for the declared shared prefixes (outside every tenant's quota)",
+            "pinned",
+        ),
+    ):
+        yield GaugeMetricFamily(name, doc, value=blocks.get(key, 0))
+    yield _counter(
+        "kvfence_engine_shared_prefix_hits",
+        "Prompt tokens served from the trust class's declared, pinned shared prefixes",
+        s.get("shared_prefix_hit_tokens", 0),
+    )
+    yield GaugeMetricFamily(
+        "kvfence_engine_shared_prefixes_pinned",
+        "Declared shared prefixes computed and pinned",
+        value=s.get("shared_prefixes", 0),
+    )
+
+
+def _tenant_families(s: dict[str, Any]) -> Iterator[Metric]:
+    """Each tenant's blocks by state, and its quota."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    usage = GaugeMetricFamily(
+        "kvfence_engine_tenant_kv_blocks",
+        "KV blocks charged to a tenant: active (in use), cached (cold, evictable), reserved "
+        "(what its admitted requests may reach)",
+        labels=["tenant", "state"],
+    )
+    limits = GaugeMetricFamily(
+        "kvfence_engine_tenant_kv_blocks_limit",
+        "A tenant's KV-block quota: max (absent: the pool) and guaranteed",
+        labels=["tenant", "kind"],
+    )
+    for tenant, t in sorted((s.get("tenants") or {}).items()):
+        for state in ("active", "cached", "reserved"):
+            usage.add_metric([tenant, state], t.get(state, 0))
+        if t.get("max") is not None:
+            limits.add_metric([tenant, "max"], t["max"])
+        limits.add_metric([tenant, "guaranteed"], t.get("guaranteed", 0))
+    yield usage
+    yield limits
+
+
+def _info_family(s: dict[str, Any]) -> GaugeMetricFamily:
+    from prometheus_client.core import GaugeMetricFamily
+
+    info = GaugeMetricFamily(
+        "kvfence_engine_info",
+        "The engine's build: which prefix-cache records the fence runs (compiled or python)",
+        labels=["records"],
+    )
+    info.add_metric([str(s.get("records") or records.IMPLEMENTATION)], 1)
+    return info
