@@ -173,6 +173,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._busy = False
+        self._register_gauges()
+
+    def _register_gauges(self) -> None:
+        """Gauges read from the allocator and the queues at scrape time."""
         m = self.metrics
         a = self.allocator
         m.gauge_function("kvfence_engine_kv_blocks_total", "KV blocks in the pool", lambda: a.num_blocks)
