@@ -567,6 +567,48 @@ def _env(name: str, default: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvfence-router", description=__doc__.split("\n")[0])
     _table_args(p)
+    _listen_args(p)
+    _replica_args(p)
+    p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between routing table checks")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=1024,
+        help="tokens reserved for the completion when a request does not set max_tokens",
+    )
+    _upstream_args(p)
+    _flow_control_args(p)
+    _lifecycle_args(p)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _table_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--routing-table",
+        default=_env("KVFENCE_ROUTING_TABLE", ""),
+        help="routing table JSON file (the mounted kvfence-routing Secret), polled [KVFENCE_ROUTING_TABLE]",
+    )
+    p.add_argument(
+        "--routing-secret",
+        default=_env("KVFENCE_ROUTING_SECRET", ""),
+        metavar="NAMESPACE/NAME",
+        help="follow the routing table Secret through the Kubernetes API instead of a file: changes "
+        "(a revoked key) apply within a second, not at the kubelet's next volume refresh "
+        "[KVFENCE_ROUTING_SECRET]",
+    )
+    p.add_argument("--routing-secret-key", default=ROUTING_SECRET_KEY, help="the Secret's data key")
+    p.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="for --routing-secret (default: in-cluster) [KUBECONFIG]",
+    )
+
+
+def _listen_args(p: argparse.ArgumentParser) -> None:
+    """Where the router listens, and in how many processes."""
     p.add_argument("--host", default=_env("KVFENCE_ROUTER_HOST", "0.0.0.0"))  # noqa: S104
     p.add_argument("--port", type=int, default=int(_env("KVFENCE_ROUTER_PORT", "8080")))
     p.add_argument(
@@ -585,17 +627,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "per-tenant quotas are counted in memory they share, so the limits hold exactly across them "
         "[KVFENCE_ROUTER_WORKERS]",
     )
-    _replica_args(p)
-    p.add_argument("--reload-interval", type=float, default=1.0, help="seconds between routing table checks")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    p.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=1024,
-        help="tokens reserved for the completion when a request does not set max_tokens",
-    )
-    _upstream_args(p)
-    _flow_control_args(p)
+
+
+def _lifecycle_args(p: argparse.ArgumentParser) -> None:
+    """Shutdown, logging and client connection timeouts."""
     p.add_argument("--shutdown-timeout", type=float, default=60.0)
     p.add_argument(
         "--drain-delay",
@@ -622,31 +657,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=REQUEST_TIMEOUT,
         help="seconds a client has to send a whole request once it started (408 after)",
-    )
-    args = p.parse_args(argv)
-    _check_args(p, args)
-    return args
-
-
-def _table_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--routing-table",
-        default=_env("KVFENCE_ROUTING_TABLE", ""),
-        help="routing table JSON file (the mounted kvfence-routing Secret), polled [KVFENCE_ROUTING_TABLE]",
-    )
-    p.add_argument(
-        "--routing-secret",
-        default=_env("KVFENCE_ROUTING_SECRET", ""),
-        metavar="NAMESPACE/NAME",
-        help="follow the routing table Secret through the Kubernetes API instead of a file: changes "
-        "(a revoked key) apply within a second, not at the kubelet's next volume refresh "
-        "[KVFENCE_ROUTING_SECRET]",
-    )
-    p.add_argument("--routing-secret-key", default=ROUTING_SECRET_KEY, help="the Secret's data key")
-    p.add_argument(
-        "--kubeconfig",
-        default=os.environ.get("KUBECONFIG"),
-        help="for --routing-secret (default: in-cluster) [KUBECONFIG]",
     )
 
 
