@@ -235,6 +235,7 @@ class FencedAllocator:
                 return 0
         return n
 
+    # 74 lines: the prompt's hits and fresh blocks in one pass and one frame, on every allocation.
     def _allocate_sequence(
         self,
         seq_id: Hashable,

@@ -236,6 +236,7 @@ class PrefixCache:
         block after the shared part is keyed by the tenant, as without shared prefixes."""
         return self.hash_fn(self.root_key(ctx), shared_key)
 
+    # 68 lines: the verified walk of a prompt's chain (a hot path), with its docstring's contract.
     def lookup(
         self,
         ctx: CacheContext,

@@ -572,6 +572,7 @@ class TenantFence:
             return (tenant_ns, extra)
         return None if extra is None else (extra,)
 
+    # 65 lines: the hit check of every cached block (a hot path), most of it the docstring's contract.
     def verify(
         self,
         block_ids: Sequence[int],

@@ -493,6 +493,7 @@ class Pool:
             conn.idle_since = now
             idle.append(conn)
 
+    # 72 lines: the per-request path (slot, connection, write, status line), one coroutine frame.
     async def request(
         self,
         method: str,
