@@ -32,6 +32,8 @@ plugin from vLLM's scheduler.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import accumulate, repeat
+from operator import truediv
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -133,19 +135,20 @@ class FairShare:
         """:meth:`order` on positions: item ``i`` of a queue is ``tenants[i]``'s and costs
         ``costs[i]``; the positions in admission order. One sort on (projected counter, tenant's first
         position, position): the merge of the tenants' non-decreasing sequences."""
-        first: dict[str, int] = {}
-        level: dict[str, float] = {}
-        weight: dict[str, int] = {}
-        keyed: list[tuple[float, int, int]] = []
-        append = keyed.append
-        for pos, t in enumerate(tenants):
-            i = first.get(t)
-            if i is None:
-                i = first[t] = len(first)
-                level[t] = self.counter(t)
-                weight[t] = self.weight(t)
-            append((level[t], i, pos))
-            level[t] += costs[pos] / weight[t]
+        n = len(tenants)
+        first = {t: i for i, t in enumerate(dict.fromkeys(tenants))}  # by first appearance
+        ids = list(map(first.__getitem__, tenants))
+        grouped = sorted(range(n), key=ids.__getitem__)  # stable: each tenant's positions in order
+        levels: list[float] = []
+        start = 0
+        for t, i in first.items():
+            end = start + ids.count(i)
+            part = map(costs.__getitem__, grouped[start:end])
+            # level before each item: the counter plus the earlier items' costs, added one by one
+            levels += accumulate(map(truediv, part, repeat(self.weight(t))), initial=self.counter(t))
+            levels.pop()
+            start = end
+        keyed = list(zip(levels, map(ids.__getitem__, grouped), grouped, strict=True))
         keyed.sort()  # the positions are distinct: no two keys are equal
         return [k[2] for k in keyed]
 
@@ -153,18 +156,21 @@ class FairShare:
         """``budget`` units (tokens, slots) among the tenants of ``demands`` (what each could use) in
         proportion to their weights, no tenant above its demand; what one cannot use goes to the
         others, and the remainder of the integer division to the smallest counters first."""
+        if sum(d for d in demands.values() if d > 0) <= budget:  # all fits: what the loop below gives
+            return {t: max(0, d) for t, d in demands.items()}
         grant = dict.fromkeys(demands, 0)
         want = {t: d for t, d in demands.items() if d > 0}
+        weight = {t: self.weight(t) for t in want}
         left = max(0, budget)
         while want and left > 0:
-            total = sum(self.weight(t) for t in want)
-            sated = [t for t in want if want[t] * total <= left * self.weight(t)]
+            total = sum(weight[t] for t in want)
+            sated = [t for t in want if want[t] * total <= left * weight[t]]
             if sated:  # below their share: give them all they want, share the rest again
                 for t in sated:
                     grant[t] += want.pop(t)
                 left = max(0, budget) - sum(grant.values())
                 continue
-            shares = {t: left * self.weight(t) // total for t in want}
+            shares = {t: left * weight[t] // total for t in want}
             for t, s in shares.items():
                 grant[t] += s
                 want[t] -= s

@@ -56,7 +56,10 @@ class StepShares:
         policy.sync(in_run.keys() | queued.keys())
         if policy.busy < 2:
             return []
-        shares = policy.divide(self.max_num_seqs, in_run + queued)
+        demand = dict(in_run)
+        for t, n in queued.items():
+            demand[t] = demand.get(t, 0) + n
+        shares = policy.divide(self.max_num_seqs, demand)
         if self._preempt_for_slots(sched, get, in_run, queued, shares):
             run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
             wait_t = [get(r.request_id, UNATTRIBUTED) for r in sched.waiting]
