@@ -3,7 +3,7 @@
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
         [--quick] [--rounds 5] [--profile] [--process-per-run | --lockstep [--floor]] [--async-scheduling]
         [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]] [--bytecodes]
-        [--hooks]
+        [--hooks] [--fair-share-off]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -30,9 +30,13 @@ Variants:
 
 * ``no quotas``: the plugin without quotas in its engine config (every tenant unlimited): verified
   hits, stale checks, shadow pool, tenant-partitioned eviction and admission bookkeeping, but no limit
-  ever binds. The schedule must be step-for-step identical to stock vLLM's ("same schedule"); the
-  per-step times are then paired, and a least-squares fit splits the plugin's cost into a part per
-  scheduled request, per new request (prefix lookup + verification + admission) and per finished one.
+  ever binds. Fair share (``kvfence.vllm.fair``) is on, and with 8 tenants that have work it orders
+  the running list and the waiting queue by their counters and holds a tenant at its share of the
+  slots: the fenced schedule is then not stock vLLM's (more steps, fewer requests a step), and per
+  scheduled request is the comparable figure. With ``--fair-share-off`` the schedule must be
+  step-for-step identical to stock vLLM's ("same schedule"); the per-step times are then paired, and a
+  least-squares fit splits the fence's cost into a part per scheduled request, per new request
+  (prefix lookup + verification + admission) and per finished one.
 * ``quotas``: every tenant ``maxBlocks`` 2048 / ``guaranteedBlocks`` 256 in the engine config the
   plugin reads (KVFENCE_ENGINE_CONFIG). The heaviest tenant's requests are held back at its maximum
   (admission reserves prompt + max_tokens per request), so the fenced schedule differs (more steps,
@@ -75,9 +79,18 @@ client-request library is compiled on the fly).
 compiled records do not load (every image ships them: docs/engine.md), instead of the compiled ones
 this machine built; any mode.
 
-``--hooks`` times where the plugin's cost lands: each vLLM method the plugin overrides (``add_request``,
-``get_computed_blocks``, ``allocate_slots``, ``get_new_blocks``, ``cache_full_blocks``, ``touch``,
-``_free_request``, ``free``, ``free_blocks``) wrapped in a wall-clock timer, in stock and fenced runs
+``--fair-share-off`` is a BENCHMARK-ONLY A/B, not a product switch (the plugin has none: a class
+with tenants always schedules by fair share): in this process and the ones it forks, the fenced
+scheduler's fair-share hooks (``StepShares.before``/``after``) are patched to do nothing, so the
+fenced schedule is stock vLLM's and fenced/stock is the fence's own cost. Run with and without it in
+the same minutes: the difference per scheduled request is fair share's cost (its own work and the
+different schedule it makes). Not with ``--callgrind`` (whose runs are fresh processes).
+
+``--hooks`` times where the plugin's cost lands: ``schedule`` (the fenced one includes fair share's
+``StepShares.before`` and ``after``, timed apart, 0 for stock), and each vLLM method the plugin
+overrides (``add_request``, ``get_computed_blocks``, ``allocate_slots``, ``get_new_blocks``,
+``cache_full_blocks``, ``touch``, ``_free_request``, ``free``, ``free_blocks``), each wrapped in a
+wall-clock timer, in stock and fenced runs
 alike, alternating, a forked process each; per hook, microseconds per step, fenced - stock (a hook's
 time includes the hooks it calls). Unlike cProfile (whose overhead per call swamps a sub-microsecond
 difference) and callgrind (a simulated cache), this shows the cache misses a hook causes on this
@@ -674,6 +687,7 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
             },
             "vllm_prefix_cache_stats": {"queries": first.vllm_queries, "hits": first.vllm_hits},
             "preempted": first.preempted,
+            "fingerprint": first.fingerprint,
             "finish": first.finish,
             "fence": first.fence,
         }
@@ -1094,6 +1108,27 @@ def records_kind(a: argparse.Namespace) -> str:
     return "pure-Python" if a.pure_python_records else "compiled"
 
 
+def fair_share_kind(a: argparse.Namespace) -> str:
+    return "off (bench-only A/B: StepShares.before/after patched out)" if a.fair_share_off else "on"
+
+
+def patch_out_fair_share() -> None:
+    """BENCHMARK-ONLY A/B, never a product switch: the fenced scheduler's fair-share hooks
+    (:class:`kvfence.vllm.fair.StepShares` ``before``/``after``) replaced by no-ops in this process
+    (and the processes it forks), so that the fenced schedule is stock vLLM's and the ratio is the
+    fence's own cost (see ``--fair-share-off``)."""
+    from kvfence.vllm.fair import StepShares
+
+    def before(self: Any, sched: Any, tenant_of: Any) -> list[Any]:
+        return []
+
+    def after(self: Any, output: Any, requests: Any, tenant_of: Any) -> None:
+        return None
+
+    StepShares.before = before  # type: ignore[method-assign]
+    StepShares.after = after  # type: ignore[method-assign]
+
+
 def use_pure_python_records() -> None:
     """The fenced scheduler with the pure-Python fallback records (the switch the vLLM lane's
     ``record_impl`` fixture makes for a test)."""
@@ -1199,6 +1234,9 @@ def bytecodes(chosen: list[str], per_user: int, seed: int, config: Any, records:
 #: schedulers: (which object, method). Nested: allocate_slots includes get_new_blocks, cache_full_blocks
 #: and touch; _free_request includes free, which includes free_blocks.
 HOOKS = (
+    ("scheduler", "schedule"),
+    ("fair", "before"),
+    ("fair", "after"),
     ("scheduler", "add_request"),
     ("manager", "get_computed_blocks"),
     ("manager", "allocate_slots"),
@@ -1231,15 +1269,23 @@ def hooked_run(
         classes: dict[str, type] = {"scheduler": Scheduler, "manager": KVCacheManager, "pool": BlockPool}
     else:
         from kvfence.vllm.block_pool import FencedBlockPool
+        from kvfence.vllm.fair import StepShares
         from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
         from kvfence.vllm.scheduler import FenceMixin
 
-        classes = {"scheduler": FenceMixin, "manager": FencedKVCacheManager, "pool": FencedBlockPool}
+        classes = {
+            "scheduler": FenceMixin,
+            "manager": FencedKVCacheManager,
+            "pool": FencedBlockPool,
+            "fair": StepShares,
+        }
     spent: dict[str, int] = {}
     pc = time.perf_counter_ns
     for where, method in HOOKS:
         key = f"{where}.{method}"
         spent[key] = 0
+        if where not in classes:  # fair share: the fenced scheduler's alone (0 for stock)
+            continue
         inner = classes[where].__dict__[method]
 
         def timer(*args: Any, _inner: Any = inner, _key: str = key, **kwargs: Any) -> Any:
@@ -1355,6 +1401,11 @@ def argument_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time the plugin's hooks in vLLM, fenced against stock, a forked process per run (see above)",
     )
+    ap.add_argument(
+        "--fair-share-off",
+        action="store_true",
+        help="benchmark-only A/B: the fenced scheduler with its fair-share hooks patched out (see above)",
+    )
     ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
     return ap
@@ -1370,6 +1421,10 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     if a.floor and not a.lockstep:
         ap.error("--floor needs --lockstep (the floor is stock against itself, stepped in lockstep)")
+    if a.fair_share_off and a.callgrind:
+        ap.error(
+            "--fair-share-off patches this process's classes; --callgrind runs processes it does not reach"
+        )
     return a, chosen
 
 
@@ -1413,7 +1468,7 @@ def print_header(a: argparse.Namespace, sc: Any, n_req: int, rounds: int) -> Non
         f"{sc.max_num_seqs}, max_num_batched_tokens {sc.max_num_batched_tokens}, chunked prefill "
         f"{sc.enable_chunked_prefill}, async scheduling {sc.async_scheduling}; {n_req} requests from "
         f"{len(TENANTS)} tenants ({sum(CONCURRENCY)} concurrent users); {rounds} rounds, "
-        f"{mode}; {records_kind(a)} prefix-cache records",
+        f"{mode}; {records_kind(a)} prefix-cache records; fair share {fair_share_kind(a)}",
         file=sys.stderr,
     )
 
@@ -1505,6 +1560,7 @@ def timed_setup(
         "process_per_run": a.process_per_run,
         "lockstep": a.lockstep,
         "records": records_kind(a),
+        "fair_share": fair_share_kind(a),
     }
 
 
@@ -1537,6 +1593,8 @@ def main() -> None:
     config = scheduler_config(a)
     if a.pure_python_records:
         use_pure_python_records()
+    if a.fair_share_off:
+        patch_out_fair_share()
     if a.callgrind_child:
         callgrind_child(a.callgrind_child, per_user, a.seed, VARIANTS[a.variants], config, a.callgrind_lib)
     elif a.callgrind:
