@@ -143,3 +143,68 @@ def test_reloaded_weights_reach_the_scheduler(tmp_path: Path) -> None:
     h.step()
     policy = h.sched.fair.policy
     assert (policy.weight("a"), policy.weight("b"), policy.weight("z")) == (5, 3, 2)
+
+
+def check_waiting_order(h: Harness, arrived: dict[str, list[str]], started: list[str]) -> None:
+    """vLLM's first-come-first-served order within each tenant of the waiting queue: the requests
+    preempted (started before) ahead of those not started yet, which are in the order they arrived."""
+    for t, ids in arrived.items():
+        mine = [r.request_id for r in h.sched.waiting if tenant_of(r.request_id) == t]
+        fresh = [rid for rid in mine if rid not in started]
+        assert fresh == [rid for rid in ids if rid in fresh], mine
+        assert mine[len(mine) - len(fresh) :] == fresh, mine
+
+
+def started_in_order(
+    h: Harness, arrived: dict[str, list[str]], max_steps: int = 500
+) -> tuple[list[str], int]:
+    """Run to the end, checking the waiting queue's order after each step; the request ids in the
+    order vLLM first scheduled them, and how many requests vLLM preempted."""
+    started: list[str] = []
+    preempted = 0
+    for _ in range(max_steps):
+        if not h.sched.has_requests():
+            return started, preempted
+        out = h.step()
+        started += [new.req_id for new in out.scheduled_new_reqs]
+        preempted += len(out.preempted_req_ids or ())
+        check_waiting_order(h, arrived, started)
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize(
+    ("quotas", "num_blocks"),
+    [({}, 1024), ({"a": {"maxBlocks": 4}}, 1024), ({}, 14)],
+    ids=["fair share", "and a's maximum", "and vLLM preempting for blocks"],
+)
+def test_each_tenants_requests_start_in_arrival_order(
+    tmp_path: Path, quotas: dict[str, Any], num_blocks: int
+) -> None:
+    # Four slots for twelve requests: each step holds back requests of the tenant at its share (and,
+    # with a's maximum of one request's blocks, all of a's but one), and leaves some let through
+    # waiting; with 14 blocks for four requests of up to six, vLLM preempts running requests.
+    cfg = base_config(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=BUDGET)
+    h = Harness(tmp_path, num_blocks=num_blocks, quotas=quotas, config=cfg)
+    arrived = {t: [h.add(t, prompt(i, 32), 3 if i < 2 else 60).request_id for i in range(6)] for t in "ab"}
+    started, preempted = started_in_order(h, arrived)
+    assert (preempted > 0) == (num_blocks < 20)
+    assert sorted(started) == sorted(arrived["a"] + arrived["b"])
+    for t, ids in arrived.items():
+        assert [rid for rid in started if tenant_of(rid) == t] == ids
+    assert any(tenant_of(rid) == "b" for rid in started[:2])  # b is not queued behind a's requests
+
+
+def test_a_request_preempted_for_another_tenant_resumes_before_its_tenants_later_ones(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    flood_then_one(h)
+    victims = [r for r in h.sched.waiting if r.num_computed_tokens == 0 and r.num_output_tokens]
+    assert len(victims) == 1  # stock vLLM puts a preempted request at the head of the waiting queue
+    victim = victims[0].request_id
+    later = {r.request_id for r in h.sched.waiting if tenant_of(r.request_id) == "a"} - {victim}
+    for _ in range(200):
+        running = {r.request_id for r in h.sched.running}
+        if victim in running:
+            return
+        assert not running & later, running & later
+        h.step()
+    raise AssertionError("the preempted request never resumed")

@@ -13,9 +13,15 @@ its waiting queue while slots and budget last. Before each ``schedule`` the fenc
   below its share with requests waiting while every slot is taken preempts the newest running
   request of the tenant furthest above its share (never one at or below it), and waiting requests of
   a tenant at its share sit out the step;
-* orders the waiting queue by the policy (first in first out within a tenant).
+* orders the waiting queue by the policy (first in first out within a tenant) for the step.
 
-After ``schedule``, :meth:`StepShares.after` charges each tenant what the step scheduled for it: the
+After ``schedule`` the caller puts the waiting queue back in the order vLLM's first-come-first-served
+policy keeps (:func:`restore_order`): the requests preempted (by fair share or by vLLM) at its head,
+where vLLM puts a preempted request, and behind them the held requests and those let through but not
+admitted, in the order they had before the step. The queue's own order is thus always vLLM's, and
+each step's policy order is drawn from it: within a tenant, requests start in the order they arrived.
+
+Then :meth:`StepShares.after` charges each tenant what the step scheduled for it: the
 prompt tokens it computes, the tokens its requests sample, and, for a request starting, the prompt
 tokens it found in the prefix cache.
 """
@@ -40,13 +46,16 @@ class StepShares:
         self.max_num_seqs = max_num_seqs
         #: requests preempted for a tenant below its share of the slots
         self.preemptions = 0
+        #: the waiting queue in vLLM's order when :meth:`before` reordered it this step, else None
+        self.fifo: list[Any] | None = None
 
     def set_weights(self, quotas: QuotasConfig) -> None:
         self.policy.set_weights(quotas.default.weight, quotas.weights())
 
     def before(self, sched: Any, tenant_of: Mapping[str, str]) -> list[Any]:
         """Order vLLM's running list and waiting queue and preempt for slots; the waiting requests
-        held back for this step (the caller puts them back after ``schedule``)."""
+        held back for this step (the caller puts them back after ``schedule``, see :func:`restore_order`)."""
+        self.fifo = None
         get = tenant_of.get
         running: list[Any] = sched.running
         run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
@@ -80,6 +89,7 @@ class StepShares:
                 keep.append(waiting[i])
                 in_run[t] += 1
         if held or keep != waiting:
+            self.fifo = waiting
             queue.clear()
             queue.extend(keep)
         return held
@@ -134,6 +144,22 @@ class StepShares:
         charge = self.policy.charge
         for t, u in units.items():
             charge(t, u)
+
+
+def restore_order(queue: Any, fifo: list[Any], held: list[Any]) -> None:
+    """Put vLLM's waiting queue (a deque) back in its first-come-first-served order after a step that
+    ran on a reordered queue: first the requests not in ``fifo`` (those vLLM preempted during the
+    step: its ``_preempt_request`` puts each at the head, and it admits nothing in a step that
+    preempts), as vLLM left them; then, in ``fifo``'s order (the queue as it stood before the step's
+    reordering, fair share's own preemptions at its head), those of ``fifo`` still waiting and those
+    ``held`` out of the queue for the step."""
+    before = set(fifo)
+    waiting = set(queue)
+    waiting.update(held)
+    head = [r for r in queue if r not in before]
+    queue.clear()
+    queue.extend(head)
+    queue.extend([r for r in fifo if r in waiting])
 
 
 def _order_matters(sched: Any, running: list[Any]) -> bool:

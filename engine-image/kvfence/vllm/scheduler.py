@@ -60,7 +60,7 @@ from kvfence.contract.engine_config import (
 from kvfence.contract.errors import CODE_MAX_KV_BLOCKS_EXCEEDED
 from kvfence.engine.quotas import SHARED_OWNER
 from kvfence.vllm.block_pool import FencedBlockPool, FenceFreeCount, constructing_as
-from kvfence.vllm.fair import StepShares
+from kvfence.vllm.fair import StepShares, restore_order
 from kvfence.vllm.fence import UNATTRIBUTED, FenceError, SharedPin, TenantFence
 from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
 from kvfence.vllm.logs import ensure_handler
@@ -447,12 +447,16 @@ class FenceMixin:
         elif self._retiring and not self._pinning:
             self._release_retired()
         held = self.fair.before(self, self._tenant_of)
+        fifo = self.fair.fifo  # the waiting queue in vLLM's order, if fair share reordered it
+        if fifo is None and self.waiting and (self.fence.has_limits or self._refused):
+            fifo = list(self.waiting)  # what _hold_back may take requests out of
         held += self._hold_back()
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
-            if held:
-                self.waiting.prepend_requests(held)
+            if fifo is not None and (held or self.fair.fifo is not None):
+                # vLLM's order again: not the step's, nor the held requests reversed at the head
+                restore_order(self.waiting, fifo, held)
         self.fair.after(out, self.requests, self._tenant_of)
         return out
 
