@@ -18,10 +18,10 @@ help: ## List the targets
 
 # The compiled modules are abi3 builds (setup.py): a per-version build left in the tree by an older
 # install would be imported before them, so it is removed first.
-$(VENV)/.installed: pyproject.toml setup.py engine-image/kvfence/engine/_prefix_walk.c engine-image/kvfence/vllm/_records.c
+$(VENV)/.installed: pyproject.toml setup.py engine-image/kvfence/isolation/_prefix_walk.c engine-image/kvfence/vllm/_records.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	rm -f engine-image/kvfence/engine/_prefix_walk.cpython-*.so engine-image/kvfence/vllm/_records.cpython-*.so
+	rm -f engine-image/kvfence/isolation/_prefix_walk.cpython-*.so engine-image/kvfence/vllm/_records.cpython-*.so
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 

@@ -1,9 +1,9 @@
 """kvfence is one distribution whose namespace package ``kvfence`` is spread over two source roots:
-``operator/`` (API, operator, router) and ``engine-image/`` (contract, engine, vLLM plugin). setuptools'
-declarative config cannot map one namespace onto two roots, so this file does that mapping, and
-declares the compiled modules: the prefix cache's verified walk (``_prefix_walk.c``, linked against
-OpenSSL's libcrypto) and the vLLM fence's prefix-cache records (``_records.c``); everything else lives
-in pyproject.toml.
+``operator/`` (API, operator, router) and ``engine-image/`` (contract, isolation core, reference engine,
+vLLM plugin). setuptools' declarative config cannot map one namespace onto two roots, so this file does
+that mapping, and declares the compiled modules: the prefix cache's verified walk (``_prefix_walk.c``,
+linked against OpenSSL's libcrypto) and the vLLM fence's prefix-cache records (``_records.c``); everything
+else lives in pyproject.toml.
 
 Both are built against CPython's stable ABI (``Py_LIMITED_API`` of 3.11, the oldest Python kvfence
 supports), and the wheel is tagged ``cp311-abi3``: one wheel loads in CPython 3.11 and every later
@@ -35,8 +35,8 @@ for root in ROOTS:
 
 ext_modules = [
     Extension(
-        "kvfence.engine._prefix_walk",
-        ["engine-image/kvfence/engine/_prefix_walk.c"],
+        "kvfence.isolation._prefix_walk",
+        ["engine-image/kvfence/isolation/_prefix_walk.c"],
         libraries=["crypto"],
         extra_compile_args=COMPILE_ARGS,
         define_macros=[LIMITED_API],

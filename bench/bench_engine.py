@@ -32,10 +32,10 @@ from engine.oracle import check_consistency  # noqa: E402
 
 from kvfence.contract import CacheScope, cache_namespace  # noqa: E402
 from kvfence.contract.engine_config import QuotasConfig  # noqa: E402
-from kvfence.engine.allocator import AllocationError, FencedAllocator  # noqa: E402
-from kvfence.engine.metrics import EngineMetrics  # noqa: E402
-from kvfence.engine.prefix_cache import CacheContext, PrefixCache  # noqa: E402
-from kvfence.engine.shared_prefixes import Pinned, shared_namespace  # noqa: E402
+from kvfence.isolation.allocator import AllocationError, FencedAllocator  # noqa: E402
+from kvfence.isolation.metrics import EngineMetrics  # noqa: E402
+from kvfence.isolation.prefix_cache import CacheContext, PrefixCache  # noqa: E402
+from kvfence.isolation.shared_prefixes import Pinned, shared_namespace  # noqa: E402
 
 BS = 16
 

@@ -37,7 +37,7 @@ Measured client-side, per request: the send time and the arrival time of every s
 its token count (``return_token_ids``). TTFT is the first event's arrival less the send; ITL the gaps
 between a stream's events (as ``vllm bench serve`` counts them). A victim request that fails or gets
 no token within ``--victim-timeout`` counts as a miss, with its wait so far as its TTFT (a lower
-bound). Service is counted in the fair-share policy's units (``kvfence.engine.fairshare``): 4 per
+bound). Service is counted in the fair-share policy's units (``kvfence.isolation.fairshare``): 4 per
 prompt token (charged when the prompt's first token arrives), 8 per output token (on arrival); the
 client cannot see prefix-cache hits, so every prompt token is counted as computed.
 
@@ -87,7 +87,7 @@ ATTACKS = ("big request", "long prompts", "long generations", "slow readers")
 PAIR = "backlogged pair"
 #: the tenants and their API keys at the router
 KEYS = {t: f"sk-bench-fair-{t}-0123456789" for t in ("victim", "attacker", "tenant-a", "tenant-b")}
-#: service units per prompt and output token (the fair-share policy's, kvfence.engine.fairshare)
+#: service units per prompt and output token (the fair-share policy's, kvfence.isolation.fairshare)
 PROMPT_UNITS, OUTPUT_UNITS = 4, 8
 TTFT_GOAL = 2.0
 WORK_GOAL = 0.9

@@ -583,7 +583,7 @@ def profile(streams: dict[str, list[Spec]], quotas: dict[str, Any], config: Any)
     def is_plugin(fn: tuple[str, int, str]) -> bool:
         return fn[0].startswith(plugin_root)
 
-    # Self time of kvfence code (kvfence.vllm.* and the kvfence.engine.* it calls).
+    # Self time of kvfence code (kvfence.vllm.* and the kvfence.isolation.* it calls).
     own = sorted(((fn, v[2], v[1]) for fn, v in raw.items() if is_plugin(fn)), key=lambda x: -x[1])
     plugin_self = sum(x[1] for x in own)
     # Self time that grew against the stock run, any code (vLLM code that runs more, builtins the

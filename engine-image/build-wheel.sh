@@ -41,7 +41,7 @@ whl="$out/kvfence-$version-$ABI3_TAG-linux_$(uname -m).whl"
 "$PYTHON" - "$whl" <<'PY' || die "$whl does not hold exactly the two abi3 modules"
 import sys, zipfile
 have = {n for n in zipfile.ZipFile(sys.argv[1]).namelist() if n.endswith(".so")}
-want = {"kvfence/engine/_prefix_walk.abi3.so", "kvfence/vllm/_records.abi3.so"}
+want = {"kvfence/isolation/_prefix_walk.abi3.so", "kvfence/vllm/_records.abi3.so"}
 sys.exit(f"missing {sorted(want - have)}, unexpected {sorted(have - want)}" if have != want else 0)
 PY
 echo "$whl"

@@ -10,17 +10,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kvfence_imports(root: Path) -> dict[str, set[str]]:
+def imports(root: Path) -> dict[str, set[str]]:
+    """Every module each file under ``root`` imports, at any depth (a relative import counts as
+    ``.``-prefixed, so no rule below can be side-stepped by one)."""
     out: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module)
-        out[str(path.relative_to(ROOT))] = {n for n in names if n.startswith("kvfence")}
+            elif isinstance(node, ast.ImportFrom):
+                names.add("." * node.level + (node.module or ""))
+        out[str(path.relative_to(ROOT))] = names
     return out
+
+
+def kvfence_imports(root: Path) -> dict[str, set[str]]:
+    return {f: {n for n in mods if n.startswith("kvfence")} for f, mods in imports(root).items()}
 
 
 def test_the_control_plane_reaches_the_engine_side_only_through_the_contract() -> None:
@@ -56,6 +62,23 @@ def test_the_contract_is_self_contained() -> None:
         "kvfence.contract.errors",
         "kvfence.contract.routing",
     }
+
+
+def test_the_isolation_core_and_the_vllm_plugin_import_nothing_of_the_reference_engine() -> None:
+    """Both engines enforce isolation with ``kvfence.isolation``; neither it nor the vLLM plugin
+    depends on the reference engine (``kvfence.engine``), and the isolation core runs without vLLM."""
+    engine_side = ROOT / "engine-image" / "kvfence"
+    core = imports(engine_side / "isolation")
+    plugin = imports(engine_side / "vllm")
+    assert core and plugin, "no isolation-core or vLLM-plugin sources found"
+    wrong = {
+        f: sorted(m for m in mods if m.startswith(".") or m.split(".")[:2] == ["kvfence", "engine"])
+        for f, mods in (core | plugin).items()
+    }
+    assert not {f: m for f, m in wrong.items() if m}
+    with_vllm = {f: sorted(m for m in mods if m.split(".")[0] == "vllm") for f, mods in core.items()}
+    assert not {f: m for f, m in with_vllm.items() if m}
+    assert any(m.startswith("kvfence.isolation") for mods in plugin.values() for m in mods)
 
 
 def test_the_api_server_is_reached_only_through_kvfence_kube() -> None:

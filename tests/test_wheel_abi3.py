@@ -22,14 +22,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_WHEEL = ROOT / "engine-image" / "build-wheel.sh"
-COMPILED = {"kvfence/engine/_prefix_walk.abi3.so", "kvfence/vllm/_records.abi3.so"}
+COMPILED = {"kvfence/isolation/_prefix_walk.abi3.so", "kvfence/vllm/_records.abi3.so"}
 
 #: run inside each fresh environment: every line asserts something about what loaded
 CHECK = r"""
 import hashlib, sys, sysconfig
 from pathlib import Path
 from kvfence.vllm import _records, records
-from kvfence.engine import _prefix_walk
+from kvfence.isolation import _prefix_walk
 
 site = Path(sysconfig.get_paths()["platlib"]).resolve()
 for mod in (_records, _prefix_walk):

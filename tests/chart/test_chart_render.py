@@ -480,7 +480,7 @@ def test_prometheus_rule_has_the_isolation_and_capacity_alerts(rendered: dict[st
 
 
 def _known_metric_names() -> set[str]:
-    from kvfence.engine.metrics import EngineMetrics
+    from kvfence.isolation.metrics import EngineMetrics
     from kvfence.operator import metrics as op_metrics
     from kvfence.router.metrics import RouterMetrics
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvfence.engine.allocator import FencedAllocator, InconsistentPool
-from kvfence.engine.blocks import BlockState
-from kvfence.engine.quotas import SHARED_OWNER
-from kvfence.engine.shared_prefixes import shared_namespace
+from kvfence.isolation.allocator import FencedAllocator, InconsistentPool
+from kvfence.isolation.blocks import BlockState
+from kvfence.isolation.quotas import SHARED_OWNER
+from kvfence.isolation.shared_prefixes import shared_namespace
 
 
 @dataclass(frozen=True, slots=True)

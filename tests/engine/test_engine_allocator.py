@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.allocator import (
+from kvfence.isolation.allocator import (
     AllocationError,
     FencedAllocator,
     PoolExhausted,
     QuotaExceeded,
     StaleReference,
 )
-from kvfence.engine.blocks import BlockHandle, BlockList, BlockState, KVBlock
-from kvfence.engine.metrics import EngineMetrics
-from kvfence.engine.prefix_cache import CacheContext, PrefixCache
+from kvfence.isolation.blocks import BlockHandle, BlockList, BlockState, KVBlock
+from kvfence.isolation.metrics import EngineMetrics
+from kvfence.isolation.prefix_cache import CacheContext, PrefixCache
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""The reference engine shares each step by weight (kvfence.engine.fairshare), stepped by hand: no
+"""The reference engine shares each step by weight (kvfence.isolation.fairshare), stepped by hand: no
 scheduler thread, no clock. Service is measured from the requests themselves (tokens computed and
 generated), not from the policy's counters."""
 
@@ -22,7 +22,7 @@ from kvfence.engine.engine import (
     Request,
     Token,
 )
-from kvfence.engine.fairshare import request_cost
+from kvfence.isolation.fairshare import request_cost
 
 #: Long prompts and short answers: every backlogged tenant can use more than its share of each step.
 PROMPT = 600

@@ -1,4 +1,4 @@
-"""The fair-share policy on its own (kvfence.engine.fairshare): counters, the lift rule, the waiting
+"""The fair-share policy on its own (kvfence.isolation.fairshare): counters, the lift rule, the waiting
 order, the weighted division of a budget and the choice of whom to preempt."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvfence.engine.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, FairShare, request_cost
+from kvfence.isolation.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, FairShare, request_cost
 
 
 def test_costs_put_a_cached_token_below_a_computed_one_below_an_output_token() -> None:

@@ -1,4 +1,4 @@
-"""One engine-side guard (kvfence.engine.guard): the reference engine and the vLLM middleware answer
+"""One engine-side guard (kvfence.isolation.guard): the reference engine and the vLLM middleware answer
 every refusal of the contract identically, status, headers that matter and body byte for byte.
 
 The same request bytes go to both: to the reference engine's HTTP server on a real socket, and to the
@@ -25,8 +25,8 @@ from kvfence.contract import (
     derive_cache_salt,
     sign,
 )
-from kvfence.engine.guard import REFUSALS, KeySource
 from kvfence.engine.server import EngineServer
+from kvfence.isolation.guard import REFUSALS, KeySource
 from kvfence.vllm.middleware import KvfenceMiddleware
 
 TC = "gold"

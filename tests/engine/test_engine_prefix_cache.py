@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfence.contract import CacheScope, cache_namespace
-from kvfence.engine.allocator import FencedAllocator
-from kvfence.engine.metrics import EngineMetrics
-from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache, hash_function
+from kvfence.isolation.allocator import FencedAllocator
+from kvfence.isolation.metrics import EngineMetrics
+from kvfence.isolation.prefix_cache import CacheContext, HashFn, PrefixCache, hash_function
 
 BS = 4
 
@@ -222,7 +222,7 @@ def test_fast_path_refuses_a_planted_entry_of_another_namespace(algo: str) -> No
 
 @pytest.mark.parametrize("algo", WALKS)
 def test_fast_path_treats_a_fenced_entry_as_a_miss(algo: str) -> None:
-    from kvfence.engine.blocks import BlockState
+    from kvfence.isolation.blocks import BlockState
 
     a, pc, c = planted(algo)
     prompt = arr(*range(1, 10))
@@ -239,7 +239,7 @@ def test_fast_path_treats_a_fenced_entry_as_a_miss(algo: str) -> None:
 @pytest.mark.parametrize("algo", WALKS)
 def test_a_parent_handle_equal_but_not_identical_still_hits(algo: str) -> None:
     """The identity check is only a shortcut: an equal handle object goes through verify() and hits."""
-    from kvfence.engine.blocks import BlockHandle
+    from kvfence.isolation.blocks import BlockHandle
 
     a, pc, c = planted(algo)
     prompt = arr(*range(1, 14))
@@ -271,9 +271,9 @@ def test_fast_path_and_generic_path_find_the_same_prefixes(prompts: list[list[in
 def test_the_compiled_walk_is_built() -> None:
     """`make test` builds it (setup.py, a C compiler and OpenSSL's headers): without it every SHA-256
     lookup would silently take the slower Python walk."""
-    from kvfence.engine import prefix_cache
+    from kvfence.isolation import prefix_cache
 
-    assert prefix_cache.COMPILED_WALK, "kvfence.engine._prefix_walk is not built: run `make venv`"
+    assert prefix_cache.COMPILED_WALK, "kvfence.isolation._prefix_walk is not built: run `make venv`"
     assert setup().prefix_cache is not None and setup().prefix_cache.compiled
 
 
@@ -302,7 +302,7 @@ def test_lookup_across_split_windows_stops_at_the_first_bad_block(algo: str) -> 
     hits in full, a planted entry past the first window stops it exactly there (counted), the key it
     hands on is the last verified block's, and asking for more blocks than the prompt holds ends at
     its last full block."""
-    from kvfence.engine.prefix_cache import SPLIT_WINDOW
+    from kvfence.isolation.prefix_cache import SPLIT_WINDOW
 
     n = SPLIT_WINDOW * 2 + 7  # blocks
     m = EngineMetrics()

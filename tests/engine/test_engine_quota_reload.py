@@ -16,9 +16,9 @@ from engine.oracle import check_consistency
 from support import prom
 
 from kvfence.contract.engine_config import QuotasConfig, load_config
-from kvfence.engine.allocator import FencedAllocator
-from kvfence.engine.quotas import QuotaExceeded
 from kvfence.engine.server import EngineServer
+from kvfence.isolation.allocator import FencedAllocator
+from kvfence.isolation.quotas import QuotaExceeded
 
 
 def quotas(**tenants: dict[str, int]) -> QuotasConfig:

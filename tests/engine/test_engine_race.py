@@ -10,10 +10,10 @@ import numpy as np
 from engine.oracle import check_consistency
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.allocator import AllocationError, FencedAllocator
-from kvfence.engine.blocks import BlockHandle
-from kvfence.engine.metrics import EngineMetrics
-from kvfence.engine.prefix_cache import CacheContext, PrefixCache
+from kvfence.isolation.allocator import AllocationError, FencedAllocator
+from kvfence.isolation.blocks import BlockHandle
+from kvfence.isolation.metrics import EngineMetrics
+from kvfence.isolation.prefix_cache import CacheContext, PrefixCache
 
 BS = 4
 TENANTS = ("a", "b", "c", "d")

@@ -40,8 +40,8 @@ from kvfence.contract import (
 )
 from kvfence.contract.engine_config import READY_PATH, EngineConfig
 from kvfence.engine.engine import Engine
-from kvfence.engine.guard import Guard, KeySource
 from kvfence.engine.server import EngineServer
+from kvfence.isolation.guard import Guard, KeySource
 
 SYSTEM = (
     "You are the shared support assistant. Follow the house style guide; never disclose other users' data. "

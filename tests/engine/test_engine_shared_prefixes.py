@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from kvfence.contract.engine_config import EngineConfig
 from kvfence.engine.engine import Engine, Failed, Finished
-from kvfence.engine.quotas import SHARED_OWNER
-from kvfence.engine.shared_prefixes import render
+from kvfence.isolation.quotas import SHARED_OWNER
+from kvfence.isolation.shared_prefixes import render
 
 BS = 16
 SYSTEM = (

@@ -628,7 +628,7 @@ def test_body_over_the_limit_is_a_413(env: Env) -> None:
 
 # --- keys and configuration --------------------------------------------------------------------------
 def test_rotated_key_files_are_picked_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvfence.engine import guard
+    from kvfence.isolation import guard
 
     monkeypatch.setattr(guard, "KEY_RELOAD_INTERVAL", 0.0)
     key_dir = tmp_path / "keys"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from vllm_engine.vllmsched import Harness, base_config
 
-from kvfence.engine.fairshare import request_cost
+from kvfence.isolation.fairshare import request_cost
 
 BUDGET = 256
 SEQS = 16

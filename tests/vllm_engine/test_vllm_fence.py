@@ -294,7 +294,7 @@ def test_the_fence_keeps_its_state_on_vllms_own_blocks(tmp_path: Path) -> None:
     # objects, so what vLLM hands out, holds and frees is what the fence accounts.
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvfence.engine.blocks import BlockState
+    from kvfence.isolation.blocks import BlockState
     from kvfence.vllm.block_pool import FencedKVCacheBlock
 
     h = Harness(tmp_path)
@@ -431,7 +431,7 @@ def test_a_fence_refusal_vllm_did_not_expect_never_crashes_the_engine(
 ) -> None:
     # get_num_free_blocks() and take() agree by construction; if they ever did not, vLLM would raise in
     # the middle of a step and its engine core would die. The pool hands blocks out anyway and says so.
-    from kvfence.engine.quotas import PoolExhausted
+    from kvfence.isolation.quotas import PoolExhausted
 
     h = Harness(tmp_path)
 
@@ -596,7 +596,7 @@ def test_an_allocation_for_a_request_never_admitted_is_charged_and_admitted(
 def test_a_block_released_twice_is_refused_before_anything_moves(tmp_path: Path) -> None:
     # release_blocks checks every block (ACTIVE and owned) before it changes any: a release naming a
     # cold block fails, naming it, and leaves the request's active blocks as they were.
-    from kvfence.engine.blocks import BlockState
+    from kvfence.isolation.blocks import BlockState
     from kvfence.vllm.fence import FenceError
 
     h = Harness(tmp_path)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.quotas import AllocationError
+from kvfence.isolation.quotas import AllocationError
 from kvfence.vllm.fence import FenceError, TenantFence
 
 TENANTS = ["a", "b", "c"]

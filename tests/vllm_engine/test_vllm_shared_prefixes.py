@@ -8,8 +8,8 @@ from pathlib import Path
 
 from vllm_engine.vllmsched import Harness, salt_of
 
-from kvfence.engine.blocks import BlockState
-from kvfence.engine.quotas import SHARED_OWNER
+from kvfence.isolation.blocks import BlockState
+from kvfence.isolation.quotas import SHARED_OWNER
 from kvfence.vllm.scheduler import render_prefix
 
 SYSTEM = (

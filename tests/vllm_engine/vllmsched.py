@@ -232,7 +232,7 @@ class Harness:
     # --- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
         """The shadow agrees with vLLM's pool; quotas, reservations and records hold."""
-        from kvfence.engine.blocks import BlockState
+        from kvfence.isolation.blocks import BlockState
 
         fence = self.fence
         for block in self.pool.blocks:

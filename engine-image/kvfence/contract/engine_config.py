@@ -113,7 +113,7 @@ class PrefixCacheConfig(_Model):
         return self
 
 
-#: The largest fair-share weight of a tenant (kvfence.engine.fairshare).
+#: The largest fair-share weight of a tenant (kvfence.isolation.fairshare).
 MAX_WEIGHT = 1000
 
 

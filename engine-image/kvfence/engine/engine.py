@@ -6,7 +6,7 @@ tenants by fair share), feeds each running sequence either its next prompt chunk
 or its last generated token, runs the model once per adapter group, registers the blocks that became
 full in the prefix cache, and samples greedily.
 
-Tenants share the engine by weight (:mod:`kvfence.engine.fairshare`): the waiting queue is taken in
+Tenants share the engine by weight (:mod:`kvfence.isolation.fairshare`): the waiting queue is taken in
 the policy's order, each tenant runs at most its share of the running slots and computes at most its
 share of the step's tokens (what a tenant leaves unused goes to the others), and a tenant below its
 share of the slots that cannot be admitted preempts a sequence of the tenant furthest above its share
@@ -33,7 +33,8 @@ import numpy as np
 from kvfence.contract import cache_namespace
 from kvfence.contract.engine_config import EngineConfig, SharedPrefixConfig
 from kvfence.contract.errors import CODE_KV_CACHE_TOO_SMALL, CODE_MAX_KV_BLOCKS_EXCEEDED
-from kvfence.engine.allocator import (
+from kvfence.engine.model import EOS, ByteTokenizer, Chunk, IntArray, ModelDims, TinyTransformer
+from kvfence.isolation.allocator import (
     AllocationError,
     BeyondMaximum,
     FencedAllocator,
@@ -41,11 +42,10 @@ from kvfence.engine.allocator import (
     QuotaExceeded,
     StaleReference,
 )
-from kvfence.engine.fairshare import FairShare, request_cost
-from kvfence.engine.metrics import EngineMetrics
-from kvfence.engine.model import EOS, ByteTokenizer, Chunk, IntArray, ModelDims, TinyTransformer
-from kvfence.engine.prefix_cache import CacheContext, HashFn, PrefixCache
-from kvfence.engine.shared_prefixes import Pinned, SharedPrefixes, render, shared_namespace
+from kvfence.isolation.fairshare import FairShare, request_cost
+from kvfence.isolation.metrics import EngineMetrics
+from kvfence.isolation.prefix_cache import CacheContext, HashFn, PrefixCache
+from kvfence.isolation.shared_prefixes import Pinned, SharedPrefixes, render, shared_namespace
 
 log = logging.getLogger("kvfence.engine")
 

@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` as
 server-sent events ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics``, ``GET /health``.
 
-Every ``/v1/`` request must carry a valid router signature, checked by :class:`kvfence.engine.guard.Guard`
+Every ``/v1/`` request must carry a valid router signature, checked by :class:`kvfence.isolation.guard.Guard`
 (the same check, and the same refusals, as the vLLM middleware's). The
 tenant, trust class and cache namespace come from the signed identity only; a body ``cache_salt`` must
 equal the salt derived from that identity, and the namespace must be the one this engine's
@@ -42,10 +42,10 @@ from kvfence.engine.engine import (
     RequestError,
     Token,
 )
-from kvfence.engine.guard import Guard, KeySource, KeySourceError, Refusal, parse_body
 from kvfence.engine.model import ByteTokenizer
 from kvfence.engine.openai import ApiError
 from kvfence.engine.reload import ConfigReloader
+from kvfence.isolation.guard import Guard, KeySource, KeySourceError, Refusal, parse_body
 
 log = logging.getLogger("kvfence.engine.server")
 
@@ -78,7 +78,7 @@ class EngineServer:
         self.tokenizer = ByteTokenizer()
         self.created = int(time.time())
 
-    # --- the contract (kvfence.engine.guard) ---------------------------------------------------
+    # --- the contract (kvfence.isolation.guard) ---------------------------------------------------
     def authenticate(self, request: web.Request, body: bytes) -> Verified:
         if self.quotas is not None:
             self.quotas.check()

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import vllm.v1.core.block_pool as _pool_mod
-from kvfence.engine.blocks import BlockState
-from kvfence.engine.quotas import TenantAccount
+from kvfence.isolation.blocks import BlockState
+from kvfence.isolation.quotas import TenantAccount
 from kvfence.vllm.fence import (
     UNATTRIBUTED,
     AllocationError,
@@ -100,7 +100,7 @@ for _cls in (FenceFreeCount, TenantFreeCount):
 
 class FencedKVCacheBlock(KVCacheBlock):  # type: ignore[misc]
     """vLLM's ``KVCacheBlock`` carrying the fence's state of the block as well: the fields of the
-    reference engine's :class:`~kvfence.engine.blocks.KVBlock` the fence uses (state, owner,
+    reference engine's :class:`~kvfence.isolation.blocks.KVBlock` the fence uses (state, owner,
     generation, the cold lists' links). :class:`FencedBlockPool` builds its blocks as these, and the
     fence keeps them in its lists, so a block's two states live in one object that vLLM touches anyway
     (no second object per block, no id lookups between the two on every allocation and release). vLLM's

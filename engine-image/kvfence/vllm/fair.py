@@ -1,4 +1,4 @@
-"""The fair-share policy (:mod:`kvfence.engine.fairshare`) applied to vLLM's scheduler, step by step.
+"""The fair-share policy (:mod:`kvfence.isolation.fairshare`) applied to vLLM's scheduler, step by step.
 
 vLLM's ``schedule`` serves its running list in order while the step's token budget lasts, preempts
 from the end of that list when a running request cannot get blocks, and then admits from the head of
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, FairShare
+from kvfence.isolation.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, FairShare
 from kvfence.vllm.fence import UNATTRIBUTED
 
 

@@ -3,7 +3,7 @@
 :mod:`kvfence.vllm.scheduler` plugs this into vLLM's own ``BlockPool`` and ``KVCacheManager``; this
 module holds the decisions, so they read (and are tested) apart from vLLM's classes. It keeps the
 fence's state of each block of vLLM's pool (a *shadow* of vLLM's: state, owner, generation, list
-links, the fields of the reference engine's :class:`~kvfence.engine.blocks.KVBlock`) on vLLM's own
+links, the fields of the reference engine's :class:`~kvfence.isolation.blocks.KVBlock`) on vLLM's own
 block objects, which carry those fields as well (:class:`kvfence.vllm.block_pool.FencedKVCacheBlock`;
 alone, in tests, on KVBlocks), and applies the reference engine's own quota book and eviction planner
 to them:
@@ -12,9 +12,9 @@ to them:
   allocated it; a free block with a prefix-cache hash is ``COLD``, in its owner's cold list (least
   recently freed first); a free block without one is ``FREE``, in the clean free list. The null block
   (id 0) is in no list.
-* **quotas** (:class:`~kvfence.engine.quotas.QuotaBook`): usage, hard maximum and guaranteed share per
+* **quotas** (:class:`~kvfence.isolation.quotas.QuotaBook`): usage, hard maximum and guaranteed share per
   tenant, exactly as on the reference engine; changes apply in place (:meth:`TenantFence.set_quotas`).
-* **eviction** (:func:`~kvfence.engine.eviction.plan_allocation`): clean free blocks minus others'
+* **eviction** (:func:`~kvfence.isolation.eviction.plan_allocation`): clean free blocks minus others'
   reservations, then the tenant's own cold blocks, then others' cold blocks beyond their guarantee;
   counted ``own``/``cross``.
 * **admission**: a request of a tenant with a ``maxBlocks`` is admitted only if the blocks its
@@ -50,9 +50,9 @@ from operator import attrgetter
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.blocks import BlockState, KVBlock
-from kvfence.engine.eviction import plan_allocation, take_cold
-from kvfence.engine.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
+from kvfence.isolation.blocks import BlockState, KVBlock
+from kvfence.isolation.eviction import plan_allocation, take_cold
+from kvfence.isolation.quotas import SHARED_OWNER, AllocationError, QuotaBook, TenantAccount
 from kvfence.vllm.records import Record, equal, verify_chain
 
 #: The account of blocks allocated outside any request's context (vLLM internals); never expected.
@@ -77,7 +77,7 @@ class ShadowPool:
     handed out first; at the start block 1 first, as vLLM). Block 0, vLLM's null block, is never
     free.
 
-    ``blocks``: the block objects, each with :class:`~kvfence.engine.blocks.KVBlock`'s fields (state,
+    ``blocks``: the block objects, each with :class:`~kvfence.isolation.blocks.KVBlock`'s fields (state,
     owner, generation, the list links), ``blocks[i].block_id == i``. Inside vLLM they are vLLM's own
     blocks (:class:`kvfence.vllm.block_pool.FencedKVCacheBlock`), so the fence's state of a block lives
     in the object vLLM touches anyway; without them (the fence alone, in tests) plain KVBlocks."""
@@ -109,7 +109,7 @@ def root_namespace(rec: Record) -> Namespace | None:
 @dataclass(frozen=True, eq=False)
 class SharedPin:
     """A declared shared prefix, computed and pinned: its full blocks (held forever, charged to
-    :data:`~kvfence.engine.quotas.SHARED_OWNER`), their vLLM block hashes and records."""
+    :data:`~kvfence.isolation.quotas.SHARED_OWNER`), their vLLM block hashes and records."""
 
     name: str
     #: the rendered prefix's tokens (a request must begin with all of them); a list, as prompts are,

@@ -14,7 +14,7 @@ import logging
 from operator import attrgetter
 from typing import Any
 
-from kvfence.engine.blocks import BlockState
+from kvfence.isolation.blocks import BlockState
 from kvfence.vllm.block_pool import FencedBlockPool, extra_keys_of, namespace_of
 from kvfence.vllm.fence import UNATTRIBUTED, SharedPin, TenantFence, Verdict
 from kvfence.vllm.prologue import with_prologue

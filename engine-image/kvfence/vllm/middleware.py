@@ -23,9 +23,9 @@ What it does, per HTTP request:
   ``tenantsPending`` (a new class's engine started before the routing decision gave it its tenants'
   quotas), else vLLM's ``/health``.
 * ``POST`` to an inference path (:data:`SALTED_PATHS`) must carry the router's identity headers. The
-  body is buffered (up to the limit) and checked by :class:`kvfence.engine.guard.Guard`, the same
+  body is buffered (up to the limit) and checked by :class:`kvfence.isolation.guard.Guard`, the same
   check the reference engine runs; unsigned, forged, stale, replayed or wrong-class requests get the
-  same OpenAI-shaped 401/403 (:data:`kvfence.engine.guard.REFUSALS`) and never reach vLLM.
+  same OpenAI-shaped 401/403 (:data:`kvfence.isolation.guard.REFUSALS`) and never reach vLLM.
 * The verified identity decides the cache salt (:func:`kvfence.contract.derive_cache_salt`, computed by
   the verifier). The JSON body's ``cache_salt`` is set to it; a body that carries a *different* salt
   (or another field that could choose KV state: ``extra_key``, ``kv_transfer_params``) is refused with
@@ -78,8 +78,8 @@ from kvfence.contract.engine_config import (
     load_config,
 )
 from kvfence.contract.errors import error_body, error_type
-from kvfence.engine import guard
-from kvfence.engine.guard import KeySourceError, Refusal
+from kvfence.isolation import guard
+from kvfence.isolation.guard import KeySourceError, Refusal
 from kvfence.vllm.logs import ensure_handler
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox, new_ref
 from kvfence.vllm.stats import EdgeCounters, FenceCollector
@@ -105,7 +105,7 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/v1/models", "/version"
 
 
 class KeySource(guard.KeySource):
-    """:class:`kvfence.engine.guard.KeySource`, found the way the vLLM plugin finds it: from the
+    """:class:`kvfence.isolation.guard.KeySource`, found the way the vLLM plugin finds it: from the
     environment (the scheduler plugin builds its own with :meth:`from_env`)."""
 
     __slots__ = ()

@@ -26,7 +26,7 @@ decision is made by :class:`kvfence.vllm.fence.TenantFence`. What changes, again
   refused.
 * **Fair share**: before each ``schedule`` the running list and the waiting queue are ordered, and
   the running slots divided, by the tenants' weights (:mod:`kvfence.vllm.fair`, the policy of
-  :mod:`kvfence.engine.fairshare`); after it each tenant is charged what the step scheduled for it.
+  :mod:`kvfence.isolation.fairshare`); after it each tenant is charged what the step scheduled for it.
 * **Reloads**: quotas and weights are re-read from the engine config file and keys from the key
   directory when those files change (checked once a second), without a restart.
 
@@ -58,7 +58,7 @@ from kvfence.contract.engine_config import (
     load_config,
 )
 from kvfence.contract.errors import CODE_MAX_KV_BLOCKS_EXCEEDED
-from kvfence.engine.quotas import SHARED_OWNER
+from kvfence.isolation.quotas import SHARED_OWNER
 from kvfence.vllm.block_pool import FencedBlockPool, FenceFreeCount, constructing_as
 from kvfence.vllm.fair import StepShares, restore_order
 from kvfence.vllm.fence import UNATTRIBUTED, FenceError, SharedPin, TenantFence

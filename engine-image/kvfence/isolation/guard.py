@@ -50,7 +50,7 @@ from kvfence.contract.engine_config import (
 )
 from kvfence.contract.errors import error_body, error_type
 
-log = logging.getLogger("kvfence.engine.guard")
+log = logging.getLogger("kvfence.isolation.guard")
 
 #: Seconds between checks of the key files (a stat each).
 KEY_RELOAD_INTERVAL = 1.0

@@ -13,7 +13,7 @@ the declaration changes), and *pins* the full blocks inside it:
   on, every key is the tenant's own (its chain starts at the tenant's root key and the last shared
   block's key), exactly as without shared prefixes.
 * **no timing channel**: pinned blocks are held by a sequence that never ends, charged to
-  :data:`~kvfence.engine.quotas.SHARED_OWNER` (outside every tenant's quota) and never cold, so never
+  :data:`~kvfence.isolation.quotas.SHARED_OWNER` (outside every tenant's quota) and never cold, so never
   evicted: a declared prefix is a hit for every tenant on every request, and its latency says nothing
   about what other tenants sent.
 
@@ -26,12 +26,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from kvfence.contract.engine_config import SharedPrefixConfig
-from kvfence.engine.blocks import BlockHandle, KVBlock
-from kvfence.engine.model import ByteTokenizer, IntArray
+from kvfence.isolation.blocks import BlockHandle, KVBlock
+
+IntArray = npt.NDArray[np.int32]
+
+
+class Tokenizer(Protocol):
+    """What :func:`render` needs of a tokenizer (the reference engine's ``ByteTokenizer``)."""
+
+    def encode(self, text: str) -> IntArray: ...
+
+    def chat_messages(self, messages: Sequence[tuple[str, str]]) -> str: ...
 
 
 def shared_namespace(trust_class: str) -> str:
@@ -40,7 +51,7 @@ def shared_namespace(trust_class: str) -> str:
     return f"shared/{trust_class}"
 
 
-def render(decl: SharedPrefixConfig, tokenizer: ByteTokenizer) -> IntArray:
+def render(decl: SharedPrefixConfig, tokenizer: Tokenizer) -> IntArray:
     """The tokens every request carrying ``decl`` starts with."""
     if decl.form == "chat":
         return tokenizer.encode(tokenizer.chat_messages([("system", decl.text)]))

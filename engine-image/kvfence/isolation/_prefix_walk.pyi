@@ -1,4 +1,4 @@
-# The compiled walk (_prefix_walk.c): see that file and kvfence.engine.prefix_cache.
+# The compiled walk (_prefix_walk.c): see that file and kvfence.isolation.prefix_cache.
 from typing import Any
 
 def walk(

@@ -5,8 +5,8 @@ table or cache entry is ever shared across classes). Inside it:
 
 * **block tables**: each sequence holds a list of blocks (and their handles); the numpy array of
   block ids is what attention gathers through;
-* **quotas**: per-tenant hard maximum and guaranteed share (:mod:`kvfence.engine.quotas`);
-* **all-or-nothing allocation**: the plan (:func:`kvfence.engine.eviction.plan_allocation`) is made
+* **quotas**: per-tenant hard maximum and guaranteed share (:mod:`kvfence.isolation.quotas`);
+* **all-or-nothing allocation**: the plan (:func:`kvfence.isolation.eviction.plan_allocation`) is made
   before anything changes, so a refused request leaves the pool exactly as it was;
 * **fencing**: a block whose last reference is dropped enters ``FENCED`` and becomes reusable (or
   revivable from the prefix cache) only after each of the ``tensor_parallel_size`` writers has called
@@ -29,11 +29,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.engine.blocks import BlockHandle, BlockPool, BlockState, KVBlock
-from kvfence.engine.eviction import EvictionPlan, plan_allocation, take_cold
-from kvfence.engine.metrics import EngineMetrics
-from kvfence.engine.prefix_cache import CacheContext, PrefixCache
-from kvfence.engine.quotas import (
+from kvfence.isolation.blocks import BlockHandle, BlockPool, BlockState, KVBlock
+from kvfence.isolation.eviction import EvictionPlan, plan_allocation, take_cold
+from kvfence.isolation.metrics import EngineMetrics
+from kvfence.isolation.prefix_cache import CacheContext, PrefixCache
+from kvfence.isolation.quotas import (
     SHARED_OWNER,
     AllocationError,
     BeyondMaximum,
@@ -42,7 +42,7 @@ from kvfence.engine.quotas import (
     QuotaExceeded,
     TenantAccount,
 )
-from kvfence.engine.shared_prefixes import Pinned
+from kvfence.isolation.shared_prefixes import Pinned
 
 __all__ = [
     "AllocationError",
@@ -170,7 +170,7 @@ class FencedAllocator:
         blocks (never the whole prompt: at least one token is always computed) is attached by
         reference; the rest is allocated. All or nothing: on :class:`AllocationError` nothing changed.
 
-        ``shared``: a pinned declared prefix (:mod:`kvfence.engine.shared_prefixes`) the prompt may
+        ``shared``: a pinned declared prefix (:mod:`kvfence.isolation.shared_prefixes`) the prompt may
         begin with. Its blocks are attached first, not charged to the tenant, if and only if the prompt
         begins with the whole prefix token for token; the tenant's own chain continues after them.
         """

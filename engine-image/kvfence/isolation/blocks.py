@@ -27,7 +27,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from kvfence.engine.prefix_cache import CacheContext
+    from kvfence.isolation.prefix_cache import CacheContext
 
 
 class BlockState(IntEnum):

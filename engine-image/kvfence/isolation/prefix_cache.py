@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvfence.engine.blocks import BlockHandle, BlockState, KVBlock
-from kvfence.engine.metrics import EngineMetrics
+from kvfence.isolation.blocks import BlockHandle, BlockState, KVBlock
+from kvfence.isolation.metrics import EngineMetrics
 
 try:
-    from kvfence.engine import _prefix_walk
+    from kvfence.isolation import _prefix_walk
 except ImportError:  # built by setup.py where a C compiler and OpenSSL's headers are installed
     _prefix_walk = None  # type: ignore[assignment]
 

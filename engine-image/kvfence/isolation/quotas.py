@@ -15,7 +15,7 @@ prefix-cache hit (scope TrustClass) stay charged to the tenant that computed the
 Tenants listed in the configuration hold their reservation from the start. Other tenants get the
 default quota while they hold blocks or have open sequences, and are forgotten when idle.
 
-Blocks of the trust class's declared shared prefixes (:mod:`kvfence.engine.shared_prefixes`) are
+Blocks of the trust class's declared shared prefixes (:mod:`kvfence.isolation.shared_prefixes`) are
 charged to :data:`SHARED_OWNER`, an account outside every quota: no maximum, no guarantee, never
 forgotten, and no tenant id can name it.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvfence.contract.engine_config import QuotasConfig, TenantQuota
-from kvfence.engine.blocks import BlockList
+from kvfence.isolation.blocks import BlockList
 
 #: The owner of pinned shared-prefix blocks (tenant ids match ``[a-z0-9][-a-z0-9_.]*``: never this).
 SHARED_OWNER = "kvfence:shared"

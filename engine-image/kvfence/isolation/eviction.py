@@ -13,7 +13,7 @@ what a tenant can observe about eviction (its own hit rate) is driven by its own
 ``docs/engine.md`` for what it can still learn.
 
 The plan is computed before anything is changed, so an allocation either gets every block it asked
-for or nothing (:class:`~kvfence.engine.quotas.AllocationError`).
+for or nothing (:class:`~kvfence.isolation.quotas.AllocationError`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvfence.engine.blocks import KVBlock
-from kvfence.engine.quotas import PoolExhausted, QuotaBook, QuotaExceeded, TenantAccount
+from kvfence.isolation.blocks import KVBlock
+from kvfence.isolation.quotas import PoolExhausted, QuotaBook, QuotaExceeded, TenantAccount
 
 
 class HasFree(Protocol):
     """A pool whose clean free blocks are counted by ``len(pool.free)``: the reference engine's
-    :class:`~kvfence.engine.blocks.BlockPool`, or the vLLM fence's shadow pool."""
+    :class:`~kvfence.isolation.blocks.BlockPool`, or the vLLM fence's shadow pool."""
 
     @property
     def free(self) -> Sized: ...
