@@ -9,6 +9,14 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster.cel_cases import (
+    CASE_NAME,
+    CASE_NAMESPACE,
+    TENANT_BINDING_CASES,
+    TRUST_CLASS_CASES,
+    VLLM_CPU,
+    Case,
+)
 from cluster.manifests import (
     ENGINE,
     EXTRA_ARGS_CASES,
@@ -26,205 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
 
-VLLM_CPU = {"runtime": "vllm", "device": "CPU", "image": "x", "model": {"name": "m"}}
 
-
-@pytest.mark.parametrize(
-    ("spec", "field", "words"),
-    [
-        (
-            {"prefixCache": {"hashAlgorithm": "xxhash"}},
-            "spec.prefixCache.hashAlgorithm",
-            'Unsupported value: "xxhash"',
-        ),
-        (
-            {
-                "engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}},
-                "prefixCache": {"hashAlgorithm": "blake2b"},
-            },
-            "spec.prefixCache.hashAlgorithm",
-            "only the sha256",
-        ),
-        (
-            {
-                "engine": {"image": "x", "model": {"name": "m"}, "tensorParallelSize": 4},
-                "resources": {"gpu": {"count": 2}},
-            },
-            "spec.engine.tensorParallelSize",
-            "must not exceed resources.gpu.count",
-        ),
-        (
-            {"quotas": {"defaults": {"maxKVBlocks": 10, "guaranteedKVBlocks": 20}}},
-            "spec.quotas.defaults.guaranteedKVBlocks",
-            "must not exceed maxKVBlocks",
-        ),
-        (
-            {"quotas": {"defaults": {"requestsPerMinute": 100}, "limits": {"requestsPerMinute": 10}}},
-            "spec.quotas.defaults.requestsPerMinute",
-            "must not exceed limits.requestsPerMinute",
-        ),
-        (
-            {"quotas": {"defaults": {"weight": 5}, "limits": {"weight": 4}}},
-            "spec.quotas.defaults.weight",
-            "must not exceed limits.weight",
-        ),
-        ({"quotas": {"limits": {"weight": 1001}}}, "spec.quotas.limits.weight", "less than or equal to 1000"),
-        (
-            {"resources": {"gpu": {"resourceName": "not a resource"}}},
-            "spec.resources.gpu.resourceName",
-            "should match",
-        ),
-        ({"resources": {"memory": "lots"}}, "spec.resources.memory", "should match"),
-        (
-            {"engine": {"image": "x", "model": {"name": "m"}, "runtime": "sglang"}},
-            "spec.engine.runtime",
-            "Unsupported value",
-        ),
-        ({"engine": {"image": "x"}}, "spec.engine.model", "Required value"),
-        ({"prefixCache": {"scope": "Global"}}, "spec.prefixCache.scope", 'Unsupported value: "Global"'),
-        ({"replicas": -1}, "spec.replicas", "should be greater than or equal to 0"),
-        (
-            {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0}},
-            "spec.engine.gpuMemoryUtilization",
-            "greater than 0",
-        ),
-        (
-            {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "numBlocks": 4096}},
-            "spec.engine.numBlocks",
-            "Forbidden: engine.numBlocks applies to the reference runtime only: vLLM sizes its KV pool",
-        ),
-        (
-            # the value the old CRD defaulted is no exception for a new write
-            {"engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}, "numBlocks": 1024}},
-            "spec.engine.numBlocks",
-            "applies to the reference runtime only",
-        ),
-        (
-            {"engine": {"image": "x", "model": {"name": "m"}, "gpuMemoryUtilization": 0.5}},
-            "spec.engine.gpuMemoryUtilization",
-            "Forbidden: engine.gpuMemoryUtilization applies to the vllm runtime only: the reference engine",
-        ),
-        (
-            {
-                "engine": {"runtime": "vllm", "image": "x", "model": {"name": "m"}},
-                "resources": {"gpu": {"count": 0}},
-            },
-            "spec.resources.gpu.count",
-            "the vllm runtime needs at least one GPU (resources.gpu.count), unless engine.device is CPU",
-        ),
-        (
-            {"engine": {**VLLM_CPU, "kvCacheMemory": "1Gi"}},  # gpu.count defaults to 1
-            "spec.resources.gpu.count",
-            "engine.device CPU requests no GPU: resources.gpu.count must be 0",
-        ),
-        (
-            {"engine": VLLM_CPU, "resources": {"gpu": {"count": 0}}},
-            "spec.engine.kvCacheMemory",
-            "Required value: engine.kvCacheMemory is required with engine.device CPU",
-        ),
-        (
-            {
-                "engine": {**VLLM_CPU, "kvCacheMemory": "1Gi", "gpuMemoryUtilization": 0.5},
-                "resources": {"gpu": {"count": 0}},
-            },
-            "spec.engine.kvCacheMemory",
-            "not both",
-        ),
-        (
-            {"engine": {**VLLM_CPU, "kvCacheMemory": "1.5Gi"}, "resources": {"gpu": {"count": 0}}},
-            "spec.engine.kvCacheMemory",
-            "should match",
-        ),
-        (
-            {"engine": {"image": "x", "model": {"name": "m"}, "device": "GPU"}},
-            "spec.engine.device",
-            "Forbidden: engine.device GPU applies to the vllm runtime only",
-        ),
-        (
-            {"engine": {"image": "x", "model": {"name": "m"}, "kvCacheMemory": "1Gi"}},
-            "spec.engine.kvCacheMemory",
-            "Forbidden: engine.kvCacheMemory applies to the vllm runtime only",
-        ),
-        (
-            {"quotas": {"limits": {"maxKVBlocks": 1025}}},
-            "spec.quotas.limits.maxKVBlocks",
-            "must not exceed engine.numBlocks (1024 when unset)",
-        ),
-        (
-            {
-                "engine": {"image": "x", "model": {"name": "m"}, "numBlocks": 512},
-                "quotas": {"limits": {"maxKVBlocks": 513}},
-            },
-            "spec.quotas.limits.maxKVBlocks",
-            "must not exceed engine.numBlocks",
-        ),
-        (
-            {
-                "prefixCache": {
-                    "sharedPrefixes": [
-                        {"name": "sys", "form": "chat", "text": "a"},
-                        {"name": "sys", "form": "completion", "text": "b"},
-                    ]
-                }
-            },
-            "spec.prefixCache.sharedPrefixes",
-            "sharedPrefixes names must be unique",
-        ),
-        (
-            {"prefixCache": {"sharedPrefixes": [{"name": "sys", "form": "chat"}]}},
-            "spec.prefixCache.sharedPrefixes[0]",
-            "set exactly one of text and configMapKeyRef",
-        ),
-        (
-            {
-                "prefixCache": {
-                    "sharedPrefixes": [
-                        {
-                            "name": "sys",
-                            "form": "chat",
-                            "text": "a",
-                            "configMapKeyRef": {"name": "p", "key": "k"},
-                        }
-                    ]
-                }
-            },
-            "spec.prefixCache.sharedPrefixes[0]",
-            "set exactly one of text and configMapKeyRef",
-        ),
-        (
-            {"prefixCache": {"sharedPrefixes": [{"name": "sys", "form": "system", "text": "a"}]}},
-            "spec.prefixCache.sharedPrefixes[0].form",
-            'Unsupported value: "system"',
-        ),
-        (
-            {
-                "prefixCache": {
-                    "enabled": False,
-                    "sharedPrefixes": [{"name": "sys", "form": "chat", "text": "a"}],
-                }
-            },
-            "spec.prefixCache.sharedPrefixes",
-            "needs the prefix cache",
-        ),
-        (
-            {"engine": {**ENGINE, "rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}},
-            "spec.engine.rollout",
-            "maxSurge and maxUnavailable cannot both be 0",
-        ),
-        (
-            {"engine": {**ENGINE, "rollout": {"maxSurge": "150%"}}},
-            "spec.engine.rollout.maxSurge",
-            "should match",
-        ),
-    ],
-)
-def test_bad_trustclass_is_rejected_with_the_field_named(
-    installed: Any, kv: Any, spec: Any, field: str, words: str
-) -> None:
-    res = kv.apply(trust_class("crd-bad", **spec))
-    assert res.returncode != 0, f"accepted: {spec}"
-    assert field in res.stderr and words in res.stderr, res.stderr
-    assert kv.json("get", "trustclass", "crd-bad") is None
+@pytest.mark.parametrize("case", TRUST_CLASS_CASES, ids=Case.id)
+def test_bad_trustclass_is_rejected_with_the_field_named(installed: Any, kv: Any, case: Case) -> None:
+    """The cases the model is also checked against (tests/operator/test_cel_parity.py)."""
+    res = kv.apply(case.manifest())
+    assert res.returncode != 0, f"accepted: {case.spec}"
+    assert case.field in res.stderr and case.words in res.stderr, res.stderr
+    assert kv.json("get", "trustclass", CASE_NAME) is None
 
 
 def test_trustclass_name_length_and_immutable_namespace(installed: Any, kv: Any) -> None:
@@ -371,27 +188,20 @@ def test_classes_stored_by_the_old_crd_stay_updatable_until_their_engine_changes
 
 
 def test_bad_tenantbinding_is_rejected_with_the_field_named(installed: Any, kv: Any) -> None:
-    kv("create", "namespace", "crd-tb")
+    """The cases the model is also checked against (tests/operator/test_cel_parity.py), and the
+    tenantId that no update may change."""
+    kv("create", "namespace", CASE_NAMESPACE)
     try:
-        bad = [
-            (tenant_binding("a", "crd-tb", tenantId="Not_Valid!"), "spec.tenantId"),
-            (
-                tenant_binding("b", "crd-tb", quotas={"maxKVBlocks": 1, "guaranteedKVBlocks": 5}),
-                "spec.quotas.guaranteedKVBlocks",
-            ),
-            (tenant_binding("c", "crd-tb", apiKeySecretRef={}), "spec.apiKeySecretRef.name"),
-            (tenant_binding("d", "crd-tb", quotas={"requestsPerMinute": 0}), "spec.quotas.requestsPerMinute"),
-            (tenant_binding("w", "crd-tb", quotas={"weight": 0}), "spec.quotas.weight"),
-        ]
-        for obj, field in bad:
-            res = kv.apply(obj)
-            assert res.returncode != 0 and field in res.stderr, res.stderr
-        ok = kv.apply(tenant_binding("e", "crd-tb"))
+        for case in TENANT_BINDING_CASES:
+            res = kv.apply(case.manifest())
+            assert res.returncode != 0, f"accepted: {case.spec}"
+            assert case.field in res.stderr and case.words in res.stderr, res.stderr
+        ok = kv.apply(tenant_binding("e", CASE_NAMESPACE))
         assert ok.returncode == 0, ok.stderr
-        renamed = kv.apply(tenant_binding("e", "crd-tb", tenantId="other"))
+        renamed = kv.apply(tenant_binding("e", CASE_NAMESPACE, tenantId="other"))
         assert renamed.returncode != 0 and "tenantId is immutable" in renamed.stderr
     finally:
-        kv("delete", "namespace", "crd-tb", "--wait=false")
+        kv("delete", "namespace", CASE_NAMESPACE, "--wait=false")
 
 
 def test_kubectl_explain_and_columns(installed: Any, kv: Any) -> None:
@@ -484,17 +294,6 @@ def test_extra_env_is_an_allowlist_on_the_api_server_too(installed: Any, kv: Any
     for i, n in enumerate(refused):
         why = engine_env.env_refusal(n)
         assert why is not None and f"spec.engine.extraEnv[{i}].name: Forbidden: {why}" in got, (n, got)
-
-
-def test_an_adapter_source_on_the_reference_runtime_is_refused(installed: Any, kv: Any) -> None:
-    """The reference engine loads no adapter weights: a source there would be accepted and ignored.
-    (The model reads one stored by an earlier CRD as unset: tests/operator/test_api.py.)"""
-    engine = {**VLLM_ENGINE, "runtime": "reference", "adapters": [{"name": "a", "source": "/adapters/a"}]}
-    got = _dry_run(kv, trust_class("crd-reference-adapter", engine=engine))
-    assert isinstance(got, str), "accepted"
-    assert (
-        "spec.engine.adapters: Forbidden: engine.adapters[].source applies to the vllm runtime only" in got
-    ), got
 
 
 def test_model_cache_token_env_volumes_and_adapter_sources_on_the_api_server(installed: Any, kv: Any) -> None:
