@@ -1345,6 +1345,7 @@ def hooks(chosen: list[str], per_user: int, seed: int, config: Any, rounds: int)
     print(f"\nwritten to {path}")
 
 
+# 64 lines: one add_argument per flag, in --help order.
 def argument_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short run: fewer requests, 3 rounds")

@@ -151,6 +151,7 @@ class FenceMixin:
     max_model_len: int
     block_size: int
 
+    # 66 lines: the fence's state is set up around vLLM's own constructor, in the order it needs.
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # vLLM builds its KV-cache manager and block pool inside Scheduler.__init__; they are built as
         # the fenced subclasses (the names vLLM's modules construct them by, for the duration of the
