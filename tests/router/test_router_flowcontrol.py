@@ -115,7 +115,7 @@ def test_no_starvation_of_a_light_weight_and_cancel_withdraws() -> None:
     assert flow.hold("light", 1, 1, "l0") and flow.hold("light", 1, 1, "l1")
     assert flow.cancel("light", "l1") and not flow.cancel("light", "l1")
     went = drain(flow, 1000)
-    assert "l0" in went and "l1" not in went and flow.held == 0 and flow.tenants == {}
+    assert "l0" in went and "l1" not in went and flow.held == 0 and flow.backlogged == {}
 
 
 def test_a_tenant_back_from_idle_starts_level_with_the_backlogged() -> None:
@@ -128,6 +128,40 @@ def test_a_tenant_back_from_idle_starts_level_with_the_backlogged() -> None:
     flow.hold("b", 1, 1, "b1")
     flow.hold("b", 1, 1, "b2")
     assert drain(flow, 6) == ["b0", "a10", "b1", "a11", "b2", "a12"]
+
+
+def test_a_tenant_whose_queue_keeps_emptying_still_pays_for_its_service() -> None:
+    """A light tenant that keeps exactly one request held (its queue empties at every release) is
+    charged like a backlogged one: its counter survives the empty queue, so weights 2:1 still give 2:1
+    instead of a fresh start level with the heavy tenant each time."""
+    flow: ClassFlow[str] = ClassFlow(capacity=1, queue_limit=100)
+    saturate(flow)
+    for i in range(90):
+        assert flow.hold("heavy", 2, 1, f"heavy{i}")
+    assert flow.hold("light", 1, 1, "light0")
+    went: list[str] = []
+    for _ in range(60):
+        for ticket in flow.release(1):
+            went.append(ticket)
+            if ticket.startswith("light"):
+                assert flow.hold("light", 1, 1, f"light{len(went)}")
+    got = Counter(t.rstrip("0123456789") for t in went)
+    assert got == {"heavy": 40, "light": 20}, went
+
+
+def test_an_idle_tenants_counter_is_forgotten_once_it_is_level_with_the_backlogged() -> None:
+    """Counters of tenants with nothing held are kept only while they are above the level a returning
+    tenant is lifted to; below it they carry no information, so memory stays bounded."""
+    flow: ClassFlow[str] = ClassFlow(capacity=1, queue_limit=100)
+    saturate(flow)
+    flow.hold("a", 1, 1, "a0")
+    flow.hold("a", 1, 1, "a1")
+    for i in range(5):
+        flow.hold("b", 1, 1, f"b{i}")
+    assert drain(flow, 3) == ["a0", "b0", "a1"]
+    assert "a" in flow.tenants and "a" not in flow.backlogged  # idle, its counter (2) above b's (1)
+    assert drain(flow, 1) == ["b1"]
+    assert "a" not in flow.tenants  # b's counter reached it: a would start level anyway
 
 
 def test_more_capacity_releases_what_fits() -> None:

@@ -8,8 +8,11 @@ bounded queue per tenant, and each freed slot goes to the backlogged tenant that
 least service for its weight, in the manner of VTC (Sheng et al., "Fairness in Serving Large Language
 Models", OSDI '24): a virtual counter per tenant grows by ``sequences / weight`` for each request
 released to the engines; the tenant with the smallest counter goes next, ties to the one served least
-recently, so that equal weights take turns. A tenant that becomes backlogged starts at the smallest
-counter among the backlogged ones (it neither banks credit while idle nor starts behind). The head of
+recently, so that equal weights take turns. A tenant that becomes backlogged is lifted to the smallest
+counter among the backlogged ones (it banks no credit while idle), and keeps its own counter when
+that is higher: a tenant whose queue empties at every release still pays for what it was served. An
+idle tenant's counter is forgotten once the backlogged ones pass it (it would be lifted anyway), so
+memory follows the tenants that were served more than the others, not all that ever came. The head of
 the chosen tenant's queue waits for room even when a smaller request behind another tenant would fit,
 so that a large request is never starved by small ones; a request larger than the whole capacity
 passes when nothing else is in flight.
@@ -20,6 +23,7 @@ router), enqueues it, and wakes what :meth:`ClassFlow.release` returns.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -47,14 +51,27 @@ class ClassFlow(Generic[T]):
     engines take at once (0: flow control off, nothing is ever held); ``queue_limit``: requests held
     per tenant at most."""
 
-    __slots__ = ("_step", "capacity", "held", "inflight", "queue_limit", "tenants")
+    __slots__ = (
+        "_idle",
+        "_level",
+        "_step",
+        "backlogged",
+        "capacity",
+        "held",
+        "inflight",
+        "queue_limit",
+        "tenants",
+    )
 
     def __init__(self, capacity: int, queue_limit: int) -> None:
         self.capacity = capacity
         self.queue_limit = queue_limit
         self.inflight = 0
         self.held = 0  # requests held, all tenants
-        self.tenants: dict[str, _Tenant[T]] = {}  # the backlogged tenants only
+        self.tenants: dict[str, _Tenant[T]] = {}  # every tenant with a counter: backlogged or idle
+        self.backlogged: dict[str, _Tenant[T]] = {}  # the tenants with requests held
+        self._idle: list[tuple[float, int, str]] = []  # (counter, step, tenant) of idle tenants, a heap
+        self._level = 0.0  # the counter of the last tenant served: where newcomers start when none wait
         self._step = 0
 
     def try_admit(self, sequences: int) -> bool:
@@ -68,10 +85,15 @@ class ClassFlow(Generic[T]):
 
     def hold(self, tenant: str, weight: int, sequences: int, ticket: T) -> bool:
         """Hold a request :meth:`try_admit` refused; False when the tenant's queue is full."""
-        t = self.tenants.get(tenant)
+        t = self.backlogged.get(tenant)
         if t is None:
-            floor = min((o.counter for o in self.tenants.values()), default=0.0)
-            t = self.tenants[tenant] = _Tenant(weight, floor)
+            floor = self._floor()
+            t = self.tenants.get(tenant)
+            if t is None:
+                t = self.tenants[tenant] = _Tenant(weight, floor)
+            else:
+                t.counter = max(t.counter, floor)
+            self.backlogged[tenant] = t
         elif len(t.queue) >= self.queue_limit:
             return False
         t.weight = weight
@@ -80,13 +102,13 @@ class ClassFlow(Generic[T]):
         return True
 
     def queued(self, tenant: str) -> int:
-        t = self.tenants.get(tenant)
+        t = self.backlogged.get(tenant)
         return len(t.queue) if t is not None else 0
 
     def cancel(self, tenant: str, ticket: T) -> bool:
         """Withdraw a held request (its wait timed out, or its client left); False if it is not held
         (it was released meanwhile: the caller owns its sequences then)."""
-        t = self.tenants.get(tenant)
+        t = self.backlogged.get(tenant)
         if t is None:
             return False
         for held in t.queue:
@@ -94,7 +116,7 @@ class ClassFlow(Generic[T]):
                 t.queue.remove(held)
                 self.held -= 1
                 if not t.queue:
-                    del self.tenants[tenant]
+                    self._went_idle(tenant, t)
                 return True
         return False
 
@@ -111,7 +133,7 @@ class ClassFlow(Generic[T]):
     def pump(self) -> list[T]:
         out: list[T] = []
         while self.held:
-            name, t = min(self.tenants.items(), key=lambda kv: (kv[1].counter, kv[1].served_at))
+            name, t = min(self.backlogged.items(), key=lambda kv: (kv[1].counter, kv[1].served_at))
             head = t.queue[0]
             room = self.capacity <= 0 or self.inflight + head.sequences <= self.capacity
             if not room and self.inflight > 0:
@@ -121,8 +143,34 @@ class ClassFlow(Generic[T]):
             self.inflight += head.sequences
             self._step += 1
             t.served_at = self._step
+            self._level = t.counter
             t.counter += head.sequences / t.weight
             if not t.queue:
-                del self.tenants[name]
+                self._went_idle(name, t)
             out.append(head.ticket)
+        self._forget_passed()
         return out
+
+    def _floor(self) -> float:
+        """The counter a tenant that starts waiting is lifted to."""
+        if self.backlogged:
+            return min(t.counter for t in self.backlogged.values())
+        return self._level
+
+    def _went_idle(self, name: str, t: _Tenant[T]) -> None:
+        del self.backlogged[name]
+        heapq.heappush(self._idle, (t.counter, t.served_at, name))
+
+    def _forget_passed(self) -> None:
+        """Drop the idle tenants whose counters the floor has reached (they would be lifted to it)."""
+        idle, floor = self._idle, self._floor()
+        while idle and idle[0][0] <= floor:
+            counter, served_at, name = heapq.heappop(idle)
+            t = self.tenants.get(name)
+            # Skip stale entries: the tenant waits again, or went idle again since with another counter.
+            if (
+                t is not None
+                and name not in self.backlogged
+                and (t.counter, t.served_at) == (counter, served_at)
+            ):
+                del self.tenants[name]

@@ -270,7 +270,7 @@ class Proxy:
         m.queued.values = {
             (name, tenant): float(len(t.queue))
             for name, f in self.flows.items()
-            for tenant, t in f.tenants.items()
+            for tenant, t in f.backlogged.items()
         }
         m.inflight_sequences.values = {(name,): float(f.inflight) for name, f in self.flows.items()}
         m.flow_capacity.values = {(name,): float(f.capacity) for name, f in self.flows.items()}
