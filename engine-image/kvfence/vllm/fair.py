@@ -48,6 +48,9 @@ class StepShares:
         self.preemptions = 0
         #: the waiting queue in vLLM's order when :meth:`before` reordered it this step, else None
         self.fifo: list[Any] | None = None
+        #: service units charged to each tenant since the engine started (never lifted or forgotten,
+        #: unlike the policy's counters): what ``/metrics`` exports
+        self.served: dict[str, int] = {}
 
     def set_weights(self, quotas: QuotasConfig) -> None:
         self.policy.set_weights(quotas.default.weight, quotas.weights())
@@ -142,8 +145,10 @@ class StepShares:
             t = get(rid, UNATTRIBUTED)
             units[t] = units.get(t, 0) + u
         charge = self.policy.charge
+        served = self.served
         for t, u in units.items():
             charge(t, u)
+            served[t] = served.get(t, 0) + u
 
 
 def restore_order(queue: Any, fifo: list[Any], held: list[Any]) -> None:
