@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from engine.enginelib import Oracle, make_config
 
+from kvfence.contract import METRIC_TENANT_SERVICE_UNITS
 from kvfence.engine.engine import (
     MAX_BATCH_TOKENS,
     MAX_RUNNING,
@@ -111,6 +112,37 @@ def test_backlogged_tenants_get_the_step_in_the_ratio_of_their_weights(weights: 
         norm = [served[t] / w for t, w in weights.items()]
         assert max(norm) - min(norm) <= VTC_BOUND, (steps, served)
     assert steps > 20
+
+
+def test_each_tenants_service_is_exported_as_its_requests_received_it() -> None:
+    """The service counter on /metrics is each tenant's weighted service as its requests measure it
+    (prompt tokens computed, tokens generated, and the end-of-sequence token a request stopped on,
+    which the step computed too), after every step and at the end."""
+    h = Harness({"a": 2, "b": 1})
+    h.submit("a", 6, prompt=100, max_tokens=5)
+    h.submit("b", 3, prompt=300, max_tokens=3)
+
+    def exported() -> dict[str, float]:
+        return {t: h.engine.metrics.value(METRIC_TENANT_SERVICE_UNITS, {"tenant": t}) for t in ("a", "b")}
+
+    def received() -> Counter[str]:
+        out = h.service()
+        for r in h.requests:
+            out[r.tenant] += sum(
+                request_cost(output=1)
+                for e in h.events[r.request_id]
+                if isinstance(e, Finished) and e.reason == "stop"
+            )
+        return out
+
+    for _ in range(6):  # prompts part computed, some generating
+        h.step()
+        assert exported() == received()
+    h.engine.run_until_idle()
+    assert exported() == received()
+    assert exported()["a"] >= 6 * request_cost(prefill=100, output=1)
+    assert exported()["b"] >= 3 * request_cost(prefill=300, output=1)
+    assert 'kvfence_engine_tenant_service_units_total{tenant="b"}' in h.engine.metrics.render().decode()
 
 
 def test_an_idle_tenants_share_goes_to_the_others() -> None:

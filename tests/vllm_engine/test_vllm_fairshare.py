@@ -4,14 +4,18 @@ come, first served) on the same steps as the peer that fails them."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from vllm_engine.vllmsched import Harness, base_config
 
+from kvfence.contract import METRIC_TENANT_SERVICE_UNITS
 from kvfence.isolation.fairshare import request_cost
+from kvfence.vllm.stats import EdgeCounters, FenceCollector
 
 BUDGET = 256
 SEQS = 16
@@ -86,6 +90,42 @@ def test_backlogged_tenants_are_served_in_the_ratio_of_their_weights(
     assert gap <= VTC_BOUND, gap
     stock_gap, _ = worst_gap(harness(tmp_path / "stock", stock=True), weights)
     assert stock_gap > VTC_BOUND, stock_gap  # first come, first served: the first tenant runs ahead
+
+
+def exported_service(stats_file: Path) -> dict[str, float]:
+    """``kvfence_engine_tenant_service_units_total`` by tenant, as the API server's /metrics exports it
+    from the engine core's stats file."""
+    registry = CollectorRegistry()
+    registry.register(FenceCollector(EdgeCounters(), stats_file))
+    return {
+        sample.labels["tenant"]: sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == METRIC_TENANT_SERVICE_UNITS
+    }
+
+
+def test_each_tenants_service_reaches_metrics_as_the_steps_gave_it(tmp_path: Path) -> None:
+    h = harness(tmp_path, {"a": 2, "b": 1})
+    for t in ("a", "b"):
+        for i in range(3):
+            h.add(t, prompt(i, 300), MAX_TOKENS)
+    total: Counter[str] = Counter()
+    versions = []
+    while h.sched.has_requests():
+        _, got = step(h)
+        total += got
+        if got:  # a step that scheduled tokens
+            versions.append(h.sched.stats.fence.version)
+        if len(versions) == 5:  # mid-run, what the writer thread would write now
+            h.sched.stats.write()
+            assert exported_service(h.stats_path) == total
+    # every step that ran charged service: after each the writer thread sees a new version to write
+    assert len(versions) > 5 and versions == sorted(set(versions))
+    h.sched.stats.write()
+    assert json.loads(h.stats_path.read_text())["service_units"] == h.sched.fair.served == total
+    assert exported_service(h.stats_path) == total
+    assert total == {t: 3 * request_cost(prefill=300, output=MAX_TOKENS) for t in ("a", "b")}
 
 
 def test_an_idle_tenants_share_goes_to_the_others(tmp_path: Path) -> None:

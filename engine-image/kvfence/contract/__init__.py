@@ -89,6 +89,9 @@ METRIC_HASH_COLLISION = "kv_cache_hash_collision_total"
 METRIC_CROSS_ACCESS_REJECTED = "kv_cache_tenant_cross_access_rejected_total"
 METRIC_STALE_REFERENCE = "kv_cache_stale_reference_error_total"
 METRIC_SIGNATURE_REJECTED = "kvfence_engine_signature_rejected_total"
+#: Each tenant's cumulative fair-share service units (kvfence.isolation.fairshare's costs), as the
+#: engine's scheduler charged them: VTC's per-client service, the engine's own view.
+METRIC_TENANT_SERVICE_UNITS = "kvfence_engine_tenant_service_units_total"
 
 # --- limits -------------------------------------------------------------------------------------
 MAX_SKEW_SECONDS = 30

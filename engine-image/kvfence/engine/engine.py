@@ -11,6 +11,8 @@ the policy's order, each tenant runs at most its share of the running slots and 
 share of the step's tokens (what a tenant leaves unused goes to the others), and a tenant below its
 share of the slots that cannot be admitted preempts a sequence of the tenant furthest above its share
 (the sequence returns to the waiting queue and recomputes what the prefix cache no longer holds).
+What fair share charges each tenant is exported as ``kvfence_engine_tenant_service_units_total{tenant}``,
+the series the vLLM plugin exports too.
 
 Prefix-cache hits attach the cached blocks by reference and skip their computation: a request whose
 first ``n`` prompt tokens are cached starts its prefill at position ``n``, reading those positions'
@@ -467,7 +469,7 @@ class Engine:
         with self._cond:
             self._waiting.remove(req)
         req.computed = alloc.num_cached_tokens
-        self.fair.charge(req.tenant, request_cost(cached=alloc.num_cached_tokens))
+        self._charge(req.tenant, request_cost(cached=alloc.num_cached_tokens))
         self._running.append(req)
         if not req.admitted:
             req.admitted = True
@@ -541,6 +543,12 @@ class Engine:
             demand[r.tenant] += min(r.length - r.computed, PREFILL_CHUNK)
         return self.fair.divide(MAX_BATCH_TOKENS, demand)
 
+    def _charge(self, tenant: str, units: int) -> None:
+        """Charge fair share, and count the units on the tenant's exported service counter."""
+        self.fair.charge(tenant, units)
+        if units:
+            self.metrics.service_units.labels(tenant).inc(units)
+
     def _advance(self, r: Request, c: Chunk, sample: bool, tok: int) -> None:
         """Account a computed chunk of ``r`` and, at its end, the token sampled after it. A decoding
         step (the last generated token fed back) is charged as the output token it yields; any other
@@ -548,7 +556,7 @@ class Engine:
         decode = len(c.tokens) == 1 and r.computed >= len(r.prompt)
         r.computed += len(c.tokens)
         self.allocator.commit(r.request_id, r.tokens, r.computed)
-        self.fair.charge(r.tenant, request_cost(prefill=0 if decode else len(c.tokens), output=int(sample)))
+        self._charge(r.tenant, request_cost(prefill=0 if decode else len(c.tokens), output=int(sample)))
         if not sample:
             return
         if tok == EOS:

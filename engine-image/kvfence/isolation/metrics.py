@@ -16,6 +16,7 @@ from kvfence.contract import (
     METRIC_HASH_COLLISION,
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
+    METRIC_TENANT_SERVICE_UNITS,
 )
 
 
@@ -99,6 +100,13 @@ class EngineMetrics:
         self.preemptions = Counter(
             "kvfence_engine_preemptions_total",
             "Running sequences sent back to the waiting queue for a tenant below its fair share",
+            registry=r,
+        )
+        self.service_units = Counter(
+            METRIC_TENANT_SERVICE_UNITS,
+            "Service units fair share charged each tenant (prompt tokens computed, cached prompt tokens "
+            "and output tokens at the policy's costs) since the engine started",
+            ["tenant"],
             registry=r,
         )
 

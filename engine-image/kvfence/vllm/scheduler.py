@@ -68,7 +68,7 @@ from kvfence.vllm.middleware import KeySource
 from kvfence.vllm.records import COMPILED as records_compiled
 from kvfence.vllm.records import pack
 from kvfence.vllm.refusals import EngineRefusal, RefusalBox
-from kvfence.vllm.stats import StatsWriter
+from kvfence.vllm.stats import EngineStats, StatsWriter
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -206,8 +206,8 @@ class FenceMixin:
         self._refused: dict[str, str] = {}
         self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
         self._next_reload = time.monotonic() + RELOAD_INTERVAL
-        self.stats = StatsWriter.from_env(self.fence)
         self.fair = StepShares(quotas, self.max_num_running_reqs)
+        self.stats = StatsWriter.from_env(EngineStats(self.fence, self.fair))
         self._refusals = RefusalBox.from_env()
         log.info(
             "kvfence: fenced scheduler for trust class %r: %d KV blocks of %d tokens, %d tenants with "

@@ -20,6 +20,9 @@ treat a vLLM class like a reference one:
   ``kvfence_engine_kv_blocks_total``, ``kvfence_engine_kv_blocks_free``, ``kvfence_engine_kv_blocks_active``,
   ``kvfence_engine_kv_blocks_cached`` (the reference engine's names, so the chart's dashboard shows
   both runtimes);
+* ``kvfence_engine_tenant_service_units_total{tenant}``: the service units fair share charged each
+  tenant since the engine started (kvfence.vllm.fair's ``StepShares.served``), the series the
+  reference engine exports too;
 * ``kvfence_engine_info{records="compiled"|"python"}`` (always 1): which prefix-cache records the fence
   runs (kvfence.vllm.records), as the engine core reports it in its snapshot; before its first
   snapshot, what this process imported (the same install, so the same answer).
@@ -32,7 +35,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +44,7 @@ from kvfence.contract import (
     METRIC_HASH_COLLISION,
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
+    METRIC_TENANT_SERVICE_UNITS,
 )
 from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
 from kvfence.vllm import records
@@ -60,9 +64,32 @@ def stats_path() -> Path:
 
 
 class Snapshotting(Protocol):
-    version: int
+    @property
+    def version(self) -> int: ...
 
     def snapshot(self) -> dict[str, Any]: ...
+
+
+class Served(Protocol):
+    @property
+    def served(self) -> Mapping[str, int]:
+        """tenant -> service units charged since the engine started (only ever grows)"""
+
+
+class EngineStats:
+    """The fence's snapshot with fair share's service units: a new version whenever either moved (both
+    only grow, so their sum moves exactly when one of them does)."""
+
+    def __init__(self, fence: Snapshotting, fair: Served) -> None:
+        self.fence = fence
+        self.fair = fair
+
+    @property
+    def version(self) -> int:
+        return self.fence.version + sum(list(self.fair.served.values()))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.fence.snapshot(), "service_units": dict(self.fair.served)}
 
 
 class StatsWriter:
@@ -151,6 +178,7 @@ class FenceCollector:
         yield from _quota_families(s)
         yield from _block_families(s)
         yield from _tenant_families(s)
+        yield _service_family(s)
         yield _info_family(s)
 
 
@@ -275,6 +303,20 @@ def _tenant_families(s: dict[str, Any]) -> Iterator[Metric]:
         limits.add_metric([tenant, "guaranteed"], t.get("guaranteed", 0))
     yield usage
     yield limits
+
+
+def _service_family(s: dict[str, Any]) -> CounterMetricFamily:
+    from prometheus_client.core import CounterMetricFamily
+
+    fam = CounterMetricFamily(
+        METRIC_TENANT_SERVICE_UNITS.removesuffix("_total"),
+        "Service units fair share charged each tenant (prompt tokens computed, cached prompt tokens "
+        "and output tokens at the policy's costs) since the engine started",
+        labels=["tenant"],
+    )
+    for tenant, n in sorted((s.get("service_units") or {}).items()):
+        fam.add_metric([tenant], n)
+    return fam
 
 
 def _info_family(s: dict[str, Any]) -> GaugeMetricFamily:
