@@ -5,12 +5,13 @@ the body's ``cache_salt`` must equal the salt derived from the signed identity),
 ``/v1/completions`` and ``/v1/chat/completions`` deterministically (streamed or not), and records what
 it received so that tests can check what the router sent. Test controls under ``/control/``.
 
-A prompt that starts with ``SILENT`` is never answered (a hung engine). A prompt that starts with
-``GATED`` streams its first chunk, then waits until ``POST /control/release``
-before sending the rest: a test can prove chunk-by-chunk relaying without timing anything. A prompt
-that starts with ``DROP`` is recorded, then its connection is closed unanswered (a query of death);
-one that starts with ``FLOOD`` is streamed a 64 MiB answer (for clients that stop reading); one that
-starts with ``BUSY`` is answered 429 with ``Retry-After: 7`` (an engine whose tenant quota is full).
+A prompt that starts with ``SILENT`` is never answered (a hung engine). A prompt (or the first of a
+list of prompts) that starts with ``GATED`` streams its first chunk, then waits until
+``POST /control/release`` before sending the rest: a test can prove chunk-by-chunk relaying, or hold
+a request in flight, without timing anything. A prompt that starts with ``DROP`` is recorded, then
+its connection is closed unanswered (a query of death); one that starts with ``FLOOD`` is streamed a
+64 MiB answer (for clients that stop reading); one that starts with ``BUSY`` is answered 429 with
+``Retry-After: 7`` (an engine whose tenant quota is full).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
             prompt = json.dumps(body.get("messages"), sort_keys=True)
         else:
             prompt = str(body.get("prompt"))
+        first = body.get("prompt")
+        gated = str(first[0] if isinstance(first, list) and first else prompt).startswith("GATED")
         model = str(body.get("model"))
         max_tokens = body.get("max_tokens")
         max_tokens = min(max_tokens, 1000) if isinstance(max_tokens, int) and max_tokens > 0 else 8
@@ -149,7 +152,7 @@ def make_app(trust_class: str, keys: list[bytes]) -> web.Application:
                 "choices": [{"index": 0, "text": piece, "finish_reason": None}],
             }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            if i == 0 and prompt.startswith("GATED"):
+            if i == 0 and gated:
                 gate = state["gate"]
                 state["waiting"] += 1
                 await gate.wait()

@@ -1,7 +1,7 @@
 """Flow control and the upstream pool's shares, through the router process in front of a real upstream
-process (fake_upstream.py) over real sockets: a flooding tenant cannot make another tenant wait behind
-its backlog, a full queue answers 429 with Retry-After, and a client that stops reading is cut off.
-Orderings and counts, never timings."""
+process (fake_upstream.py) over real sockets: a tenant below its share passes while another tenant's
+requests fill the engines or wait, a full queue answers 429 with Retry-After, and a client that stops
+reading is cut off. Orderings and counts, never timings."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ QUEUE = 10
 QUEUED = "kvfence_router_queued_requests"
 REJECTED = "kvfence_router_flow_control_rejections_total"
 SLOW = "kvfence_router_slow_clients_total"
+HELD = "kvfence_router_held_requests_total"
+INFLIGHT = "kvfence_router_inflight_sequences"
+SHARE = "kvfence_router_share_sequences"
 
 
 @dataclass
@@ -84,9 +87,11 @@ def flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flow]:
 
 def test_a_flooding_tenant_cannot_make_another_wait_behind_its_backlog(flow: Flow) -> None:
     """Alice fills the engines (two gated streams: the bound is two sequences), then queues ten more
-    requests and one past her queue (429 + Retry-After). Bob's request, sent last, is held too; when
-    the engines free up it is among the first two released, not after Alice's ten."""
+    requests and one past her queue (429 + Retry-After). Bob, below his share (one of the two), is
+    answered while all of that waits. His gated stream then takes his share, so his next request is
+    held; when the engines free up it is among the first two released, not after Alice's ten."""
     rejected = flow.metric(REJECTED, reason="queue_full", tenant="alice")
+    held = flow.metric(HELD, tenant="bob")
     with ThreadPoolExecutor(16) as pool:
         gated = [
             pool.submit(flow.post, "alice", {"model": "tiny", "prompt": f"GATED {i}", "stream": True})
@@ -100,16 +105,64 @@ def test_a_flooding_tenant_cannot_make_another_wait_behind_its_backlog(flow: Flo
         status, headers, data = flow.post("alice", {"model": "tiny", "prompt": "one too many"})
         assert status == 429 and headers["retry-after"] == "1", data
         assert json.loads(data)["error"]["code"] == "engine_saturated"
-        victim = pool.submit(flow.post, "bob", {"model": "tiny", "prompt": "bob"})
-        wait_until(lambda: flow.metric(QUEUED, tenant="bob") == 1, "bob held", 30, 0.02)
-        assert "bob" not in flow.prompts()  # held at the router, not at the engine
+        assert flow.post("bob", {"model": "tiny", "prompt": "bob"})[0] == 200
+        assert flow.metric(HELD, tenant="bob") == held and flow.waiting() == 2
+        assert flow.metric(QUEUED, tenant="alice") == QUEUE  # answered ahead of all of it
+        mine = pool.submit(flow.post, "bob", {"model": "tiny", "prompt": "GATED bob", "stream": True})
+        wait_until(lambda: flow.waiting() == 3, "bob's stream at the gate", 30, 0.02)
+        victim = pool.submit(flow.post, "bob", {"model": "tiny", "prompt": "bob 2"})
+        wait_until(lambda: flow.metric(QUEUED, tenant="bob") == 1, "bob held at his share", 30, 0.02)
+        assert "bob 2" not in flow.prompts()  # held at the router, not at the engine
         request("POST", flow.engine.url + "/control/release", {})
-        assert all(f.result()[0] == 200 for f in [*gated, *backlog, victim])
-    after_gate = [p for p in flow.prompts() if p == "bob" or p.startswith("alice ")]
-    assert after_gate.index("bob") <= 1, after_gate
-    assert after_gate.count("bob") == 1 and len(after_gate) == QUEUE + 1
+        assert all(f.result()[0] == 200 for f in [*gated, *backlog, mine, victim])
+    after_gate = [p for p in flow.prompts() if p == "bob 2" or p.startswith("alice ")]
+    assert after_gate.index("bob 2") <= 1, after_gate
+    assert after_gate.count("bob 2") == 1 and len(after_gate) == QUEUE + 1
     assert flow.metric(REJECTED, reason="queue_full", tenant="alice") == rejected + 1
-    assert flow.metric("kvfence_router_inflight_sequences") == 0
+    assert flow.metric("kvfence_router_inflight_sequences") == 0 and flow.metric(SHARE) == 0
+
+
+def test_one_request_of_many_prompts_cannot_make_another_tenant_wait(
+    flow: Flow, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A router whose engines take four sequences: Alice's one request of sixteen prompts passes (the
+    class is idle) and stays at the engine's gate, and her next three are held. Bob's share is two
+    sequences (four x 1/2): with a gated stream of his in flight, a plain request passes at once and is
+    answered while Alice's request is still at the gate, and so does a second gated stream; a request
+    beyond his share is held."""
+    logs = tmp_path_factory.mktemp("share")
+    write_table(logs / "routing.json", standard_table(flow.engine.url, "http://127.0.0.1:9"))
+    router = start_router(logs, logs / "routing.json", "--sequences-per-engine", "4")
+    shared = Flow(router, flow.engine)
+    prompts = [f"GATED alice {i}" for i in range(16)]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            big = pool.submit(shared.post, "alice", {"model": "tiny", "prompt": prompts, "stream": True})
+            wait_until(lambda: flow.waiting() == 1, "alice's request at the gate", 30, 0.02)
+            assert shared.metric(INFLIGHT) == 16
+            more = [pool.submit(shared.post, "alice", {"model": "tiny", "prompt": f"a{i}"}) for i in range(3)]
+            wait_until(lambda: shared.metric(QUEUED, tenant="alice") == 3, "alice's backlog held", 30, 0.02)
+            streams = [
+                pool.submit(shared.post, "bob", {"model": "tiny", "prompt": "GATED b1", "stream": True})
+            ]
+            wait_until(lambda: flow.waiting() == 2, "bob's stream at the gate", 30, 0.02)
+            assert shared.metric(SHARE) == 1 and shared.metric(INFLIGHT) == 17
+            assert shared.post("bob", {"model": "tiny", "prompt": "b plain"})[0] == 200
+            assert flow.waiting() == 2 and shared.metric(QUEUED, tenant="alice") == 3
+            streams.append(
+                pool.submit(shared.post, "bob", {"model": "tiny", "prompt": "GATED b2", "stream": True})
+            )
+            wait_until(lambda: flow.waiting() == 3, "bob's second stream at the gate", 30, 0.02)
+            assert shared.metric(SHARE) == 2 and shared.metric(HELD, tenant="bob") == 0
+            third = pool.submit(shared.post, "bob", {"model": "tiny", "prompt": "b third"})
+            wait_until(lambda: shared.metric(QUEUED, tenant="bob") == 1, "bob held at his share", 30, 0.02)
+            assert shared.metric(QUEUED, tenant="alice") == 3
+            request("POST", flow.engine.url + "/control/release", {})
+            assert all(f.result()[0] == 200 for f in [big, *more, *streams, third])
+        wait_until(lambda: shared.metric(INFLIGHT) == 0, "every sequence ended", 30, 0.02)
+        assert shared.metric(SHARE) == 0 and shared.metric(HELD, tenant="alice") == 3
+    finally:
+        router.stop()
 
 
 def test_below_the_bound_nothing_is_held(flow: Flow) -> None:

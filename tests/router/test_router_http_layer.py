@@ -892,7 +892,7 @@ def test_proxy_hold_gives_back_what_a_cancelled_or_timed_out_request_held(run: A
         proxy = Proxy(RouterMetrics(), ProxyConfig(sequences_per_engine=1, hold_timeout=0.05))
         proxy.sync(table.classes)
         flow = proxy.flows["gold"]
-        assert flow.capacity == 1 and flow.try_admit(1) and not flow.try_admit(1)
+        assert flow.capacity == 1 and flow.try_admit("alice", 1, 1) and not flow.try_admit("alice", 1, 1)
         gone = asyncio.ensure_future(proxy.hold(flow, plan, 1))
         await asyncio.sleep(0)
         assert flow.queued("alice") == 1
@@ -902,19 +902,21 @@ def test_proxy_hold_gives_back_what_a_cancelled_or_timed_out_request_held(run: A
         assert flow.held == 0 and flow.inflight == 1
         racing = asyncio.ensure_future(proxy.hold(flow, plan, 1))
         await asyncio.sleep(0)
-        proxy.finish(flow, 1)  # releases it...
+        proxy.finish(flow, "alice", 1)  # releases it...
         racing.cancel()  # ...as its client leaves
         with contextlib.suppress(asyncio.CancelledError):
             await racing
         assert flow.held == 0 and flow.inflight in (0, 1)
         if flow.inflight:  # it went through before the cancel reached it
-            proxy.finish(flow, 1)
-        assert flow.try_admit(1) and flow.inflight == 1
+            proxy.finish(flow, "alice", 1)
+        assert flow.try_admit("alice", 1, 1) and flow.inflight == 1
         with pytest.raises(RouterError) as e:
             await proxy.hold(flow, plan, 1)
         assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
         assert flow.held == 0 and flow.inflight == 1
         assert proxy.metrics.flow_rejections.values == {("alice", "timeout"): 1.0}
+        proxy.finish(flow, "alice", 1)
+        assert flow.inflight == 0 and flow.loads == {} and flow.weights == 0
         await proxy.close()
 
     run(main())

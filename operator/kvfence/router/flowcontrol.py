@@ -1,24 +1,48 @@
-"""Flow control: which held request a trust class's engines get next when they are saturated.
+"""Flow control: which requests a trust class's engines get when they are saturated, and in what order.
 
 The router's own view of a class's load is the sequences (prompts x ``n``) it has in flight there,
-against a capacity (a bound per engine replica, times the replicas serving). Below the capacity with
-nobody held, a request passes at the cost of one comparison (:meth:`ClassFlow.try_admit`): flow
-control is work-conserving and free when the engines keep up. Above it, requests are held in one
-bounded queue per tenant, and each freed slot goes to the backlogged tenant that has received the
-least service for its weight, in the manner of VTC (Sheng et al., "Fairness in Serving Large Language
-Models", OSDI '24): a virtual counter per tenant grows by ``sequences / weight`` for each request
-released to the engines; the tenant with the smallest counter goes next, ties to the one served least
-recently, so that equal weights take turns. A tenant that becomes backlogged is lifted to the smallest
-counter among the backlogged ones (it banks no credit while idle), and keeps its own counter when
-that is higher: a tenant whose queue empties at every release still pays for what it was served. An
-idle tenant's counter is forgotten once the backlogged ones pass it (it would be lifted anyway), so
-memory follows the tenants that were served more than the others, not all that ever came. The head of
-the chosen tenant's queue waits for room even when a smaller request behind another tenant would fit,
-so that a large request is never starved by small ones; a request larger than the whole capacity
-passes when nothing else is in flight.
+against a capacity ``C`` (a bound per engine replica, times the replicas serving). Two rules admit a
+request:
 
-Pure: no clock, no asyncio. The caller holds a ticket per held request (an asyncio future in the
-router), enqueues it, and wakes what :meth:`ClassFlow.release` returns.
+* **The pool.** Below ``C`` with nobody held, a request passes at the cost of one comparison and one
+  dict lookup (:meth:`ClassFlow.try_admit`'s hot path): flow control is work-conserving and free when
+  the engines keep up.
+* **The guaranteed share.** A tenant may have ``C x its weight / W`` sequences in flight, ``W`` the sum
+  of the weights of the tenants with sequences in flight or requests held (itself included), whatever
+  the others have in flight or held: a request that stays within it passes at once, even at capacity
+  and past other tenants' held requests, never past its own tenant's (FIFO within a tenant). The
+  engines behind the router divide their running slots and token budget by the same weights, so the
+  router need not keep a class under ``C`` to be fair; it only bounds the flood.
+
+Sequences admitted on a share are *reserved*; the rest are the pool's. The pool admits only while its
+own sequences stay within ``C`` (a request larger than ``C`` passes when the pool has none in flight), and
+a share admits only while the reserved ones stay within ``C``, so **a class never has more than 2C
+sequences in flight** (``C`` plus the largest request, when one is larger than ``C``). The second bound
+matters when tenants arrive one after another: each newcomer's share is computed against more tenants
+than the earlier ones' were, and the shares granted would otherwise add up like C x (1 + 1/2 + 1/3 ...).
+A tenant within its share can therefore wait, but only for in-flight requests that other tenants sent
+on their own shares when fewer tenants were active, never for a held backlog. An ending request frees
+its tenant's pool sequences first and its reserved ones only when it has no others: a tenant cannot keep
+pool sequences by cycling share admissions, so while a held head waits for the pool's room, the pool
+only drains.
+
+Above the pool's bound, requests are held in one bounded queue per tenant, and each freed slot of the
+pool goes to the backlogged tenant that has received the least service for its weight, in the manner of
+VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24): a virtual counter per tenant
+grows by ``sequences / weight`` for each request released from the queues; the tenant with the smallest
+counter goes next, ties to the one served least recently, so that equal weights take turns. A tenant
+that becomes backlogged is lifted to the smallest counter among the backlogged ones (it banks no credit
+while idle), and keeps its own counter when that is higher: a tenant whose queue empties at every
+release still pays for what it was served. An idle tenant's counter is forgotten once the backlogged
+ones pass it (it would be lifted anyway), so memory follows the tenants that were served more than the
+others, not all that ever came. The head of the chosen tenant's queue waits for the pool's room even
+when a smaller request behind another tenant would fit, so that a large request is never starved by
+small ones; meanwhile every backlogged tenant whose head fits its share is released, in the same order.
+
+A tenant's load (its sequences in flight, reserved, and weight) is kept while it has sequences in
+flight or requests held, and forgotten when it has neither. Pure: no clock, no asyncio. The caller
+holds a ticket per held request (an asyncio future in the router), enqueues it, and wakes what
+:meth:`ClassFlow.release` returns.
 """
 
 from __future__ import annotations
@@ -40,10 +64,24 @@ class _Held(Generic[T]):
 
 @dataclass(slots=True)
 class _Tenant(Generic[T]):
-    weight: int
+    """A tenant's place in the release order (its VTC counter) and its held requests."""
+
     counter: float
     served_at: int = 0  # when this tenant last had a request released (a step number)
     queue: deque[_Held[T]] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class _Load:
+    """A tenant's part of the class, kept while it has sequences in flight or requests held."""
+
+    weight: int  # as its latest request that became active, was checked against its share or was held
+    inflight: int = 0  # sequences
+    reserved: int = 0  # of those, the ones admitted on its guaranteed share
+
+
+def _order(item: tuple[str, _Tenant[Any]]) -> tuple[float, int]:
+    return item[1].counter, item[1].served_at
 
 
 class ClassFlow(Generic[T]):
@@ -59,29 +97,63 @@ class ClassFlow(Generic[T]):
         "capacity",
         "held",
         "inflight",
+        "loads",
         "queue_limit",
+        "reserved",
         "tenants",
+        "weights",
     )
 
     def __init__(self, capacity: int, queue_limit: int) -> None:
         self.capacity = capacity
         self.queue_limit = queue_limit
-        self.inflight = 0
+        self.inflight = 0  # sequences, all tenants
+        self.reserved = 0  # of those, admitted on their tenants' guaranteed shares
         self.held = 0  # requests held, all tenants
+        self.loads: dict[str, _Load] = {}  # the tenants with sequences in flight or requests held
+        self.weights = 0  # the sum of their weights
         self.tenants: dict[str, _Tenant[T]] = {}  # every tenant with a counter: backlogged or idle
         self.backlogged: dict[str, _Tenant[T]] = {}  # the tenants with requests held
         self._idle: list[tuple[float, int, str]] = []  # (counter, step, tenant) of idle tenants, a heap
         self._level = 0.0  # the counter of the last tenant served: where newcomers start when none wait
         self._step = 0
 
-    def try_admit(self, sequences: int) -> bool:
-        """Admit at once when the engines have room and nobody is held (the hot path)."""
+    def try_admit(self, tenant: str, weight: int, sequences: int) -> bool:
+        """Admit at once when the pool has room and nobody is held (the hot path), or when the request
+        fits its tenant's guaranteed share; False: the caller holds it (:meth:`hold`)."""
         inflight = self.inflight
         # Larger than the whole capacity passes too when nothing else is in flight.
         if not self.held and (inflight + sequences <= self.capacity or self.capacity <= 0 or not inflight):
             self.inflight = inflight + sequences
+            load = self.loads.get(tenant)
+            if load is None:
+                self.loads[tenant] = _Load(weight, sequences)
+                self.weights += weight
+            else:
+                load.inflight += sequences
             return True
-        return False
+        return self._admit_saturated(tenant, weight, sequences)
+
+    def _admit_saturated(self, tenant: str, weight: int, sequences: int) -> bool:
+        if tenant in self.backlogged:
+            return False  # never ahead of its own held requests
+        load = self.loads.get(tenant)
+        if load is None:
+            mine, weights = 0, self.weights + weight
+        else:
+            self._reweigh(load, weight)
+            mine, weights = load.inflight, self.weights
+        if not self.held and self._pool_room(sequences):
+            reserved = 0
+        elif self._within_share(mine + sequences, weight, weights, sequences):
+            reserved = sequences
+        else:
+            return False
+        if load is None:
+            load = self.loads[tenant] = _Load(weight)
+            self.weights += weight
+        self._add(load, sequences, reserved)
+        return True
 
     def hold(self, tenant: str, weight: int, sequences: int, ticket: T) -> bool:
         """Hold a request :meth:`try_admit` refused; False when the tenant's queue is full."""
@@ -90,13 +162,18 @@ class ClassFlow(Generic[T]):
             floor = self._floor()
             t = self.tenants.get(tenant)
             if t is None:
-                t = self.tenants[tenant] = _Tenant(weight, floor)
+                t = self.tenants[tenant] = _Tenant(floor)
             else:
                 t.counter = max(t.counter, floor)
             self.backlogged[tenant] = t
         elif len(t.queue) >= self.queue_limit:
             return False
-        t.weight = weight
+        load = self.loads.get(tenant)
+        if load is None:
+            self.loads[tenant] = _Load(weight)
+            self.weights += weight
+        else:
+            self._reweigh(load, weight)
         t.queue.append(_Held(ticket, sequences))
         self.held += 1
         return True
@@ -107,7 +184,8 @@ class ClassFlow(Generic[T]):
 
     def cancel(self, tenant: str, ticket: T) -> bool:
         """Withdraw a held request (its wait timed out, or its client left); False if it is not held
-        (it was released meanwhile: the caller owns its sequences then)."""
+        (it was released meanwhile: the caller owns its sequences then). The shares and the order
+        change: the caller wakes what :meth:`pump` releases."""
         t = self.backlogged.get(tenant)
         if t is None:
             return False
@@ -117,12 +195,22 @@ class ClassFlow(Generic[T]):
                 self.held -= 1
                 if not t.queue:
                     self._went_idle(tenant, t)
+                    self._drop_if_idle(tenant)
                 return True
         return False
 
-    def release(self, sequences: int) -> list[T]:
-        """A request of ``sequences`` ended: the held requests that now go to the engines, in order."""
+    def release(self, tenant: str, sequences: int) -> list[T]:
+        """``tenant``'s request of ``sequences`` ended: the held requests that now go to the engines,
+        in order."""
         self.inflight -= sequences
+        load = self.loads[tenant]
+        load.inflight -= sequences
+        if load.reserved > load.inflight:  # its pool's sequences end first
+            self.reserved -= load.reserved - load.inflight
+            load.reserved = load.inflight
+        if not load.inflight and tenant not in self.backlogged:
+            del self.loads[tenant]
+            self.weights -= load.weight
         return self.pump() if self.held else _NONE
 
     def set_capacity(self, capacity: int) -> list[T]:
@@ -131,25 +219,64 @@ class ClassFlow(Generic[T]):
         return self.pump()
 
     def pump(self) -> list[T]:
+        """Release what may go now: the head of the first backlogged tenant in the VTC order when it
+        fits the pool, else the first (in that order) whose head fits its share; until neither does."""
         out: list[T] = []
         while self.held:
-            name, t = min(self.backlogged.items(), key=lambda kv: (kv[1].counter, kv[1].served_at))
-            head = t.queue[0]
-            room = self.capacity <= 0 or self.inflight + head.sequences <= self.capacity
-            if not room and self.inflight > 0:
-                break
-            t.queue.popleft()
-            self.held -= 1
-            self.inflight += head.sequences
-            self._step += 1
-            t.served_at = self._step
-            self._level = t.counter
-            t.counter += head.sequences / t.weight
-            if not t.queue:
-                self._went_idle(name, t)
-            out.append(head.ticket)
+            name, t = min(self.backlogged.items(), key=_order)
+            reserve = not self._pool_room(t.queue[0].sequences)
+            if reserve:
+                fits = (kv for kv in self.backlogged.items() if self._head_within_share(*kv))
+                first = min(fits, key=_order, default=None)
+                if first is None:
+                    break
+                name, t = first
+            out.append(self._release_head(name, t, reserve))
         self._forget_passed()
         return out
+
+    def _pool_room(self, sequences: int) -> bool:
+        pooled = self.inflight - self.reserved
+        return self.capacity <= 0 or pooled + sequences <= self.capacity or not pooled
+
+    def _within_share(self, after: int, weight: int, weights: int, sequences: int) -> bool:
+        """``after`` sequences in flight stay within the share of a tenant of ``weight`` (of
+        ``weights`` in all), and the reserved ones within the capacity."""
+        capacity = self.capacity
+        return after * weights <= capacity * weight and self.reserved + sequences <= capacity
+
+    def _head_within_share(self, name: str, t: _Tenant[T]) -> bool:
+        load, sequences = self.loads[name], t.queue[0].sequences
+        return self._within_share(load.inflight + sequences, load.weight, self.weights, sequences)
+
+    def _release_head(self, name: str, t: _Tenant[T], reserve: bool) -> T:
+        head = t.queue.popleft()
+        self.held -= 1
+        load = self.loads[name]
+        self._add(load, head.sequences, head.sequences if reserve else 0)
+        self._step += 1
+        t.served_at = self._step
+        self._level = t.counter
+        t.counter += head.sequences / load.weight
+        if not t.queue:
+            self._went_idle(name, t)
+        return head.ticket
+
+    def _add(self, load: _Load, sequences: int, reserved: int) -> None:
+        load.inflight += sequences
+        load.reserved += reserved
+        self.inflight += sequences
+        self.reserved += reserved
+
+    def _reweigh(self, load: _Load, weight: int) -> None:
+        self.weights += weight - load.weight
+        load.weight = weight
+
+    def _drop_if_idle(self, tenant: str) -> None:
+        load = self.loads[tenant]
+        if not load.inflight:
+            del self.loads[tenant]
+            self.weights -= load.weight
 
     def _floor(self) -> float:
         """The counter a tenant that starts waiting is lifted to."""

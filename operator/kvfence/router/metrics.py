@@ -179,6 +179,7 @@ class RouterMetrics:
             self.table_tenants,
             self.queued,
             self.inflight_sequences,
+            self.share_sequences,
             self.flow_capacity,
             self.held,
             self.flow_rejections,
@@ -298,6 +299,12 @@ class RouterMetrics:
         self.inflight_sequences = Gauge(
             "kvfence_router_inflight_sequences",
             "Sequences (prompts x n) in flight to a trust class's engines, as flow control counts them.",
+            ("trust_class",),
+        )
+        self.share_sequences = Gauge(
+            "kvfence_router_share_sequences",
+            "Of the sequences in flight to a trust class's engines, those flow control let through on "
+            "their tenant's guaranteed share while the class was at capacity (at most the capacity).",
             ("trust_class",),
         )
         self.flow_capacity = Gauge(

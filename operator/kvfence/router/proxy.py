@@ -273,6 +273,7 @@ class Proxy:
             for tenant, t in f.backlogged.items()
         }
         m.inflight_sequences.values = {(name,): float(f.inflight) for name, f in self.flows.items()}
+        m.share_sequences.values = {(name,): float(f.reserved) for name, f in self.flows.items()}
         m.flow_capacity.values = {(name,): float(f.capacity) for name, f in self.flows.items()}
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -381,10 +382,10 @@ class Proxy:
                 fut.set_result(None)
             # else: its request went away while being released; hold() gives its sequences back
 
-    def finish(self, flow: ClassFlow[asyncio.Future[None]], sequences: int) -> None:
-        """A request admitted by ``flow`` ended: wake what may go now (the hot path calls
-        :meth:`ClassFlow.release` and :meth:`wake` itself)."""
-        tickets = flow.release(sequences)
+    def finish(self, flow: ClassFlow[asyncio.Future[None]], tenant: str, sequences: int) -> None:
+        """A request of ``tenant`` admitted by ``flow`` ended: wake what may go now (the hot path
+        calls :meth:`ClassFlow.release` and :meth:`wake` itself)."""
+        tickets = flow.release(tenant, sequences)
         if tickets:
             self.wake(tickets)
 
@@ -402,7 +403,9 @@ class Proxy:
             await asyncio.wait_for(fut, self.config.hold_timeout)
         except BaseException as e:
             if not flow.cancel(plan.name, fut):
-                self.finish(flow, sequences)  # released while it was going away
+                self.finish(flow, plan.name, sequences)  # released while it was going away
+            elif flow.held:
+                self.wake(flow.pump())  # the shares and the order changed without it
             if isinstance(e, TimeoutError):
                 self.metrics.flow_rejections.inc((plan.name, "timeout"))
                 raise _saturated(plan, f"its request waited {self.config.hold_timeout:g} s") from None

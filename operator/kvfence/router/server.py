@@ -309,7 +309,7 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
             state.metrics.quota_rejections.inc((plan.name, grant.quota))
             raise _refusal(grant)
         flow = state.proxy.flows.get(cls.name)
-        if flow is not None and not flow.try_admit(sequences):
+        if flow is not None and not flow.try_admit(plan.name, plan.quotas.weight or 1, sequences):
             await _hold(state, flow, plan, sequences, grant)
         inflight = state.metrics.inflight
         inflight.inc((cls.name,))
@@ -334,7 +334,7 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
         finally:
             inflight.inc((cls.name,), -1)
             if flow is not None:
-                woken = flow.release(sequences)
+                woken = flow.release(plan.name, sequences)
                 if woken:
                     state.proxy.wake(woken)
             charged = state.quotas.release(grant, used)
