@@ -59,7 +59,7 @@ def test_below_capacity_nothing_is_held_and_admission_only_counts() -> None:
     assert f.end() == [] and f.admit("a")  # room again, nobody held: admitted at once
     assert f.flow.tenants == {} and f.flow.held == 0 and f.flow.reserved == 0
     f.end(4)
-    assert f.flow.loads == {} and f.flow.weights == 0 and f.flow.inflight == 0  # memory follows load
+    assert f.flow.inflight_of == {} and f.flow.weights == 0 and f.flow.inflight == 0  # memory follows load
 
 
 def test_flow_control_off_never_holds() -> None:
@@ -274,12 +274,15 @@ def test_cancelled_and_ended_requests_leave_nothing_counted() -> None:
     f = Flow(capacity=2)
     f.saturate("a")
     assert f.hold("a0") and f.hold("b0", 3) and f.hold("b1")
-    assert f.flow.weights == 2 and set(f.flow.loads) == {"a", "b"}
+    assert f.flow.weights == 2 and set(f.flow.inflight_of) == set(f.flow.weight_of) == {"a", "b"}
     assert f.flow.cancel("b", "b0") and f.flow.cancel("b", "b1")
-    assert "b" not in f.flow.loads and f.flow.weights == 1  # nothing in flight or held: forgotten
+    assert (
+        "b" not in f.flow.inflight_of and "b" not in f.flow.weight_of and f.flow.weights == 1
+    )  # nothing in flight or held: forgotten
     assert f.went(f.flow.pump()) == []
     assert f.end(2) == ["a0"] and f.end() == []
-    assert f.flow.loads == {} and f.flow.weights == 0 and f.flow.inflight == 0 and f.flow.held == 0
+    assert f.flow.inflight_of == f.flow.weight_of == {} and f.flow.weights == 0
+    assert f.flow.inflight == 0 and f.flow.held == 0
 
 
 def held_below_share(flow: ClassFlow[str], weights: dict[str, int], running: Counter[str]) -> list[str]:
@@ -326,11 +329,13 @@ def test_in_flight_stays_bounded_and_nobody_below_its_share_stays_held_under_ran
             running[t] += s
         assert f.flow.inflight == sum(running.values()) <= 2 * capacity, step
         assert f.flow.reserved <= capacity
-        assert {t: load.inflight for t, load in f.flow.loads.items() if load.inflight} == +running
+        assert {t: n for t, n in f.flow.inflight_of.items() if n} == +running
+        assert f.flow.weights == sum(weights[t] for t in f.flow.weight_of)
+        assert sum(f.flow.reserved_of.values()) == f.flow.reserved
         assert held_below_share(f.flow, weights, running) == [], step
         peak, peak_reserved = max(peak, f.flow.inflight), max(peak_reserved, f.flow.reserved)
     assert peak > capacity and peak_reserved == capacity  # the load did reach past the pool
     while f.running:
         f.end()
     assert f.flow.held == 0 and f.flow.inflight == 0 and f.flow.reserved == 0
-    assert f.flow.loads == {} and f.flow.weights == 0
+    assert f.flow.inflight_of == f.flow.weight_of == f.flow.reserved_of == {} and f.flow.weights == 0

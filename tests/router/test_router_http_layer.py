@@ -916,7 +916,7 @@ def test_proxy_hold_gives_back_what_a_cancelled_or_timed_out_request_held(run: A
         assert flow.held == 0 and flow.inflight == 1
         assert proxy.metrics.flow_rejections.values == {("alice", "timeout"): 1.0}
         proxy.finish(flow, "alice", 1)
-        assert flow.inflight == 0 and flow.loads == {} and flow.weights == 0
+        assert flow.inflight == 0 and flow.inflight_of == flow.weight_of == {} and flow.weights == 0
         await proxy.close()
 
     run(main())

@@ -5,8 +5,8 @@ against a capacity ``C`` (a bound per engine replica, times the replicas serving
 request:
 
 * **The pool.** Below ``C`` with nobody held, a request passes at the cost of one comparison and one
-  dict lookup (:meth:`ClassFlow.try_admit`'s hot path): flow control is work-conserving and free when
-  the engines keep up.
+  dict update (:meth:`ClassFlow.try_admit`'s hot path): flow control is work-conserving and nearly free
+  when the engines keep up.
 * **The guaranteed share.** A tenant may have ``C x its weight / W`` sequences in flight, ``W`` the sum
   of the weights of the tenants with sequences in flight or requests held (itself included), whatever
   the others have in flight or held: a request that stays within it passes at once, even at capacity
@@ -39,7 +39,7 @@ others, not all that ever came. The head of the chosen tenant's queue waits for 
 when a smaller request behind another tenant would fit, so that a large request is never starved by
 small ones; meanwhile every backlogged tenant whose head fits its share is released, in the same order.
 
-A tenant's load (its sequences in flight, reserved, and weight) is kept while it has sequences in
+A tenant's sequences in flight, reserved sequences and weight are kept while it has sequences in
 flight or requests held, and forgotten when it has neither. Pure: no clock, no asyncio. The caller
 holds a ticket per held request (an asyncio future in the router), enqueues it, and wakes what
 :meth:`ClassFlow.release` returns.
@@ -71,15 +71,6 @@ class _Tenant(Generic[T]):
     queue: deque[_Held[T]] = field(default_factory=deque)
 
 
-@dataclass(slots=True)
-class _Load:
-    """A tenant's part of the class, kept while it has sequences in flight or requests held."""
-
-    weight: int  # as its latest request that became active, was checked against its share or was held
-    inflight: int = 0  # sequences
-    reserved: int = 0  # of those, the ones admitted on its guaranteed share
-
-
 def _order(item: tuple[str, _Tenant[Any]]) -> tuple[float, int]:
     return item[1].counter, item[1].served_at
 
@@ -97,10 +88,12 @@ class ClassFlow(Generic[T]):
         "capacity",
         "held",
         "inflight",
-        "loads",
+        "inflight_of",
         "queue_limit",
         "reserved",
+        "reserved_of",
         "tenants",
+        "weight_of",
         "weights",
     )
 
@@ -110,8 +103,13 @@ class ClassFlow(Generic[T]):
         self.inflight = 0  # sequences, all tenants
         self.reserved = 0  # of those, admitted on their tenants' guaranteed shares
         self.held = 0  # requests held, all tenants
-        self.loads: dict[str, _Load] = {}  # the tenants with sequences in flight or requests held
-        self.weights = 0  # the sum of their weights
+        # The active tenants (sequences in flight or requests held): their sequences in flight, and
+        # their weights (set when a tenant becomes active, and by each of its requests that is held or
+        # checked against its share).
+        self.inflight_of: dict[str, int] = {}
+        self.weight_of: dict[str, int] = {}
+        self.weights = 0  # the sum of weight_of
+        self.reserved_of: dict[str, int] = {}  # the tenants with reserved sequences: how many
         self.tenants: dict[str, _Tenant[T]] = {}  # every tenant with a counter: backlogged or idle
         self.backlogged: dict[str, _Tenant[T]] = {}  # the tenants with requests held
         self._idle: list[tuple[float, int, str]] = []  # (counter, step, tenant) of idle tenants, a heap
@@ -125,34 +123,31 @@ class ClassFlow(Generic[T]):
         # Larger than the whole capacity passes too when nothing else is in flight.
         if not self.held and (inflight + sequences <= self.capacity or self.capacity <= 0 or not inflight):
             self.inflight = inflight + sequences
-            load = self.loads.get(tenant)
-            if load is None:
-                self.loads[tenant] = _Load(weight, sequences)
+            of = self.inflight_of
+            mine = of.get(tenant, 0)
+            of[tenant] = mine + sequences
+            if not mine:  # nobody is held: a tenant with nothing in flight was not active
+                self.weight_of[tenant] = weight
                 self.weights += weight
-            else:
-                load.inflight += sequences
             return True
         return self._admit_saturated(tenant, weight, sequences)
 
     def _admit_saturated(self, tenant: str, weight: int, sequences: int) -> bool:
         if tenant in self.backlogged:
             return False  # never ahead of its own held requests
-        load = self.loads.get(tenant)
-        if load is None:
-            mine, weights = 0, self.weights + weight
-        else:
-            self._reweigh(load, weight)
-            mine, weights = load.inflight, self.weights
+        active = tenant in self.weight_of
+        if active:
+            self._reweigh(tenant, weight)
+        mine, weights = self.inflight_of.get(tenant, 0), self.weights + (0 if active else weight)
         if not self.held and self._pool_room(sequences):
             reserved = 0
         elif self._within_share(mine + sequences, weight, weights, sequences):
             reserved = sequences
         else:
             return False
-        if load is None:
-            load = self.loads[tenant] = _Load(weight)
-            self.weights += weight
-        self._add(load, sequences, reserved)
+        if not active:
+            self._activate(tenant, weight)
+        self._add(tenant, sequences, reserved)
         return True
 
     def hold(self, tenant: str, weight: int, sequences: int, ticket: T) -> bool:
@@ -168,12 +163,10 @@ class ClassFlow(Generic[T]):
             self.backlogged[tenant] = t
         elif len(t.queue) >= self.queue_limit:
             return False
-        load = self.loads.get(tenant)
-        if load is None:
-            self.loads[tenant] = _Load(weight)
-            self.weights += weight
+        if tenant in self.weight_of:
+            self._reweigh(tenant, weight)
         else:
-            self._reweigh(load, weight)
+            self._activate(tenant, weight)
         t.queue.append(_Held(ticket, sequences))
         self.held += 1
         return True
@@ -195,7 +188,8 @@ class ClassFlow(Generic[T]):
                 self.held -= 1
                 if not t.queue:
                     self._went_idle(tenant, t)
-                    self._drop_if_idle(tenant)
+                    if not self.inflight_of[tenant]:
+                        self._deactivate(tenant)
                 return True
         return False
 
@@ -203,14 +197,15 @@ class ClassFlow(Generic[T]):
         """``tenant``'s request of ``sequences`` ended: the held requests that now go to the engines,
         in order."""
         self.inflight -= sequences
-        load = self.loads[tenant]
-        load.inflight -= sequences
-        if load.reserved > load.inflight:  # its pool's sequences end first
-            self.reserved -= load.reserved - load.inflight
-            load.reserved = load.inflight
-        if not load.inflight and tenant not in self.backlogged:
-            del self.loads[tenant]
-            self.weights -= load.weight
+        of = self.inflight_of
+        mine = of[tenant] - sequences
+        if self.reserved:
+            self._unreserve(tenant, mine)
+        if mine or tenant in self.backlogged:
+            of[tenant] = mine
+        else:
+            del of[tenant]
+            self.weights -= self.weight_of.pop(tenant)
         return self.pump() if self.held else _NONE
 
     def set_capacity(self, capacity: int) -> list[T]:
@@ -246,37 +241,52 @@ class ClassFlow(Generic[T]):
         return after * weights <= capacity * weight and self.reserved + sequences <= capacity
 
     def _head_within_share(self, name: str, t: _Tenant[T]) -> bool:
-        load, sequences = self.loads[name], t.queue[0].sequences
-        return self._within_share(load.inflight + sequences, load.weight, self.weights, sequences)
+        sequences = t.queue[0].sequences
+        after = self.inflight_of[name] + sequences
+        return self._within_share(after, self.weight_of[name], self.weights, sequences)
 
     def _release_head(self, name: str, t: _Tenant[T], reserve: bool) -> T:
         head = t.queue.popleft()
         self.held -= 1
-        load = self.loads[name]
-        self._add(load, head.sequences, head.sequences if reserve else 0)
+        self._add(name, head.sequences, head.sequences if reserve else 0)
         self._step += 1
         t.served_at = self._step
         self._level = t.counter
-        t.counter += head.sequences / load.weight
+        t.counter += head.sequences / self.weight_of[name]
         if not t.queue:
             self._went_idle(name, t)
         return head.ticket
 
-    def _add(self, load: _Load, sequences: int, reserved: int) -> None:
-        load.inflight += sequences
-        load.reserved += reserved
+    def _add(self, tenant: str, sequences: int, reserved: int) -> None:
+        self.inflight_of[tenant] += sequences
         self.inflight += sequences
-        self.reserved += reserved
+        if reserved:
+            self.reserved_of[tenant] = self.reserved_of.get(tenant, 0) + reserved
+            self.reserved += reserved
 
-    def _reweigh(self, load: _Load, weight: int) -> None:
-        self.weights += weight - load.weight
-        load.weight = weight
+    def _unreserve(self, tenant: str, left: int) -> None:
+        """``tenant`` has ``left`` sequences in flight: its pool's end first, so its reserved ones
+        are cut to what is left."""
+        reserved = self.reserved_of.get(tenant, 0)
+        if reserved > left:
+            self.reserved -= reserved - left
+            if left:
+                self.reserved_of[tenant] = left
+            else:
+                del self.reserved_of[tenant]
 
-    def _drop_if_idle(self, tenant: str) -> None:
-        load = self.loads[tenant]
-        if not load.inflight:
-            del self.loads[tenant]
-            self.weights -= load.weight
+    def _activate(self, tenant: str, weight: int) -> None:
+        self.inflight_of[tenant] = 0
+        self.weight_of[tenant] = weight
+        self.weights += weight
+
+    def _deactivate(self, tenant: str) -> None:
+        del self.inflight_of[tenant]
+        self.weights -= self.weight_of.pop(tenant)
+
+    def _reweigh(self, tenant: str, weight: int) -> None:
+        self.weights += weight - self.weight_of[tenant]
+        self.weight_of[tenant] = weight
 
     def _floor(self) -> float:
         """The counter a tenant that starts waiting is lifted to."""
