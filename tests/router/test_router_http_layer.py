@@ -920,3 +920,34 @@ def test_proxy_hold_gives_back_what_a_cancelled_or_timed_out_request_held(run: A
         await proxy.close()
 
     run(main())
+
+
+def test_proxy_wakes_a_request_whose_share_a_withdrawn_one_widened(run: Any) -> None:
+    """Capacity two, filled by Alice. Dave's request (two sequences) and Bob's (one) wait: with three
+    tenants active Bob's share, 2 x 1/3, is less than a sequence. Dave's client leaves: Bob's share
+    becomes 2 x 1/2 and his request goes at once, while Alice's are still in flight."""
+
+    async def main() -> None:
+        table = parse_table(json.dumps(standard_table("http://127.0.0.1:9", "http://silver:8000")).encode())
+        proxy = Proxy(RouterMetrics(), ProxyConfig(sequences_per_engine=2, hold_timeout=30))
+        proxy.sync(table.classes)
+        flow = proxy.flows["gold"]
+        assert flow.try_admit("alice", 1, 1) and flow.try_admit("alice", 1, 1)
+        assert not flow.try_admit("dave", 1, 2)
+        dave = asyncio.ensure_future(proxy.hold(flow, table.tenants["dave"], 2))
+        await asyncio.sleep(0)
+        assert not flow.try_admit("bob", 1, 1)
+        bob = asyncio.ensure_future(proxy.hold(flow, table.tenants["bob"], 1))
+        await asyncio.sleep(0)
+        assert flow.queued("bob") == 1 and flow.queued("dave") == 1
+        dave.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await dave
+        await asyncio.wait_for(bob, 5)
+        assert flow.held == 0 and flow.inflight == 3 and flow.reserved == 1
+        for tenant in ("alice", "alice", "bob"):
+            proxy.finish(flow, tenant, 1)
+        assert flow.inflight == 0 and flow.inflight_of == {} and flow.reserved_of == {}
+        await proxy.close()
+
+    run(main())
