@@ -2,7 +2,8 @@
 
     flock /tmp/kvfence-vllm.lock .venv/bin/python bench/bench_fairness.py [--quick] [--rounds 3]
         [--window 30] [--lead 5] [--max-num-seqs 16] [--big-request 32x2] [--slow-streams 300]
-        [--source committed|tree] [--vllm-python PATH] [--results-dir DIR] [--note TEXT]
+        [--victim-tokens 8] [--scrape-every 0.1] [--source committed|tree] [--vllm-python PATH]
+        [--results-dir DIR] [--note TEXT]
 
 Same run, same model, same vLLM arguments (the ones the operator renders for a ``runtime: vllm``
 TrustClass, through bench_e2e's servers), three rows:
@@ -16,9 +17,11 @@ TrustClass, through bench_e2e's servers), three rows:
   from flow control) counts as the attacker's error and is sent again half a second later.
 
 Scenarios (``--source committed``, the default, runs the engine plugin and the router from the
-commit at HEAD, exported with ``git archive``, so work in progress in the tree is not measured):
+commit at ``--rev``, HEAD by default, exported with ``git archive``, so work in progress in the tree is
+not measured):
 
-* ``solo``: the victim alone: one stream at a time, a 64-token prompt, 32 tokens out;
+* ``solo``: the victim alone: one stream at a time, a 64-token prompt, ``--victim-tokens`` out (8:
+  short requests, so that a window holds many TTFT samples);
 * ``big request``: the attacker keeps two requests of P prompts x ``n`` in flight (``--big-request``;
   the default 32x2 is the largest the router's default limits allow: 32 prompts, 64 sequences; a
   larger shape raises the class's ``requestLimits`` to it). Stock vLLM has no router: sent direct;
@@ -41,19 +44,47 @@ bound). Service is counted in the fair-share policy's units (``kvfence.isolation
 prompt token (charged when the prompt's first token arrives), 8 per output token (on arrival); the
 client cannot see prefix-cache hits, so every prompt token is counted as computed.
 
+Measured from the servers: during every measurement, on every row alike, the engine's ``/metrics``
+(and on ``kvfence`` the router's) is polled every ``--scrape-every`` seconds: vLLM's running and
+waiting requests; the router's requests held by flow control per tenant, its queue gauge and its
+sequences in flight against its flow-control capacity; and the engine's own count of each tenant's
+service, ``kvfence_engine_tenant_service_units_total{tenant}`` (what the fair share charged; the
+engine core writes it at most every 0.25 s, so a poll sees it at most that old; stock vLLM has no
+such count).
+
 Figures and goals:
 
-* victim TTFT and ITL p50/p99 on each row and scenario, and p99 TTFT against the same row's solo
-  p99 (goal: at most 2x);
+* victim TTFT and ITL p50/p99 on each row and scenario, over every round's samples pooled (the
+  sample counts printed with them), and p99 TTFT against the same row's pooled solo p99 (goal: at
+  most 2x; each round's own ratio is in the results); and p99 TTFT in steps: over the victim's
+  TPOT p50 next to the same attacker (its decode time per token after the first, per request: one
+  step of the shared batch; ITL is not used, a client that falls behind reads events together), so
+  about 2 means the victim waited for the step in flight and its own, never for the attacker's
+  backlog. On CPU a step of a full batch costs many times a step of one sequence, far more than on
+  a GPU: the ratio to solo can miss where the count of steps does not;
+* where the victim's time went (a table): the engine's mean running and waiting requests; on
+  ``kvfence``, the victim's requests held by the router's flow control, the seconds they spent held
+  next to the victim's summed TTFT, and the router's sequences in flight against its capacity;
 * work conservation: the attacker's service rate next to the victim, over the capacity the victim
   leaves (the attacker's rate alone less the victim's rate in the same run; for slow readers, whose
   rate their own reads set, their rate alone; goal: at least 0.9);
 * the service difference of the backlogged pair: with W_A(t), W_B(t) each tenant's cumulative units
   and D = W_A - W_B (0 where the measured window starts; printed at each second, the last round's),
-  the largest |D(t2) - D(t1)| over t1 < t2 in the window (= max D - min D), against the bound VTC
-  proves for two backlogged clients (Sheng et al., OSDI '24): 2 U with U = max(w_p L_input, w_q M),
-  here w_p = 4, w_q = 8, L_input the longest prompt and M the tokens a running batch can hold
-  (``max_num_seqs`` x the longest prompt plus its output).
+  the largest |D(t2) - D(t1)| over t1 < t2 in the window (= max D - min D), that is the largest
+  |W_A(t1, t2) - W_B(t1, t2)| over the window's intervals. Measured twice: from the engine's own
+  count (the polled counter; what VTC's theorem bounds, the service the scheduler gave) and
+  client-side (units counted as tokens reach the client: an event loop that falls behind delivers
+  a burst, so it can exceed what the engine did). Against 2 U with U = max(w_p L_input, w_q M):
+  VTC's bound for two clients backlogged over the interval (Sheng et al., "Fairness in Serving Large
+  Language Models", OSDI '24, arXiv 2401.00588), with L_input the longest prompt and M the most
+  tokens one running batch can hold. That form is not checked against the paper's text: the
+  theorem's statement (number, conditions, the definition of M) could not be read where this was
+  written, so the comparison is indicative. Here w_p = 4 and w_q = 8 (the policy's costs), and M is
+  ``max_num_seqs`` x the longest prompt plus its output (every sequence of these tenants is at most
+  that long), the smaller of the two readings of M (the other, the KV cache's token capacity, is
+  far larger on CPU). The engine's ``/metrics`` shows its waiting queue as a whole, not per tenant:
+  that both tenants kept requests waiting in the engine (the theorem's condition), rather than in
+  the router's hold queue, is not checked.
 
 Pairing: each round runs every row of a scenario back to back, in an order rotated every round;
 the other engines are stopped (SIGSTOP) while one is measured, and after each measurement the engine
@@ -65,6 +96,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -89,6 +121,14 @@ PAIR = "backlogged pair"
 KEYS = {t: f"sk-bench-fair-{t}-0123456789" for t in ("victim", "attacker", "tenant-a", "tenant-b")}
 #: service units per prompt and output token (the fair-share policy's, kvfence.isolation.fairshare)
 PROMPT_UNITS, OUTPUT_UNITS = 4, 8
+#: the engine's own count of each tenant's service (kvfence.contract.METRIC_TENANT_SERVICE_UNITS)
+SERVICE_METRIC = "kvfence_engine_tenant_service_units_total"
+#: the /metrics series a scrape keeps (the rest of vLLM's page is dropped unparsed)
+#: seconds between two reads of the engine's service count, two polls of the router's /metrics
+SERVICE_READ_EVERY, ROUTER_SCRAPE_EVERY = 0.1, 0.1
+SCRAPED = (SERVICE_METRIC, "vllm:num_requests_running", "vllm:num_requests_waiting",
+           "kvfence_router_queued_requests", "kvfence_router_held_requests_total",
+           "kvfence_router_inflight_sequences", "kvfence_router_flow_control_capacity_sequences")  # fmt: skip
 TTFT_GOAL = 2.0
 WORK_GOAL = 0.9
 SLOW_RCVBUF = 4096
@@ -222,6 +262,59 @@ class Tenant:
                 await asyncio.sleep(0.5)
 
 
+@dataclass
+class Scrape:
+    """A ``/metrics`` page polled every ``every`` seconds during a measurement: (seconds since the
+    start, the kept samples) per poll."""
+
+    url: str
+    every: float
+    pages: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+
+    async def loop(self, t0: float) -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            while True:
+                try:
+                    async with session.get(self.url + "/metrics") as resp:
+                        text = await resp.text()
+                    self.pages.append((time.perf_counter() - t0, kept_samples(text)))
+                except (aiohttp.ClientError, TimeoutError):
+                    pass  # a poll lost: the next one follows
+                await asyncio.sleep(self.every)
+
+
+@dataclass
+class ServiceFile:
+    """The engine core's stats file (``KVFENCE_VLLM_STATS_FILE``), read every ``every`` seconds: each
+    tenant's service units as the engine charged them, the figures its ``/metrics`` exports as
+    ``kvfence_engine_tenant_service_units_total`` (kvfence.vllm.stats), without making vLLM's API
+    server render its whole page ten times a second. (time, units by tenant) per read."""
+
+    path: Path
+    every: float
+    reads: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+
+    async def loop(self, t0: float) -> None:
+        while True:
+            try:
+                units = json.loads(self.path.read_text()).get("service_units") or {}
+                self.reads.append((time.perf_counter() - t0, units))
+            except (OSError, ValueError):
+                pass  # replaced under us (it is written by rename): the next read follows
+            await asyncio.sleep(self.every)
+
+
+def kept_samples(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(SCRAPED):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 def small_rcvbuf(addr_info: Any) -> socket.socket:
     """A client socket that takes at most a few KiB before the server's writes block."""
     family, kind, proto, _, _ = addr_info
@@ -231,13 +324,19 @@ def small_rcvbuf(addr_info: Any) -> socket.socket:
 
 
 async def drive(
-    victim: Tenant | None, attacker: Tenant | None, lead: float, window: float
+    victim: Tenant | None,
+    attacker: Tenant | None,
+    lead: float,
+    window: float,
+    scrapes: list[Scrape],
 ) -> tuple[float, float]:
     """The attacker from 0, the victim from ``lead`` for ``window`` seconds (its last request
-    finished); the measured interval (start, end), in seconds since the start."""
+    finished), ``scrapes`` polled throughout; the measured interval (start, end), in seconds since
+    the start."""
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
-    tasks = [asyncio.create_task(attacker.loop(t0, lambda: False))] if attacker else []
+    tasks = [asyncio.create_task(s.loop(t0)) for s in scrapes]
+    tasks += [asyncio.create_task(attacker.loop(t0, lambda: False))] if attacker else []
     await asyncio.sleep(lead)
     start = clock()
     if victim:
@@ -251,10 +350,13 @@ async def drive(
     return start, end
 
 
-async def drive_pair(a: Tenant, b: Tenant, lead: float, window: float) -> tuple[float, float]:
+async def drive_pair(
+    a: Tenant, b: Tenant, lead: float, window: float, scrapes: list[Scrape | ServiceFile]
+) -> tuple[float, float]:
     """Both tenants from 0; measured from ``lead`` (both backlogged) for ``window`` seconds."""
     t0 = time.perf_counter()
-    tasks = [asyncio.create_task(t.loop(t0, lambda: False)) for t in (a, b)]
+    tasks = [asyncio.create_task(s.loop(t0)) for s in scrapes]
+    tasks += [asyncio.create_task(t.loop(t0, lambda: False)) for t in (a, b)]
     await asyncio.sleep(lead + window)
     for task in tasks:
         task.cancel()
@@ -263,13 +365,13 @@ async def drive_pair(a: Tenant, b: Tenant, lead: float, window: float) -> tuple[
 
 
 # --- setup: the engines and the router ---------------------------------------------------------
-def snapshot(workdir: Path) -> Path:
-    """engine-image/ and operator/ as committed at HEAD, with the compiled modules of the tree whose C
-    source is unchanged from HEAD (others left out: the Python fallback, named in the results)."""
+def snapshot(workdir: Path, rev: str) -> Path:
+    """engine-image/ and operator/ as committed at ``rev``, with the compiled modules of the tree whose C
+    source is unchanged from ``rev`` (others left out: the Python fallback, named in the results)."""
     dest = workdir / "src"
     dest.mkdir()
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "HEAD", "engine-image", "operator"],
+        ["git", "-C", str(ROOT), "archive", rev, "engine-image", "operator"],
         capture_output=True,
         check=True,
     )
@@ -277,7 +379,7 @@ def snapshot(workdir: Path) -> Path:
     for built in ROOT.glob("engine-image/kvfence/**/*.so"):
         source = built.with_name(built.name.split(".")[0] + ".c")
         diff = subprocess.run(
-            ["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", str(source)], check=False
+            ["git", "-C", str(ROOT), "diff", "--quiet", rev, "--", str(source)], check=False
         )
         if diff.returncode == 0:
             shutil.copy2(built, dest / built.relative_to(ROOT))
@@ -290,8 +392,11 @@ def start_engines(stack: e2e.Stack) -> None:
     import vllmserve
     from support.ports import free_port
 
+    from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
+
     tc = e2e.trust_class(stack.a, stack.model, free_port())
     args, env, _ = vllmserve.rendered(tc, stack.key_file.read_bytes(), stack.workdir / "kvfence")
+    stack.a.stats_file = env[ENV_VLLM_STATS_FILE]
     plain_env = {k: v for k, v in env.items() if not k.startswith("KVFENCE_")}
     for row, extra in (("stock", []), ("stock priority", ["--scheduling-policy", "priority"])):
         port = free_port()
@@ -323,7 +428,7 @@ def setup(a: argparse.Namespace) -> e2e.Stack:
     workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-fairness-"))
     router_env = None
     if a.source == "committed":
-        src = snapshot(workdir)
+        src = snapshot(workdir, a.rev)
         a.plugin_path = str(src / "engine-image")
         router_env = {**os.environ, "PYTHONPATH": f"{src / 'operator'}:{src / 'engine-image'}"}
     model = Path(a.model) if a.model else vllmserve.tiny_model(a.vllm_python)
@@ -387,7 +492,7 @@ def drain(engine: e2e.Server, timeout: float = 180.0) -> float:
 
 def shapes(a: argparse.Namespace) -> dict[str, Shape]:
     return {
-        "victim": Shape(1, 64, 32),
+        "victim": Shape(1, 64, a.victim_tokens),
         "big request": Shape(2, a.big_prompt_len, a.big_max_tokens, a.big_prompts, a.big_n),
         "long prompts": Shape(a.flood, 896, 4),
         "long generations": Shape(a.flood, 32, 512),
@@ -407,20 +512,28 @@ def tenant(stack: e2e.Stack, row: str, url: str, name: str, shape: str, seed: in
 
 def measure(stack: e2e.Stack, row: str, scenario: str, part: str, seed: int) -> dict[str, Any]:
     """One run of ``scenario`` on ``row``: ``part`` is ``victim`` (alone), ``attacker`` (alone),
-    ``both`` or ``pair``; its figures."""
+    ``both`` or ``pair``; its figures. The engine's ``/metrics`` (and on ``kvfence`` the router's) is
+    polled every ``--scrape-every`` seconds throughout, on every row alike."""
     a = stack.a
     url, engine = activate(stack, row)
     load = os.getloadavg()[0]
+    scrapes = {"engine": Scrape(engine.url, a.scrape_every)}
+    if row == "kvfence":
+        scrapes["router"] = Scrape(stack.servers["router"].url, ROUTER_SCRAPE_EVERY)
     if part == "pair":
         ta, tb = (tenant(stack, row, url, t, t, seed + i) for i, t in enumerate(("tenant-a", "tenant-b")))
-        start, end = asyncio.run(drive_pair(ta, tb, a.lead, a.window))
+        pollers: list[Scrape | ServiceFile] = [*scrapes.values()]
+        served = ServiceFile(Path(a.stats_file), SERVICE_READ_EVERY) if row == "kvfence" else None
+        pollers += [served] if served else []
+        start, end = asyncio.run(drive_pair(ta, tb, a.lead, a.window, pollers))
         figs = pair_figures(ta, tb, start, end, a)
+        figs |= engine_pair_figures(served, engine, start, end) if served else {}
     else:
         victim = tenant(stack, row, url, "victim", "victim", seed) if part != "attacker" else None
         attacker = tenant(stack, row, url, "attacker", scenario, seed + 1) if part != "victim" else None
         lead = a.lead if attacker else 0.0
-        start, end = asyncio.run(drive(victim, attacker, lead, a.window))
-        figs = load_figures(victim, attacker, start, end)
+        start, end = asyncio.run(drive(victim, attacker, lead, a.window, list(scrapes.values())))
+        figs = load_figures(victim, attacker, start, end) | where_time_goes(scrapes, victim, start, end)
     out = {"row": row, "scenario": scenario, "part": part, "seed": seed, "load_1m": round(load, 2)}
     out.update(figs, seconds=round(end - start, 2), drain_s=round(drain(engine), 1))
     print(f"  {scenario:<16} {row:<14} {part:<8} " + brief(out), file=sys.stderr, flush=True)
@@ -481,11 +594,14 @@ def real_errors(records: list[Record]) -> list[str]:
 
 def victim_figures(v: Tenant, start: float, end: float) -> dict[str, Any]:
     """TTFT (ms; a miss counts its wait so far) and ITL (ms) percentiles, misses, service rate."""
-    ttft, itl = [], []
+    ttft, itl, tpot = [], [], []
     for r in v.records:
         if r.arrivals:
             ttft.append((r.arrivals[0] - r.sent) * 1e3)
-            itl += [(y - x) * 1e3 for x, y in zip(r.arrivals, r.arrivals[1:], strict=False)]
+            itl += [(y - x) * 1e3 for x, y in itertools.pairwise(r.arrivals)]
+            tokens = sum(u for _, u in r.service[1:]) // OUTPUT_UNITS
+            if tokens:  # the decode time per token after the first (vLLM's TPOT): one step each
+                tpot.append((r.arrivals[-1] - r.arrivals[0]) * 1e3 / tokens)
         else:
             ttft.append((r.ended - r.sent) * 1e3)
     misses = [r.error or "no token" for r in v.records if r.error or not r.arrivals]
@@ -499,6 +615,98 @@ def victim_figures(v: Tenant, start: float, end: float) -> dict[str, Any]:
         "itl_p99_ms": percentile(itl, 99),
         "victim_units_per_s": units_in(v.records, start, end) / (end - start),
         "ttft_ms": [round(x, 1) for x in ttft],
+        "ttft_sent_s": [round(r.sent - start, 2) for r in v.records],
+        "itl_ms": [round(x, 1) for x in itl],
+        "tpot_ms": [round(x, 2) for x in tpot],
+    }
+
+
+# --- where the victim's time goes: the router's hold queue and the engine's queues -----------------
+def summed(scrape: Scrape, name: str, start: float, end: float, label: str = "") -> list[tuple[float, float]]:
+    """(time, the sum of every sample of ``name`` whose labels contain ``label``) per poll in [start, end]."""
+    out = []
+    for t, page in scrape.pages:
+        if start <= t <= end:
+            vals = [v for k, v in page.items() if (k == name or k.startswith(name + "{")) and label in k]
+            if vals:
+                out.append((t, sum(vals)))
+    return out
+
+
+def integral(series: list[tuple[float, float]]) -> float:
+    """The series held from each poll to the next, integrated (value x seconds)."""
+    return sum(v * (t2 - t1) for (t1, v), (t2, _) in itertools.pairwise(series))
+
+
+def time_mean(series: list[tuple[float, float]]) -> float:
+    span = series[-1][0] - series[0][0] if len(series) > 1 else 0.0
+    return integral(series) / span if span > 0 else float("nan")
+
+
+def where_time_goes(scrapes: dict[str, Scrape], v: Tenant | None, start: float, end: float) -> dict[str, Any]:
+    """The engine's mean running and waiting requests over the window; on the router, the victim's
+    requests held by flow control and the seconds they spent held (the queue gauge integrated), next
+    to the victim's summed TTFT; the router's sequences in flight and its flow-control capacity."""
+    eng = scrapes["engine"]
+    out: dict[str, Any] = {
+        "polls": sum(1 for t, _ in eng.pages if start <= t <= end),
+        "engine_running_mean": time_mean(summed(eng, "vllm:num_requests_running", start, end)),
+        "engine_waiting_mean": time_mean(summed(eng, "vllm:num_requests_waiting", start, end)),
+    }
+    router = scrapes.get("router")
+    if router is None:
+        return out
+    held = summed(router, "kvfence_router_held_requests_total", start, end, 'tenant="victim"')
+    queued = summed(router, "kvfence_router_queued_requests", start, end, 'tenant="victim"')
+    inflight = summed(router, "kvfence_router_inflight_sequences", start, end)
+    out |= {
+        "victim_held": held[-1][1] - held[0][1] if held else 0.0,
+        "victim_held_s": integral(queued),
+        "router_inflight_sequences_mean": time_mean(inflight),
+        "router_capacity_sequences": max((x for _, x in
+                                          summed(router, "kvfence_router_flow_control_capacity_sequences",
+                                                 start, end)), default=float("nan")),
+    }  # fmt: skip
+    if v is not None:
+        out["victim_ttft_sum_s"] = sum((r.arrivals[0] if r.arrivals else r.ended) - r.sent for r in v.records)
+    return out
+
+
+def metrics_match_file(engine: e2e.Server, path: Path) -> bool:
+    """Whether the engine's ``/metrics`` exports the stats file's service units (read just after the
+    scrape; tried again while the engine still moves them)."""
+    from router.support import request
+
+    for _ in range(10):
+        page = kept_samples(request("GET", engine.url + "/metrics", timeout=30)[2].decode())
+        units = json.loads(path.read_text()).get("service_units") or {}
+        if units and all(page.get(f'{SERVICE_METRIC}{{tenant="{t}"}}') == float(u) for t, u in units.items()):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def engine_pair_figures(served: ServiceFile, engine: e2e.Server, start: float, end: float) -> dict[str, Any]:
+    """The backlogged pair's service difference from the engine's own count (the fair-share units its
+    scheduler charged each tenant, read from the engine core's stats file every 0.1 s), and whether
+    the engine's ``/metrics`` exports the same count (one scrape after the run, against the last read)."""
+    ka, kb = "tenant-a", "tenant-b"
+    pts = [(t, u[ka], u[kb]) for t, u in served.reads if start <= t <= end and ka in u and kb in u]
+    if len(pts) < 2:
+        return {}
+    base = pts[0][1] - pts[0][2]
+    ds = [(t, wa - wb - base) for t, wa, wb in pts]
+    seconds = range(1, int(end - start) + 1)
+    by_second = [next((d for t, d in reversed(ds) if t <= start + k), 0.0) for k in seconds]
+    return {
+        "engine_a_units_per_s": (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]),
+        "engine_b_units_per_s": (pts[-1][2] - pts[0][2]) / (pts[-1][0] - pts[0][0]),
+        "engine_service_difference": max(d for _, d in ds) - min(d for _, d in ds),
+        "engine_difference_by_second": by_second,
+        "engine_polls": len(pts),
+        "engine_reads": [(round(t - start, 2), wa, wb) for t, wa, wb in pts],
+        "engine_distinct_snapshots": len({(wa, wb) for _, wa, wb in pts}),
+        "engine_metrics_match_file": metrics_match_file(engine, served.path),
     }
 
 
@@ -574,17 +782,21 @@ def median_of(runs: list[dict[str, Any]], key: str) -> float:
 
 
 def attack_row(runs: list[dict[str, Any]], scenario: str, row: str) -> dict[str, Any]:
-    """Victim figures next to the attacker, p99 TTFT over solo and the work-conserving ratio, each the
-    median of the rounds' own ratios."""
+    """Victim figures next to the attacker (every round's samples pooled), pooled p99 TTFT over the
+    pooled solo p99 (and each round's own ratio), p99 TTFT in steps (over the victim's own TPOT p50
+    next to the attacker: a decode step of the shared batch), the work-conserving ratio (median of
+    the rounds'), and where the victim's time went (medians of the rounds)."""
     both, alone = pick(runs, scenario, row, "both"), pick(runs, scenario, row, "attacker")
-    solo = {r["round"]: r for r in pick(runs, "solo", row, "victim")}
-    ttft_x = [b["ttft_p99_ms"] / solo[b["round"]]["ttft_p99_ms"] for b in both]
+    solo_runs = pick(runs, "solo", row, "victim")
+    solo = {r["round"]: r for r in solo_runs}
     work = [
         b["attacker_units_per_s"] / capacity_left(scenario, s, b) for b, s in zip(both, alone, strict=True)
     ]
     out = victim_row(both)
     out |= {
-        "ttft_p99_vs_solo": statistics.median(ttft_x),
+        "ttft_p99_vs_solo": ratio(out["ttft_p99_ms"], victim_row(solo_runs)["ttft_p99_ms"]),
+        "ttft_p99_vs_solo_rounds": [ratio(b["ttft_p99_ms"], solo[b["round"]]["ttft_p99_ms"]) for b in both],
+        "ttft_p99_in_steps": ratio(out["ttft_p99_ms"], out["tpot_p50_ms"]),
         "attacker_alone_units_per_s": median_of(alone, "attacker_units_per_s"),
         "attacker_units_per_s": median_of(both, "attacker_units_per_s"),
         "work_conserving": statistics.median(work),
@@ -592,7 +804,17 @@ def attack_row(runs: list[dict[str, Any]], scenario: str, row: str) -> dict[str,
     }
     out["ttft_met"] = out["ttft_p99_vs_solo"] <= TTFT_GOAL and out["victim_misses"] == 0
     out["work_met"] = out["work_conserving"] >= WORK_GOAL
+    out |= {k: median_of(both, k) for k in DIAGNOSIS}
     return out
+
+
+#: where the victim's time went, per measurement (see where_time_goes)
+DIAGNOSIS = ("engine_running_mean", "engine_waiting_mean", "victim_held", "victim_held_s",
+             "victim_ttft_sum_s", "router_inflight_sequences_mean", "router_capacity_sequences")  # fmt: skip
+
+
+def ratio(x: float, y: float) -> float:
+    return x / y if y and y == y else float("nan")
 
 
 def capacity_left(scenario: str, alone: dict[str, Any], both: dict[str, Any]) -> float:
@@ -605,18 +827,40 @@ def capacity_left(scenario: str, alone: dict[str, Any], both: dict[str, Any]) ->
 
 
 def victim_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "victim_units_per_s")
-    out: dict[str, Any] = {k: median_of(runs, k) for k in keys}
+    """The victim's TTFT and ITL percentiles over every round's samples pooled, and their counts."""
+    ttft = [x for r in runs for x in r.get("ttft_ms", [])]
+    itl = [x for r in runs for x in r.get("itl_ms", [])]
+    tpot = [x for r in runs for x in r.get("tpot_ms", [])]
+    out: dict[str, Any] = {
+        "tpot_p50_ms": percentile(tpot, 50),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "ttft_samples": len(ttft),
+        "itl_samples": len(itl),
+        "victim_units_per_s": median_of(runs, "victim_units_per_s"),
+    }
     out["victim_requests"] = sum(r["victim_requests"] for r in runs)
     out["victim_misses"] = sum(r["victim_misses"] for r in runs)
     return out
 
 
 def pair_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("a_units_per_s", "b_units_per_s", "b_share", "service_difference", "vtc_bound")
+    """Medians of the rounds; the last round's D(t) at each second, client-side and (where the engine
+    exports its count) the engine's."""
+    keys = ("a_units_per_s", "b_units_per_s", "b_share", "service_difference", "vtc_bound",
+            "engine_a_units_per_s", "engine_b_units_per_s", "engine_service_difference")  # fmt: skip
     out: dict[str, Any] = {k: median_of(runs, k) for k in keys}
     out["difference_by_second"] = runs[-1].get("difference_by_second", []) if runs else []
+    out["engine_difference_by_second"] = runs[-1].get("engine_difference_by_second", []) if runs else []
     out["within_bound_rounds"] = f"{sum(r['service_difference'] <= r['vtc_bound'] for r in runs)}/{len(runs)}"
+    engine = [r for r in runs if "engine_service_difference" in r]
+    out["engine_within_bound_rounds"] = (
+        f"{sum(r['engine_service_difference'] <= r['vtc_bound'] for r in engine)}/{len(engine)}"
+        if engine
+        else "n/a"
+    )
     out["errors"] = sum(r["errors"] for r in runs)
     return out
 
@@ -650,46 +894,70 @@ def markdown(header: list[str], lines: list[list[str]]) -> str:
 
 def victim_table(summary: dict[str, Any]) -> str:
     header = ["scenario", "row", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-              "victim req (miss)", "p99 TTFT / solo", "<= 2x", "attacker units/s alone", "next to victim",
-              "/ capacity left", ">= 0.9"]  # fmt: skip
+              "TTFT (ITL) samples", "misses", "p99 TTFT / solo", "<= 2x", "p99 TTFT in steps",
+              "attacker units/s alone", "next to victim", "/ capacity left", ">= 0.9"]  # fmt: skip
     lines = []
     for name, s in summary["rows"].items():
         scenario, row = name.split(" / ")
         cells = [fmt(s[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
-        cells.append(f"{s['victim_requests']} ({s['victim_misses']})")
+        cells += [f"{s['ttft_samples']} ({s['itl_samples']})", str(s["victim_misses"])]
         if scenario == "solo":
-            cells += [""] * 6
+            cells += [""] * 7
         else:
-            cells += [fmt(s["ttft_p99_vs_solo"], ".2f"), fmt(s["ttft_met"])]
+            cells += [
+                fmt(s["ttft_p99_vs_solo"], ".2f"),
+                fmt(s["ttft_met"]),
+                fmt(s["ttft_p99_in_steps"], ".1f"),
+            ]
             cells += [fmt(s["attacker_alone_units_per_s"], ".0f"), fmt(s["attacker_units_per_s"], ".0f")]
             cells += [fmt(s["work_conserving"], ".2f"), fmt(s["work_met"])]
         lines.append([scenario, row, *cells])
     return markdown(header, lines)
 
 
+def diagnosis_table(summary: dict[str, Any]) -> str:
+    """Where the victim's time went next to each attacker (medians of the rounds)."""
+    header = ["scenario", "row", "engine running", "engine waiting", "victim held (of req)",
+              "victim s held / s TTFT", "router seqs in flight / capacity"]  # fmt: skip
+    lines = []
+    for name, s in summary["rows"].items():
+        scenario, row = name.split(" / ")
+        if scenario == "solo":
+            continue
+        cells = [fmt(s["engine_running_mean"]), fmt(s["engine_waiting_mean"])]
+        if row == "kvfence":
+            cells.append(f"{fmt(s['victim_held'], '.0f')} ({s['victim_requests']})")
+            cells.append(f"{fmt(s['victim_held_s'], '.2f')} / {fmt(s['victim_ttft_sum_s'], '.2f')}")
+            flight, cap = s["router_inflight_sequences_mean"], s["router_capacity_sequences"]
+            cells.append(f"{fmt(flight)} / {fmt(cap, '.0f')}")
+        else:
+            cells += ["", "", ""]
+        lines.append([scenario, row, *cells])
+    return markdown(header, lines)
+
+
 def pair_table(summary: dict[str, Any]) -> str:
-    header = ["row", "A units/s", "B units/s", "B share", "service difference", "VTC bound 2U", "within"]
+    header = ["row", "A units/s", "B units/s", "B share", "D client-side", "D engine (its count)",
+              "VTC bound 2U", "within: client", "within: engine"]  # fmt: skip
     lines = []
     for row, s in summary["pair"].items():
         cells = [fmt(s["a_units_per_s"], ".0f"), fmt(s["b_units_per_s"], ".0f"), fmt(s["b_share"], ".3f")]
-        cells += [fmt(s["service_difference"], ".0f"), fmt(s["vtc_bound"], ".0f"), s["within_bound_rounds"]]
+        cells += [fmt(s["service_difference"], ".0f"), fmt(s["engine_service_difference"], ".0f")]
+        cells += [fmt(s["vtc_bound"], ".0f"), s["within_bound_rounds"], s["engine_within_bound_rounds"]]
         lines.append([row, *cells])
     series = [
-        f"{row}: D(t) = W_A - W_B at each second: {s['difference_by_second']}"
+        f"{row}: D(t) = W_A - W_B at each second, client-side: {s['difference_by_second']}"
+        + (f"; the engine's count: {[round(x) for x in s['engine_difference_by_second']]}"
+           if s["engine_difference_by_second"] else "")
         for row, s in summary["pair"].items()
-    ]
+    ]  # fmt: skip
     return markdown(header, lines) + "\n\n" + "\n".join(series)
 
 
 def report(stack: e2e.Stack, runs: list[dict[str, Any]], started: float, load: list[float]) -> Path:
+    """The tables on stdout and the results file (the measurements written first, so that a figure
+    that cannot be summarized loses none of them)."""
     a = stack.a
-    summary = summarize(runs)
-    print(f"\nvictim next to each attacker, median of {a.rounds} rotated round(s) ({a.note})\n")
-    print(victim_table(summary))
-    print(
-        f"\ntwo backlogged tenants of equal weight (A: {4 * a.max_num_seqs} streams, B: {a.max_num_seqs})\n"
-    )
-    print(pair_table(summary))
     doc = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "commit": source_commit(a),
@@ -703,24 +971,33 @@ def report(stack: e2e.Stack, runs: list[dict[str, Any]], started: float, load: l
         "config": {k: v for k, v in vars(a).items() if k != "func"},
         "vllm_args": stack.args,
         "seconds": round(time.time() - started, 1),
-        "summary": summary,
         "runs": runs,
     }
     out = Path(a.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"fairness-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}.json"
     path.write_text(json.dumps(e2e._finite(doc), indent=2) + "\n")
+    summary = summarize(runs)
+    print(f"\nvictim next to each attacker, median of {a.rounds} rotated round(s) ({a.note})\n")
+    print(victim_table(summary))
+    print("\nwhere the victim's time went (medians of the rounds; router figures on kvfence only)\n")
+    print(diagnosis_table(summary))
+    print(
+        f"\ntwo backlogged tenants of equal weight (A: {4 * a.max_num_seqs} streams, B: {a.max_num_seqs})\n"
+    )
+    print(pair_table(summary))
+    path.write_text(json.dumps(e2e._finite({**doc, "summary": summary}), indent=2) + "\n")
     print(f"\nwritten to {path}")
     return path
 
 
 def source_commit(a: argparse.Namespace) -> str:
-    """The commit the engine plugin and the router ran from: HEAD for ``--source committed``, else the
+    """The commit the engine plugin and the router ran from: ``--rev`` for ``--source committed``, else the
     tree's (``+uncommitted`` where it differs)."""
     if a.source == "tree":
         return e2e.commit()
     head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        ["git", "-C", str(ROOT), "rev-parse", a.rev], capture_output=True, text=True, check=False
     )
     return head.stdout.strip() or "unknown"
 
@@ -732,6 +1009,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=30.0, help="seconds the victim sends for")
     p.add_argument("--lead", type=float, default=5.0, help="seconds the attacker runs before the victim")
     p.add_argument("--victim-timeout", type=float, default=120.0, help="a victim request's limit (a miss)")
+    p.add_argument("--victim-tokens", type=int, default=8, help="tokens out per victim request")
+    p.add_argument("--scrape-every", type=float, default=1.0,
+                   help="seconds between two polls of the engine's /metrics (vLLM renders the page in "
+                        "tens of ms of its API server's time on CPU)")  # fmt: skip
     p.add_argument("--big-request", default="32x2", help="PROMPTSxN of the big request")
     p.add_argument("--big-prompt-len", type=int, default=256)
     p.add_argument("--big-max-tokens", type=int, default=128)
@@ -739,7 +1020,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slow-streams", type=int, default=300)
     p.add_argument("--max-num-seqs", type=int, default=16, help="in the class's extraArgs")
     p.add_argument("--source", choices=("committed", "tree"), default="committed",
-                   help="engine plugin and router: HEAD (git archive) or the working tree")  # fmt: skip
+                   help="engine plugin and router: --rev (git archive) or the working tree")  # fmt: skip
+    p.add_argument("--rev", default="HEAD", help="the commit --source committed runs (default HEAD)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", help="model directory (default: the tiny test model, built offline)")
     p.add_argument("--vllm-python", default=None, help="the Python vLLM is installed in")
