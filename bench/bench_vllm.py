@@ -1119,10 +1119,10 @@ def patch_out_fair_share() -> None:
     fence's own cost (see ``--fair-share-off``)."""
     from kvfence.vllm.fair import StepShares
 
-    def before(self: Any, sched: Any, tenant_of: Any) -> list[Any]:
+    def before(self: Any, sched: Any) -> list[Any]:
         return []
 
-    def after(self: Any, output: Any, requests: Any, tenant_of: Any) -> None:
+    def after(self: Any, sched: Any, output: Any) -> None:
         return None
 
     StepShares.before = before  # type: ignore[method-assign]

@@ -128,6 +128,30 @@ def test_divide_on_random_inputs_never_exceeds_budget_or_demand_and_wastes_nothi
                 assert got[t] >= budget * fs.weight(t) // total
 
 
+def test_a_kept_division_hands_its_remainder_out_by_the_counters_of_the_moment() -> None:
+    fs = FairShare()
+    fs.sync(["a", "b", "c"])
+    kept = fs.fill(10, {"a": 100, "b": 100, "c": 2})  # c sated; a and b split 8, no remainder
+    assert (kept.grant, kept.remainder) == ({"a": 4, "b": 4, "c": 2}, 0)
+    kept = fs.fill(11, {"a": 100, "b": 100, "c": 2})  # 9 between a and b: one left over
+    assert (sorted(kept.short), kept.remainder) == (["a", "b"], 1)
+    assert fs.hand_out(kept) == {"a": 5, "b": 4, "c": 2}  # equal counters: by name
+    fs.charge("a", 3)
+    assert fs.hand_out(kept) == {"a": 4, "b": 5, "c": 2}  # the same division, counters moved
+    assert kept.grant == {"a": 4, "b": 4, "c": 2}  # handing out never changes what is kept
+
+
+def test_charging_a_step_at_once_is_charging_each_tenant() -> None:
+    one, each = FairShare(1, {"a": 2}), FairShare(1, {"a": 2})
+    for fs in (one, each):
+        fs.sync(["a", "b"])
+    units = {"a": 30, "b": 7, "c": 0, "d": 5}  # d has no counter yet: lifted as charge() lifts it
+    one.charge_all(units)
+    for t, u in units.items():
+        each.charge(t, u)
+    assert {t: one.counter(t) for t in "abcd"} == {t: each.counter(t) for t in "abcd"}
+
+
 def test_the_victim_is_the_tenant_furthest_above_its_share_never_one_below() -> None:
     fs = FairShare()
     fs.sync(["a", "b", "c"])

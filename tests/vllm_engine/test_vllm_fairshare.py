@@ -248,3 +248,57 @@ def test_a_request_preempted_for_another_tenant_resumes_before_its_tenants_later
         assert not running & later, running & later
         h.step()
     raise AssertionError("the preempted request never resumed")
+
+
+def step_units(h: Harness) -> tuple[Any, Counter[str]]:
+    """One step, and each tenant's units of it by the policy's costs (a computed prompt token, a cached
+    one, a sampled token), request by request: from what the step's output says each had computed
+    before it, and the requests' lengths before it."""
+    lengths = {rid: (r.num_prompt_tokens, r.num_tokens) for rid, r in h.sched.requests.items()}
+    out = h.step()
+    hits = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    done_before = {**dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True)), **hits}
+    got: Counter[str] = Counter()
+    for rid, n in out.num_scheduled_tokens.items():
+        n_prompt, n_tokens = lengths[rid]
+        done = done_before[rid] + n
+        sampled = done >= n_tokens
+        decoding = sampled and n == 1 and done > n_prompt
+        got[tenant_of(rid)] += request_cost(
+            prefill=0 if decoding else n, cached=hits.get(rid, 0), output=int(sampled)
+        )
+    return out, got
+
+
+def test_fair_shares_counts_and_charges_follow_the_scheduler_through_preemptions_and_aborts(
+    tmp_path: Path,
+) -> None:
+    """Random arrivals and aborts, more requests than slots, a pool small enough for vLLM to preempt:
+    after every step the counts fair share keeps (Harness.step checks them) are the scheduler's, and
+    what it charged each tenant is what the step gave it, request by request."""
+    import random
+
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(7)
+    cfg = base_config(max_model_len=1024, max_num_seqs=6, max_num_batched_tokens=BUDGET)
+    h = Harness(tmp_path, num_blocks=40, quotas={"a": {"weight": 2}}, config=cfg)
+    total: Counter[str] = Counter()
+    preempted = aborted = 0
+    for k in range(300):
+        for _ in range(rng.choice([0, 0, 1, 2])) if k < 240 else ():
+            t = rng.choice("abc")
+            shared = 16 * rng.randint(0, 3)  # a prefix some requests share: prefix-cache hits
+            h.add(t, [5] * shared + prompt(k, rng.randint(8, 90)), rng.randint(1, 30))
+        live = [rid for rid in h.sched.requests if rid not in h.finished]
+        if live and rng.random() < 0.08:
+            h.sched.finish_requests([rng.choice(live)], RequestStatus.FINISHED_ABORTED)
+            aborted += 1
+        out, got = step_units(h)
+        preempted += len(out.preempted_req_ids or ())
+        total += got
+    while h.sched.has_requests():
+        total += step_units(h)[1]
+    assert +Counter(h.sched.fair.served) == +total
+    assert preempted > 0 and aborted > 0 and h.sched.fair.preemptions > 0

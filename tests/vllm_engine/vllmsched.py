@@ -15,6 +15,7 @@ import functools
 import itertools
 import json
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,8 @@ class Harness:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = str(o.finish_reason)
+        if not self.stock:
+            self.check_fair_share_counts()
         return out
 
     def run(self, max_steps: int = 500) -> None:
@@ -230,6 +233,17 @@ class Harness:
         raise KeyError(rid)
 
     # --- invariants -------------------------------------------------------------------------------
+    def check_fair_share_counts(self) -> None:
+        """Fair share's request counts, kept as requests arrive, start, stop and leave, are what the
+        scheduler holds, and were never recounted."""
+        sched, fair = self.sched, self.sched.fair
+        tenant = sched._tenant_of
+        assert fair.running == {r.request_id for r in sched.running}
+        assert +fair.in_run == Counter(tenant[r.request_id] for r in sched.running)
+        held = [*sched.running, *sched.waiting]
+        assert fair.work == Counter(tenant[r.request_id] for r in held if r.request_id in tenant)
+        assert fair.total == sum(fair.work.values()) and fair.recounts == 0
+
     def check(self) -> None:
         """The shadow agrees with vLLM's pool; quotas, reservations and records hold."""
         from kvfence.isolation.blocks import BlockState
@@ -268,6 +282,7 @@ class Harness:
         assert len(fence.pool.free) == sum(
             1 for b in self.pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is None
         )
+        self.check_fair_share_counts()
         # Every block a running request holds carries that request's own tokens (no foreign KV).
         mgr = self.sched.kv_cache_manager
         bs = self.block_size

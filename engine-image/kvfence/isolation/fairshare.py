@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import accumulate, repeat
 from operator import truediv
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -50,6 +50,16 @@ def request_cost(prefill: int = 0, cached: int = 0, output: int = 0) -> int:
     """Service units of ``prefill`` computed prompt tokens, ``cached`` cached ones and ``output``
     generated tokens."""
     return prefill * PREFILL_COST + cached * CACHED_COST + output * OUTPUT_COST
+
+
+class Division(NamedTuple):
+    """A budget divided by :meth:`FairShare.fill`, before its remainder is handed out."""
+
+    grant: dict[str, int]
+    #: the tenants given less than their demand (in the order of demand per weight)
+    short: list[str]
+    #: units left over by the integer division (fewer than ``short`` has tenants)
+    remainder: int
 
 
 class FairShare:
@@ -121,6 +131,14 @@ class FairShare:
         if units:
             self._counter[tenant] = self.counter(tenant) + units / self.weight(tenant)
 
+    def charge_all(self, units: Mapping[str, int]) -> None:
+        """:meth:`charge` for each tenant of ``units`` (a step's service, once a step)."""
+        counters, weights, default = self._counter, self._weights, self._default
+        for tenant, u in units.items():
+            if u:
+                c = counters.get(tenant)
+                counters[tenant] = (self._lift_to() if c is None else c) + u / weights.get(tenant, default)
+
     # --- decisions ------------------------------------------------------------------------------
     def order(
         self, queue: Sequence[T], tenant_of: Callable[[T], str], cost_of: Callable[[T], int]
@@ -156,28 +174,43 @@ class FairShare:
         """``budget`` units (tokens, slots) among the tenants of ``demands`` (what each could use) in
         proportion to their weights, no tenant above its demand; what one cannot use goes to the
         others, and the remainder of the integer division to the smallest counters first."""
-        if sum(d for d in demands.values() if d > 0) <= budget:  # all fits: what the loop below gives
-            return {t: max(0, d) for t, d in demands.items()}
-        grant = dict.fromkeys(demands, 0)
+        return self.hand_out(self.fill(budget, demands))
+
+    def fill(self, budget: int, demands: Mapping[str, int]) -> Division:
+        """:meth:`divide` up to its remainder, which depends on the counters only: a caller whose
+        demands did not change keeps this and calls :meth:`hand_out` as the counters move."""
         want = {t: d for t, d in demands.items() if d > 0}
-        weight = {t: self.weight(t) for t in want}
-        left = max(0, budget)
-        while want and left > 0:
-            total = sum(weight[t] for t in want)
-            sated = [t for t in want if want[t] * total <= left * weight[t]]
-            if sated:  # below their share: give them all they want, share the rest again
-                for t in sated:
-                    grant[t] += want.pop(t)
-                left = max(0, budget) - sum(grant.values())
-                continue
-            shares = {t: left * weight[t] // total for t in want}
-            for t, s in shares.items():
-                grant[t] += s
-                want[t] -= s
-            left -= sum(shares.values())
-            for t in sorted(want, key=lambda t: (self.counter(t), t))[:left]:
-                grant[t] += 1
-            break
+        if sum(want.values()) <= budget:  # all fits
+            return Division({t: max(0, d) for t, d in demands.items()}, [], 0)
+        grant = dict.fromkeys(demands, 0)
+        weights, default = self._weights, self._default
+        weight = {t: weights.get(t, default) for t in want}
+        left, total = max(0, budget), sum(weight.values())
+        # Water-filling: in order of demand per weight, a tenant whose demand is within its share of
+        # what is left is given all of it (the level of the others then rises); the rest split by weight.
+        order = sorted([(d / weight[t], t) for t, d in want.items()])
+        i = 0
+        for _, t in order:
+            if want[t] * total > left * weight[t]:
+                break
+            grant[t] = want[t]
+            left -= want[t]
+            total -= weight[t]
+            i += 1
+        rest = [t for _, t in order[i:]]
+        for t in rest:
+            grant[t] = left * weight[t] // total
+        return Division(grant, rest, left - sum([grant[t] for t in rest]))
+
+    def hand_out(self, division: Division) -> dict[str, int]:
+        """The division's remainder, one unit each to the tenants still short, smallest counter first
+        (a new dict; the division's own when there is no remainder)."""
+        if not division.remainder:
+            return division.grant
+        grant = dict(division.grant)
+        counter = self.counter
+        for _, t in sorted([(counter(t), t) for t in division.short])[: division.remainder]:
+            grant[t] += 1
         return grant
 
     def victim(self, running: Mapping[str, int], shares: Mapping[str, int]) -> str | None:

@@ -9,11 +9,11 @@ its waiting queue while slots and budget last. Before each ``schedule`` the fenc
   counter, advanced by what its earlier requests in the list will compute), so the budget goes to
   the tenants furthest below their share first and vLLM's preemption takes the tenant furthest above
   its share first (left as it is in a step that serves all of it and cannot run short of blocks);
-* gives each tenant at most its weighted share of the running slots (``max_num_seqs``): a tenant
-  below its share with requests waiting while every slot is taken preempts the newest running
-  request of the tenant furthest above its share (never one at or below it), and waiting requests of
-  a tenant at its share sit out the step;
-* orders the waiting queue by the policy (first in first out within a tenant) for the step.
+* gives each tenant at most its weighted share of the running slots (``max_num_seqs``) when the
+  requests outnumber the slots: a tenant below its share with requests waiting while every slot is
+  taken preempts the newest running request of the tenant furthest above its share (never one at or
+  below it), and waiting requests of a tenant at its share sit out the step;
+* orders the waiting requests let through by the policy (first in first out within a tenant).
 
 After ``schedule`` the caller puts the waiting queue back in the order vLLM's first-come-first-served
 policy keeps (:func:`restore_order`): the requests preempted (by fair share or by vLLM) at its head,
@@ -24,26 +24,40 @@ each step's policy order is drawn from it: within a tenant, requests start in th
 Then :meth:`StepShares.after` charges each tenant what the step scheduled for it: the
 prompt tokens it computes, the tokens its requests sample, and, for a request starting, the prompt
 tokens it found in the prefix cache.
+
+Cost: the scheduler runs every step, over every running and waiting request, so the hooks keep their
+per-request work to what a decision needs. The tenants with work and their request counts are kept as
+requests arrive and leave (:meth:`StepShares.arrive`, :meth:`StepShares.leave`), not recounted; the
+slot shares are divided only when the requests outnumber the slots, and again only when the counts
+or the weights changed; the running list is ordered only when its order can change the step
+(:func:`_order_matters`, from vLLM's own set of requests still computing their prompts); and
+:meth:`StepShares.after` looks at each request that computed prompt tokens, the rest (one token
+sampled each) are counted per tenant in one pass.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.isolation.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, FairShare
+from kvfence.isolation.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, Division, FairShare
 from kvfence.vllm.fence import UNATTRIBUTED
+
+log = logging.getLogger("kvfence.vllm.fair")
 
 
 class StepShares:
-    """One vLLM scheduler's fair share: the policy's counters and the step hooks (see the module)."""
+    """One vLLM scheduler's fair share: the policy's counters and the step hooks (see the module).
+    ``tenant_of``: the scheduler's map of request id to verified tenant."""
 
-    def __init__(self, quotas: QuotasConfig, max_num_seqs: int) -> None:
+    def __init__(self, quotas: QuotasConfig, max_num_seqs: int, tenant_of: Mapping[str, str]) -> None:
         self.policy = FairShare(quotas.default.weight, quotas.weights())
         self.max_num_seqs = max_num_seqs
+        self.tenant_of = tenant_of
         #: requests preempted for a tenant below its share of the slots
         self.preemptions = 0
         #: the waiting queue in vLLM's order when :meth:`before` reordered it this step, else None
@@ -51,61 +65,157 @@ class StepShares:
         #: service units charged to each tenant since the engine started (never lifted or forgotten,
         #: unlike the policy's counters): what ``/metrics`` exports
         self.served: dict[str, int] = {}
+        #: requests of each tenant the scheduler holds and has not finished (running or waiting)
+        self.work: dict[str, int] = {}
+        self.total = 0
+        #: the running requests (ids), and how many of them each tenant has
+        self.running: set[str] = set()
+        self.in_run: Counter[str] = Counter()
+        #: times the running requests kept here were found to differ from vLLM's and were recounted
+        self.recounts = 0
+        self._synced = True  # the policy knows the tenants of ``work`` (see :meth:`_sync`)
+        self._division: Division | None = None  # the slots divided for ``work``, while it is unchanged
+        self._prefilling: list[str] = []  # running requests computing their prompts as the step began
 
     def set_weights(self, quotas: QuotasConfig) -> None:
         self.policy.set_weights(quotas.default.weight, quotas.weights())
+        self._division = None
 
-    def before(self, sched: Any, tenant_of: Mapping[str, str]) -> list[Any]:
+    # --- the scheduler's requests ---------------------------------------------------------------
+    def arrive(self, tenant: str) -> None:
+        """The scheduler took a request of ``tenant``."""
+        n = self.work.get(tenant, 0)
+        self.work[tenant] = n + 1
+        self.total += 1
+        self._division = None
+        if not n:
+            self._synced = False
+
+    def stopped(self, rid: str) -> None:
+        """A running request was preempted, or finished (see :meth:`leave`)."""
+        if rid in self.running:
+            self.running.discard(rid)
+            self.in_run[self.tenant_of.get(rid, UNATTRIBUTED)] -= 1
+
+    def leave(self, rid: str, tenant: str) -> None:
+        """A request of ``tenant`` finished (or was aborted); call before its tenant is forgotten."""
+        self.stopped(rid)
+        n = self.work[tenant] - 1
+        self.total -= 1
+        self._division = None
+        if n:
+            self.work[tenant] = n
+        else:
+            del self.work[tenant]
+            self._synced = False
+
+    def _started(self, rids: Any) -> None:
+        get, running, in_run = self.tenant_of.get, self.running, self.in_run
+        for rid in rids:
+            if rid not in running:
+                running.add(rid)
+                in_run[get(rid, UNATTRIBUTED)] += 1
+
+    def _recount(self, sched_running: list[Any]) -> None:
+        """Take the running requests from vLLM's list when those kept here differ in number (a path
+        that started or stopped a request without the hooks seeing it): never expected, and cheap to
+        check every step."""
+        if len(sched_running) == len(self.running):
+            return
+        self.recounts += 1
+        log.warning(
+            "kvfence: fair share's count of running requests (%d) differs from vLLM's (%d): recounted",
+            len(self.running),
+            len(sched_running),
+        )
+        get = self.tenant_of.get
+        self.running = {r.request_id for r in sched_running}
+        self.in_run = Counter([get(rid, UNATTRIBUTED) for rid in self.running])
+
+    def _sync(self) -> None:
+        """Tell the policy which tenants have work, when that set changed (a tenant came or went): the
+        policy's :meth:`~kvfence.isolation.fairshare.FairShare.sync` lifts newcomers and forgets idle
+        counters the others passed, and forgetting one a few steps late changes no decision."""
+        if not self._synced:
+            self.policy.sync(self.work)
+            self._synced = True
+
+    def _slot_shares(self) -> dict[str, int]:
+        if self._division is None:
+            self._division = self.policy.fill(self.max_num_seqs, self.work)
+        return self.policy.hand_out(self._division)
+
+    # --- before the step ------------------------------------------------------------------------
+    def before(self, sched: Any) -> list[Any]:
         """Order vLLM's running list and waiting queue and preempt for slots; the waiting requests
         held back for this step (the caller puts them back after ``schedule``, see :func:`restore_order`)."""
         self.fifo = None
-        get = tenant_of.get
+        prefills = _prefilling(sched)
+        self._prefilling = [r.request_id for r in prefills]
+        self._sync()
+        if self.policy.busy < 2:
+            return []
+        get = self.tenant_of.get
         running: list[Any] = sched.running
-        run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
-        wait_t = [get(r.request_id, UNATTRIBUTED) for r in sched.waiting]
-        in_run, queued = Counter(run_t), Counter(wait_t)
-        policy = self.policy
-        policy.sync(in_run.keys() | queued.keys())
-        if policy.busy < 2:
-            return []
-        demand = dict(in_run)
-        for t, n in queued.items():
-            demand[t] = demand.get(t, 0) + n
-        shares = policy.divide(self.max_num_seqs, demand)
-        if self._preempt_for_slots(sched, get, in_run, queued, shares):
+        self._recount(running)
+        shares: dict[str, int] | None = None
+        if self.total > self.max_num_seqs:  # more requests than slots: each tenant gets its share
+            shares = self._slot_shares()
+            self._preempt_for_slots(sched, shares)
+        if _order_matters(sched, running, prefills):
             run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
-            wait_t = [get(r.request_id, UNATTRIBUTED) for r in sched.waiting]
-        if _order_matters(sched, running):
             costs = [_running_cost(r.num_prompt_tokens - r.num_computed_tokens) for r in running]
-            running[:] = [running[i] for i in policy.ranks(run_t, costs)]
-        if len(running) >= self.max_num_seqs:  # no slot: vLLM admits nothing this step
+            running[:] = [running[i] for i in self.policy.ranks(run_t, costs)]
+        if len(running) >= self.max_num_seqs or not sched.waiting:  # vLLM admits nothing this step
             return []
-        queue = sched.waiting  # vLLM's FCFS queue: a deque
-        waiting = list(queue)
-        keep: list[Any] = []
+        return self._order_waiting(sched.waiting, shares)
+
+    def _order_waiting(self, queue: Any, shares: dict[str, int] | None) -> list[Any]:
+        """Let through, in the policy's order, each tenant's first waiting requests up to its share of
+        the slots (all of them when the slots are not short); hold the rest for the step."""
+        get = self.tenant_of.get
+        waiting = list(queue)  # vLLM's FCFS queue: a deque
+        tenants = [get(r.request_id, UNATTRIBUTED) for r in waiting]
         held: list[Any] = []
-        for i in policy.ranks(wait_t, [r.num_tokens * PREFILL_COST for r in waiting]):
-            t = wait_t[i]
-            if in_run[t] >= shares.get(t, 0):
-                held.append(waiting[i])
-            else:
-                keep.append(waiting[i])
-                in_run[t] += 1
-        if held or keep != waiting:
+        if shares is None:
+            keep = list(range(len(waiting)))
+        else:
+            in_run = self.in_run
+            room = {t: shares.get(t, 0) - in_run[t] for t in self.work}
+            keep = []
+            for i, t in enumerate(tenants):
+                left = room.get(t, 0)
+                if left > 0:
+                    room[t] = left - 1
+                    keep.append(i)
+                else:
+                    held.append(waiting[i])
+        if len(set(map(tenants.__getitem__, keep))) > 1:
+            ranks = self.policy.ranks(
+                [tenants[i] for i in keep], [waiting[i].num_tokens * PREFILL_COST for i in keep]
+            )
+            keep = [keep[j] for j in ranks]
+        if held or keep != sorted(keep):
             self.fifo = waiting
             queue.clear()
-            queue.extend(keep)
+            queue.extend([waiting[i] for i in keep])
         return held
 
-    def _preempt_for_slots(
-        self, sched: Any, get: Any, in_run: Counter[str], queued: Counter[str], shares: dict[str, int]
-    ) -> int:
+    def _preempt_for_slots(self, sched: Any, shares: dict[str, int]) -> None:
         """While every slot is taken and a tenant below its share has requests waiting, preempt the
-        newest running request of the tenant furthest above its share; how many it preempted."""
+        newest running request of the tenant furthest above its share (the scheduler's
+        ``_preempt_request`` tells :meth:`stopped`)."""
         running: list[Any] = sched.running
-        done = 0
-        short = {t: min(n, shares.get(t, 0) - in_run[t]) for t, n in queued.items()}
-        want = sum(n for n in short.values() if n > 0)
+        if len(running) < self.max_num_seqs:
+            return
+        in_run, get = self.in_run, self.tenant_of.get
+        # The tenants' requests not running are waiting, unless vLLM keeps some elsewhere (a KV
+        # transfer): the estimate from the counts kept is confirmed on the waiting queue itself.
+        want = _short(self.work, in_run, shares)
+        if want > 0:
+            want = _short(
+                Counter([get(r.request_id, UNATTRIBUTED) for r in sched.waiting]), in_run, shares, 0
+            )
         while want > 0 and len(running) >= self.max_num_seqs:
             victim_tenant = self.policy.victim(in_run, shares)
             if victim_tenant is None:
@@ -115,40 +225,70 @@ class StepShares:
                 break
             running.remove(victim)
             sched._preempt_request(victim, time.monotonic())
-            in_run[victim_tenant] -= 1
-            queued[victim_tenant] += 1
             self.preemptions += 1
-            done += 1
             want -= 1
-        return done
 
-    def after(self, output: Any, requests: Mapping[str, Any], tenant_of: Mapping[str, str]) -> None:
-        """Charge each tenant what ``output`` (vLLM's SchedulerOutput) scheduled for it."""
-        units: dict[str, int] = {}
-        get = tenant_of.get
+    # --- after the step -------------------------------------------------------------------------
+    def after(self, sched: Any, output: Any) -> None:
+        """Note the requests ``output`` (vLLM's SchedulerOutput) started, and charge each tenant what
+        it scheduled for it (:meth:`_charges`)."""
+        started = [new.req_id for new in output.scheduled_new_reqs]
+        resumed = output.scheduled_cached_reqs.resumed_req_ids
+        self._started(started)
+        self._started(resumed)
+        self._recount(sched.running)
+        units = self._charges(sched, output, started, resumed)
+        self.policy.charge_all(units)
+        served = self.served
+        for t, u in units.items():
+            served[t] = served.get(t, 0) + u
+
+    def _charges(self, sched: Any, output: Any, started: list[str], resumed: Any) -> dict[str, int]:
+        """Each tenant's units of the step. A request that was decoding and got one token samples one;
+        the others (starting, resuming, computing its prompt, or given several tokens) are looked at
+        one by one. When every running request was scheduled and only those others got more than one
+        token, the decoding ones of each tenant are its running ones less its others: no request is
+        looked up."""
+        scheduled: dict[str, int] = output.num_scheduled_tokens
+        get = self.tenant_of.get
+        others = {rid: scheduled[rid] for rid in (*started, *resumed, *self._prefilling) if rid in scheduled}
+        extra = output.total_num_scheduled_tokens - len(scheduled) - sum(others.values()) + len(others)
+        if extra or len(scheduled) != len(sched.running):
+            decoding: dict[str, int] = {}
+            for t in [get(rid, UNATTRIBUTED) for rid in scheduled]:
+                decoding[t] = decoding.get(t, 0) + 1
+            others.update({rid: n for rid, n in scheduled.items() if n != 1})
+        else:
+            decoding = dict(self.in_run)
+        units = {t: k * OUTPUT_COST for t, k in decoding.items() if k}
+        find = sched.requests.get
+        for rid, n in others.items():
+            r = find(rid)
+            if r is not None:
+                t = get(rid, UNATTRIBUTED)
+                cost = _step_cost(n, r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens)
+                units[t] = units.get(t, 0) + cost - OUTPUT_COST
         for new in output.scheduled_new_reqs:
             if new.num_computed_tokens:  # its prefix-cache hit
                 t = get(new.req_id, UNATTRIBUTED)
                 units[t] = units.get(t, 0) + new.num_computed_tokens * CACHED_COST
-        find = requests.get
-        for rid, n in output.num_scheduled_tokens.items():
-            r = find(rid)
-            if r is None:
-                continue
-            done = r.num_computed_tokens  # vLLM has advanced it by what it scheduled
-            if done < r.num_tokens:  # a prompt chunk that samples nothing
-                u = n * PREFILL_COST
-            elif n == 1 and done > r.num_prompt_tokens:  # a decoding step: one output token
-                u = OUTPUT_COST
-            else:  # the prompt's last chunk, and its first output token
-                u = n * PREFILL_COST + OUTPUT_COST
-            t = get(rid, UNATTRIBUTED)
-            units[t] = units.get(t, 0) + u
-        charge = self.policy.charge
-        served = self.served
-        for t, u in units.items():
-            charge(t, u)
-            served[t] = served.get(t, 0) + u
+        return units
+
+
+def _short(counts: Mapping[str, int], in_run: Counter[str], shares: dict[str, int], running: int = 1) -> int:
+    """Slots the tenants below their shares could fill now: each tenant's requests not running
+    (``counts``: all of its requests, ``running`` = 1, or those waiting, 0) up to its share left."""
+    return sum(max(0, min(n - running * in_run[t], shares.get(t, 0) - in_run[t])) for t, n in counts.items())
+
+
+def _step_cost(n: int, done: int, prompt: int, tokens: int) -> int:
+    """Units of a request that got ``n`` tokens this step and has ``done`` computed after it (vLLM
+    advances the count as it schedules) of ``tokens``, ``prompt`` of them its prompt."""
+    if done < tokens:  # a prompt chunk that samples nothing
+        return n * PREFILL_COST
+    if n == 1 and done > prompt:  # a decoding step: one output token
+        return OUTPUT_COST
+    return n * PREFILL_COST + OUTPUT_COST  # the prompt's last chunk, and its first output token
 
 
 def restore_order(queue: Any, fifo: list[Any], held: list[Any]) -> None:
@@ -167,19 +307,33 @@ def restore_order(queue: Any, fifo: list[Any], held: list[Any]) -> None:
     queue.extend([r for r in fifo if r in waiting])
 
 
-def _order_matters(sched: Any, running: list[Any]) -> bool:
+def _prefilling(sched: Any) -> Any:
+    """The running requests still computing their prompts: vLLM's own set of them (kept as it
+    schedules), or, on a vLLM without it, found by looking at each."""
+    prefills = getattr(sched, "_inflight_prefills", None)
+    if prefills is None:
+        return [r for r in sched.running if r.num_computed_tokens < r.num_tokens]
+    return prefills
+
+
+def _order_matters(sched: Any, running: list[Any], prefills: Any) -> bool:
     """Whether the running list's order can change this step: its requests want more tokens than the
-    step's budget, or the pool may run short (vLLM then preempts from the end of the list). With
-    enough clean free blocks and no quotas (whose reservations hold blocks back) it cannot."""
+    step's budget, or the pool may run short (vLLM then preempts from the end of the list). A request
+    decoding wants one token (and its speculative ones) and at most one new block; one computing its
+    prompt wants the rest of it. With enough free blocks and no quotas (whose reservations and
+    guarantees make a tenant's free blocks its own) the order cannot matter."""
     fence = sched.fence
-    if fence.has_limits:
+    if not fence.unlimited:
         return True
     bs: int = sched.block_size
-    new: list[int] = [r.num_tokens_with_spec - r.num_computed_tokens for r in running]
+    left: list[int] = [r.num_tokens - r.num_computed_tokens for r in prefills]
+    per_decode: int = 1 + (getattr(sched, "num_spec_tokens", 0) or 0)
+    tokens = sum(left) + (len(running) - len(left)) * per_decode
     budget: int = sched.max_num_scheduled_tokens
-    if sum(new) > budget:
+    if tokens > budget:
         return True
-    return sum([n // bs for n in new]) + len(new) > len(fence.pool.free)
+    free: int = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    return sum([n // bs for n in left]) + len(running) > free
 
 
 def _running_cost(left: int) -> int:

@@ -206,7 +206,7 @@ class FenceMixin:
         self._refused: dict[str, str] = {}
         self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
         self._next_reload = time.monotonic() + RELOAD_INTERVAL
-        self.fair = StepShares(quotas, self.max_num_running_reqs)
+        self.fair = StepShares(quotas, self.max_num_running_reqs, self._tenant_of)
         self.stats = StatsWriter.from_env(EngineStats(self.fence, self.fair))
         self._refusals = RefusalBox.from_env()
         log.info(
@@ -259,6 +259,7 @@ class FenceMixin:
                 super().add_request(request)  # type: ignore[misc]
                 return
         self._tenant_of[rid] = tenant
+        self.fair.arrive(tenant)
         shared_tokens = self._shared_start(request) * self.block_size  # not charged to the tenant
         self._fit_to_quota(request, tenant, shared_tokens)
         super().add_request(request)  # type: ignore[misc]
@@ -402,6 +403,7 @@ class FenceMixin:
                 block_hasher=self._hasher,
             )
             self._tenant_of[rid] = SHARED_OWNER
+            self.fair.arrive(SHARED_OWNER)
             self._reach_of[rid] = len(prompt) + 1
             self._pinning[rid] = (name, tokens, k)
             self._pin_ids.add(rid)
@@ -447,7 +449,7 @@ class FenceMixin:
             self._start_pins()
         elif self._retiring and not self._pinning:
             self._release_retired()
-        held = self.fair.before(self, self._tenant_of)
+        held = self.fair.before(self)
         fifo = self.fair.fifo  # the waiting queue in vLLM's order, if fair share reordered it
         if fifo is None and self.waiting and (self.fence.has_limits or self._refused):
             fifo = list(self.waiting)  # what _hold_back may take requests out of
@@ -458,7 +460,7 @@ class FenceMixin:
             if fifo is not None and (held or self.fair.fifo is not None):
                 # vLLM's order again: not the step's, nor the held requests reversed at the head
                 restore_order(self.waiting, fifo, held)
-        self.fair.after(out, self.requests, self._tenant_of)
+        self.fair.after(self, out)
         return out
 
     def _hold_back(self) -> list[Request]:
@@ -545,10 +547,17 @@ class FenceMixin:
                 )
             )
 
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+        self.fair.stopped(request.request_id)
+
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
         out = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
-        self._tenant_of.pop(rid, None)
+        tenant = self._tenant_of.get(rid)
+        if tenant is not None:
+            self.fair.leave(rid, tenant)
+            del self._tenant_of[rid]
         self._reach_of.pop(rid, None)
         self._shared_of.pop(rid, None)
         self._shared_pin_of.pop(rid, None)
