@@ -73,8 +73,9 @@ Figures and goals:
   the largest |D(t2) - D(t1)| over t1 < t2 in the window (= max D - min D), that is the largest
   |W_A(t1, t2) - W_B(t1, t2)| over the window's intervals. Measured twice: from the engine's own
   count (the polled counter; what VTC's theorem bounds, the service the scheduler gave) and
-  client-side (units counted as tokens reach the client: an event loop that falls behind delivers
-  a burst, so it can exceed what the engine did). Against 2 U with U = max(w_p L_input, w_q M):
+  client-side (units counted as tokens reach the client: a prompt's units when its first token
+  arrives, after the engine computed it, and an event loop that falls behind delivers a burst, so
+  it can exceed what the engine did). Against 2 U with U = max(w_p L_input, w_q M):
   VTC's bound for two clients backlogged over the interval (Sheng et al., "Fairness in Serving Large
   Language Models", OSDI '24, arXiv 2401.00588), with L_input the longest prompt and M the most
   tokens one running batch can hold. That form is not checked against the paper's text: the
@@ -428,6 +429,7 @@ def setup(a: argparse.Namespace) -> e2e.Stack:
     workdir = Path(tempfile.mkdtemp(prefix="kvfence-bench-fairness-"))
     router_env = None
     if a.source == "committed":
+        a.rev = source_commit(a)  # resolved now: HEAD may move while the benchmark runs
         src = snapshot(workdir, a.rev)
         a.plugin_path = str(src / "engine-image")
         router_env = {**os.environ, "PYTHONPATH": f"{src / 'operator'}:{src / 'engine-image'}"}
