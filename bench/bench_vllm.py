@@ -32,8 +32,10 @@ Variants:
   hits, stale checks, shadow pool, tenant-partitioned eviction and admission bookkeeping, but no limit
   ever binds. Fair share (``kvfence.vllm.fair``) is on, and with 8 tenants that have work it orders
   the running list and the waiting queue by their counters and holds a tenant at its share of the
-  slots: the fenced schedule is then not stock vLLM's (more steps, fewer requests a step), and per
-  scheduled request is the comparable figure. With ``--fair-share-off`` the schedule must be
+  slots: the fenced schedule is then not stock vLLM's. It drains differently (a heavy tenant held to
+  its share finishes last, alone, in small batches: more steps, fewer requests a step), so the whole
+  run's per-step and per-request figures weigh the drain; the "saturated" line compares the steps
+  that left requests waiting, where both run full batches. With ``--fair-share-off`` the schedule must be
   step-for-step identical to stock vLLM's ("same schedule"); the per-step times are then paired, and a
   least-squares fit splits the fence's cost into a part per scheduled request, per new request
   (prefix lookup + verification + admission) and per finished one.
@@ -187,6 +189,8 @@ class Run:
     cpu_ns: list[int] = field(default_factory=list)
     #: per step: requests scheduled, new requests scheduled, requests finished
     shape: list[tuple[int, int, int]] = field(default_factory=list)
+    #: per step: requests were left waiting after it (the engine saturated; see :meth:`saturated_summary`)
+    saturated: list[bool] = field(default_factory=list)
     schedule_ns: int = 0
     update_ns: int = 0
     add_ns: int = 0
@@ -218,6 +222,22 @@ class Run:
             "us_per_sched_req": total / self.scheduled_reqs / 1e3,
             "reqs_per_step": self.scheduled_reqs / len(s),
             "add_us_per_req": self.add_ns / self.added / 1e3,
+            **self.saturated_summary(),
+        }
+
+    def saturated_summary(self) -> dict[str, float]:
+        """The steps after which requests were still waiting: the engine saturated, every slot or the
+        token budget taken. Fair share changes how a finite workload drains (a heavy tenant held to
+        its share all along finishes last, alone, in small batches: more steps, fewer requests each),
+        which weighs on per-step and per-request figures over the whole run; over the saturated steps
+        both schedulers run full batches of the same workload."""
+        steps = [ns for ns, sat in zip(self.step_ns, self.saturated, strict=True) if sat]
+        reqs = sum(sh[0] for sh, sat in zip(self.shape, self.saturated, strict=True) if sat)
+        return {
+            "saturated_steps": len(steps),
+            "saturated_mean_us": sum(steps) / max(1, len(steps)) / 1e3,
+            "saturated_us_per_sched_req": sum(steps) / max(1, reqs) / 1e3,
+            "saturated_reqs_per_step": reqs / max(1, len(steps)),
         }
 
 
@@ -278,6 +298,7 @@ class Drive:
         t1 = pc()
         c1 = tt()
         off()
+        run.saturated.append(bool(sched.waiting))
         # The model's part (not timed): one token for every request whose prompt is complete
         # (schedule() has already advanced num_computed_tokens by what it scheduled).
         ids = list(out.num_scheduled_tokens)
@@ -661,6 +682,9 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
     ratio_step, minima = step_ratios(stock, fenced)
     ratio_req = [f.summary()["us_per_sched_req"] / s.summary()["us_per_sched_req"] for s, f in pairs]
     ratio_cpu = [f.summary()["cpu_mean_us"] / s.summary()["cpu_mean_us"] for s, f in pairs]
+    sat_step, sat_req = "saturated_mean_us", "saturated_us_per_sched_req"
+    ratio_sat = [f.summary()[sat_step] / s.summary()[sat_step] for s, f in pairs]
+    ratio_sat_req = [f.summary()[sat_req] / s.summary()[sat_req] for s, f in pairs]
     same = stock[0].fingerprint == fenced[0].fingerprint
     res: dict[str, Any] = {
         "quotas": VARIANTS[label],
@@ -671,6 +695,9 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
         "ratio_per_sched_req_per_round": ratio_req,
         "ratio_cpu_mean_step": statistics.median(ratio_cpu),
         "ratio_cpu_mean_step_per_round": ratio_cpu,
+        "ratio_saturated_step": statistics.median(ratio_sat),
+        "ratio_saturated_step_per_round": ratio_sat,
+        "ratio_saturated_per_sched_req": statistics.median(ratio_sat_req),
         "cost_model": cost_model(stock, fenced) if same else None,
         # Identical schedules: each step's fastest of the rounds, summed (the least disturbed estimate).
         "ratio_min_per_step": minima if same else None,
@@ -799,6 +826,16 @@ def print_targets(results: dict[str, Any]) -> None:
             f"in CPU time {res['ratio_cpu_mean_step']:.3f}; "
             + (f"per-step minima over the rounds {minima:.3f}; " if minima is not None else "")
             + f"per scheduled request {res['ratio_per_sched_req']:.3f})"
+        )
+        sat = res["ratio_saturated_step_per_round"]
+        st, fe = res["stock"], res["fenced"]
+        print(
+            f"saturated [{label}]: over the steps that left requests waiting (stock "
+            f"{st['saturated_steps']:.0f}, fenced {fe['saturated_steps']:.0f}; requests "
+            f"a step {st['saturated_reqs_per_step']:.1f} / {fe['saturated_reqs_per_step']:.1f}) "
+            f"fenced/stock mean step {res['ratio_saturated_step']:.3f} ({sum(x <= TARGET for x in sat)} of "
+            f"{len(sat)} rounds at or under {TARGET:.2f}), per scheduled request "
+            f"{res['ratio_saturated_per_sched_req']:.3f}"
         )
         aa = res.get("floor")
         if aa is not None:
