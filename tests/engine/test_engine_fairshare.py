@@ -29,8 +29,8 @@ from kvfence.isolation.fairshare import request_cost
 PROMPT = 600
 MAX_TOKENS = 4
 MAX_MODEL_LEN = 700
-#: VTC's bound on the weighted-service difference of two backlogged tenants (Theorem 4.4): twice the
-#: largest cost one request can have.
+#: The bound these tests hold the service difference of two backlogged tenants to: twice the largest
+#: cost one request can have (VTC's 2U in the form the design uses; the paper's own statement is unchecked).
 VTC_BOUND = 2 * request_cost(prefill=PROMPT, output=MAX_TOKENS)
 
 

@@ -21,7 +21,8 @@ BUDGET = 256
 SEQS = 16
 PROMPT = 600
 MAX_TOKENS = 4
-#: VTC's bound on the service difference of two backlogged tenants: twice one request's largest cost.
+#: The bound these tests hold the service difference of two backlogged tenants to: twice the largest
+#: cost one request can have (VTC's 2U in the form the design uses; the paper's own statement is unchecked).
 VTC_BOUND = 2 * request_cost(prefill=PROMPT, output=MAX_TOKENS)
 
 
