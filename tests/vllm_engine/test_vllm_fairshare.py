@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from vllm_engine.vllmsched import Harness, base_config
 
-from kvfence.contract import METRIC_TENANT_SERVICE_UNITS
+from kvfence.contract import METRIC_TENANT_QUEUE_STEPS, METRIC_TENANT_SERVICE_UNITS
 from kvfence.isolation.fairshare import request_cost
 from kvfence.vllm.stats import EdgeCounters, FenceCollector
 
@@ -174,6 +174,34 @@ def test_a_flood_does_not_delay_another_tenants_first_token_beyond_one_step(tmp_
     h.run(2000)
     assert all(len(out) == 50 for rid, out in h.outputs.items() if rid.startswith("a-"))
     assert not flood_then_one(harness(tmp_path / "stock", stock=True))  # stock vLLM: b waits
+
+
+def exported_queue_steps(stats_file: Path) -> dict[tuple[str, str], float]:
+    """``kvfence_engine_tenant_queue_steps`` buckets by (tenant, le), as /metrics exports them."""
+    registry = CollectorRegistry()
+    registry.register(FenceCollector(EdgeCounters(), stats_file))
+    return {
+        (sample.labels["tenant"], sample.labels["le"]): sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == METRIC_TENANT_QUEUE_STEPS + "_bucket"
+    }
+
+
+def test_each_request_s_wait_in_steps_reaches_metrics(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    flood_then_one(h)  # b's one request arrives behind a's flood of three times the slots
+    h.sched.stats.write()
+    got = exported_queue_steps(h.stats_path)
+    assert got[("b", "0")] == got[("b", "+Inf")] == 1  # the next step took it
+    assert got[("a", "+Inf")] == SEQS  # a's requests started so far, one now preempted (counted once)
+    h.run(2000)
+    h.sched.stats.write()
+    got = exported_queue_steps(h.stats_path)
+    assert got[("a", "+Inf")] == 3 * SEQS and got[("b", "+Inf")] == 1
+    assert got[("a", "0")] >= 1 and got[("a", "32")] < 3 * SEQS  # a's later requests queued behind its own
+    written = json.loads(h.stats_path.read_text())["queue_steps"]
+    assert written["a"]["sum"] == h.sched.fair.queue_steps_sum["a"] > 0
 
 
 def test_reloaded_weights_reach_the_scheduler(tmp_path: Path) -> None:

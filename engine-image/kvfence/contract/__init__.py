@@ -92,6 +92,9 @@ METRIC_SIGNATURE_REJECTED = "kvfence_engine_signature_rejected_total"
 #: Each tenant's cumulative fair-share service units (kvfence.isolation.fairshare's costs), as the
 #: engine's scheduler charged them: VTC's per-client service, the engine's own view.
 METRIC_TENANT_SERVICE_UNITS = "kvfence_engine_tenant_service_units_total"
+#: A histogram per tenant of the engine steps that ran while a new request of the tenant waited, before
+#: the step that first scheduled it (vLLM engines): 0 when the next step took it.
+METRIC_TENANT_QUEUE_STEPS = "kvfence_engine_tenant_queue_steps"
 
 # --- limits -------------------------------------------------------------------------------------
 MAX_SKEW_SECONDS = 30

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -48,6 +49,9 @@ from kvfence.isolation.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, 
 from kvfence.vllm.fence import UNATTRIBUTED
 
 log = logging.getLogger("kvfence.vllm.fair")
+
+#: upper bounds (steps) of the buckets of :attr:`StepShares.queue_steps`
+QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class StepShares:
@@ -76,14 +80,23 @@ class StepShares:
         self._synced = True  # the policy knows the tenants of ``work`` (see :meth:`_sync`)
         self._division: Division | None = None  # the slots divided for ``work``, while it is unchanged
         self._prefilling: list[str] = []  # running requests computing their prompts as the step began
+        #: steps run so far; the step count when each request not yet started arrived
+        self.steps = 0
+        self._arrived: dict[str, int] = {}
+        #: tenant -> how many of its requests waited n steps before the one that first scheduled them,
+        #: by the buckets of QUEUE_STEP_BUCKETS (n at most each bound; the last: more), and their sum
+        self.queue_steps: dict[str, list[int]] = {}
+        self.queue_steps_sum: dict[str, int] = {}
+        self.waits_counted = 0
 
     def set_weights(self, quotas: QuotasConfig) -> None:
         self.policy.set_weights(quotas.default.weight, quotas.weights())
         self._division = None
 
     # --- the scheduler's requests ---------------------------------------------------------------
-    def arrive(self, tenant: str) -> None:
-        """The scheduler took a request of ``tenant``."""
+    def arrive(self, rid: str, tenant: str) -> None:
+        """The scheduler took request ``rid`` of ``tenant``."""
+        self._arrived[rid] = self.steps
         n = self.work.get(tenant, 0)
         self.work[tenant] = n + 1
         self.total += 1
@@ -100,6 +113,7 @@ class StepShares:
     def leave(self, rid: str, tenant: str) -> None:
         """A request of ``tenant`` finished (or was aborted); call before its tenant is forgotten."""
         self.stopped(rid)
+        self._arrived.pop(rid, None)
         n = self.work[tenant] - 1
         self.total -= 1
         self._division = None
@@ -150,6 +164,7 @@ class StepShares:
         """Order vLLM's running list and waiting queue and preempt for slots; the waiting requests
         held back for this step (the caller puts them back after ``schedule``, see :func:`restore_order`)."""
         self.fifo = None
+        self.steps += 1
         prefills = _prefilling(sched)
         self._prefilling = [r.request_id for r in prefills]
         self._sync()
@@ -236,12 +251,30 @@ class StepShares:
         resumed = output.scheduled_cached_reqs.resumed_req_ids
         self._started(started)
         self._started(resumed)
+        if started:
+            self._count_waits(started)
         self._recount(sched.running)
         units = self._charges(sched, output, started, resumed)
         self.policy.charge_all(units)
         served = self.served
         for t, u in units.items():
             served[t] = served.get(t, 0) + u
+
+    def _count_waits(self, started: list[str]) -> None:
+        """For each request the step started for the first time: the steps that ran while it waited."""
+        get, arrived, steps = self.tenant_of.get, self._arrived, self.steps
+        for rid in started:
+            at = arrived.pop(rid, None)
+            if at is None:
+                continue
+            waited = steps - at - 1
+            tenant = get(rid, UNATTRIBUTED)
+            counts = self.queue_steps.get(tenant)
+            if counts is None:
+                counts = self.queue_steps[tenant] = [0] * (len(QUEUE_STEP_BUCKETS) + 1)
+            counts[bisect_left(QUEUE_STEP_BUCKETS, waited)] += 1
+            self.queue_steps_sum[tenant] = self.queue_steps_sum.get(tenant, 0) + waited
+            self.waits_counted += 1
 
     def _charges(self, sched: Any, output: Any, started: list[str], resumed: Any) -> dict[str, int]:
         """Each tenant's units of the step. A request that was decoding and got one token samples one;

@@ -23,6 +23,9 @@ treat a vLLM class like a reference one:
 * ``kvfence_engine_tenant_service_units_total{tenant}``: the service units fair share charged each
   tenant since the engine started (kvfence.vllm.fair's ``StepShares.served``), the series the
   reference engine exports too;
+* ``kvfence_engine_tenant_queue_steps{tenant}`` (a histogram): for each request of the tenant, the engine
+  steps that ran while it waited before the step that first scheduled it (``StepShares.queue_steps``);
+  0 when the next step took it, whatever other tenants had queued (vLLM engines only);
 * ``kvfence_engine_info{records="compiled"|"python"}`` (always 1): which prefix-cache records the fence
   runs (kvfence.vllm.records), as the engine core reports it in its snapshot; before its first
   snapshot, what this process imported (the same install, so the same answer).
@@ -36,6 +39,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,13 +48,14 @@ from kvfence.contract import (
     METRIC_HASH_COLLISION,
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
+    METRIC_TENANT_QUEUE_STEPS,
     METRIC_TENANT_SERVICE_UNITS,
 )
 from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
 from kvfence.vllm import records
 
 if TYPE_CHECKING:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 log = logging.getLogger("kvfence.vllm.stats")
 
@@ -75,6 +80,18 @@ class Served(Protocol):
     def served(self) -> Mapping[str, int]:
         """tenant -> service units charged since the engine started (only ever grows)"""
 
+    @property
+    def queue_steps(self) -> Mapping[str, list[int]]:
+        """tenant -> its started requests by the steps they waited, per bucket (QUEUE_STEP_BUCKETS)"""
+
+    @property
+    def queue_steps_sum(self) -> Mapping[str, int]:
+        """tenant -> the steps its started requests waited, summed"""
+
+    @property
+    def waits_counted(self) -> int:
+        """requests whose wait was counted (only ever grows)"""
+
 
 class EngineStats:
     """The fence's snapshot with fair share's service units: a new version whenever either moved (both
@@ -86,10 +103,18 @@ class EngineStats:
 
     @property
     def version(self) -> int:
-        return self.fence.version + sum(list(self.fair.served.values()))
+        return self.fence.version + sum(list(self.fair.served.values())) + self.fair.waits_counted
 
     def snapshot(self) -> dict[str, Any]:
-        return {**self.fence.snapshot(), "service_units": dict(self.fair.served)}
+        fair = self.fair
+        return {
+            **self.fence.snapshot(),
+            "service_units": dict(fair.served),
+            "queue_steps": {
+                t: {"buckets": list(counts), "sum": fair.queue_steps_sum.get(t, 0)}
+                for t, counts in list(fair.queue_steps.items())
+            },
+        }
 
 
 class StatsWriter:
@@ -179,6 +204,7 @@ class FenceCollector:
         yield from _block_families(s)
         yield from _tenant_families(s)
         yield _service_family(s)
+        yield _queue_steps_family(s)
         yield _info_family(s)
 
 
@@ -316,6 +342,24 @@ def _service_family(s: dict[str, Any]) -> CounterMetricFamily:
     )
     for tenant, n in sorted((s.get("service_units") or {}).items()):
         fam.add_metric([tenant], n)
+    return fam
+
+
+def _queue_steps_family(s: dict[str, Any]) -> HistogramMetricFamily:
+    from prometheus_client.core import HistogramMetricFamily
+
+    from kvfence.vllm.fair import QUEUE_STEP_BUCKETS
+
+    fam = HistogramMetricFamily(
+        METRIC_TENANT_QUEUE_STEPS,
+        "Engine steps that ran while a new request of the tenant waited, before the step that first "
+        "scheduled it (0: the next step took it)",
+        labels=["tenant"],
+    )
+    bounds = [*map(str, QUEUE_STEP_BUCKETS), "+Inf"]
+    for tenant, h in sorted((s.get("queue_steps") or {}).items()):
+        counts = list(accumulate(h["buckets"]))
+        fam.add_metric([tenant], list(zip(bounds, counts, strict=True)), h["sum"])
     return fam
 
 
