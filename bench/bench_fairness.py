@@ -124,6 +124,9 @@ KEYS = {t: f"sk-bench-fair-{t}-0123456789" for t in ("victim", "attacker", "tena
 PROMPT_UNITS, OUTPUT_UNITS = 4, 8
 #: the engine's own count of each tenant's service (kvfence.contract.METRIC_TENANT_SERVICE_UNITS)
 SERVICE_METRIC = "kvfence_engine_tenant_service_units_total"
+#: the upper bounds of the engine's queue-steps histogram buckets (kvfence.vllm.fair.QUEUE_STEP_BUCKETS;
+#: the last bucket: more), as its stats file carries them to kvfence_engine_tenant_queue_steps
+QUEUE_STEP_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf"))
 #: the /metrics series a scrape keeps (the rest of vLLM's page is dropped unparsed)
 #: seconds between two reads of the engine's service count, two polls of the router's /metrics
 SERVICE_READ_EVERY, ROUTER_SCRAPE_EVERY = 0.1, 0.1
@@ -534,8 +537,11 @@ def measure(stack: e2e.Stack, row: str, scenario: str, part: str, seed: int) -> 
         victim = tenant(stack, row, url, "victim", "victim", seed) if part != "attacker" else None
         attacker = tenant(stack, row, url, "attacker", scenario, seed + 1) if part != "victim" else None
         lead = a.lead if attacker else 0.0
+        waits = queue_steps(Path(a.stats_file), "victim") if row == "kvfence" else None
         start, end = asyncio.run(drive(victim, attacker, lead, a.window, list(scrapes.values())))
         figs = load_figures(victim, attacker, start, end) | where_time_goes(scrapes, victim, start, end)
+        if waits is not None:
+            figs |= steps_waited(waits, queue_steps(Path(a.stats_file), "victim"))
     out = {"row": row, "scenario": scenario, "part": part, "seed": seed, "load_1m": round(load, 2)}
     out.update(figs, seconds=round(end - start, 2), drain_s=round(drain(engine), 1))
     print(f"  {scenario:<16} {row:<14} {part:<8} " + brief(out), file=sys.stderr, flush=True)
@@ -565,6 +571,8 @@ def run(stack: e2e.Stack) -> list[dict[str, Any]]:
     runs = []
     for rnd in range(a.rounds):
         for i, scenario in enumerate(("solo", *ATTACKS, PAIR)):
+            if scenario != "solo" and a.scenarios and scenario not in a.scenarios:
+                continue
             rows, parts = plan(scenario)
             k = rnd % len(rows)
             for row in rows[k:] + rows[:k]:
@@ -672,6 +680,35 @@ def where_time_goes(scrapes: dict[str, Scrape], v: Tenant | None, start: float, 
     if v is not None:
         out["victim_ttft_sum_s"] = sum((r.arrivals[0] if r.arrivals else r.ended) - r.sent for r in v.records)
     return out
+
+
+def queue_steps(path: Path, tenant: str) -> list[int]:
+    """The tenant's queue-steps histogram in the engine core's stats file (what /metrics exports as
+    kvfence_engine_tenant_queue_steps): requests started, per bucket of QUEUE_STEP_BOUNDS."""
+    try:
+        h = (json.loads(path.read_text()).get("queue_steps") or {}).get(tenant)
+    except (OSError, ValueError):
+        return []
+    return list(h["buckets"]) if h else []
+
+
+def steps_waited(before: list[int], after: list[int]) -> dict[str, Any]:
+    """The victim's requests started during a measurement, and the steps they waited in the engine
+    before the step that took them (the engine's count): at most, and at the 99th percentile (a
+    bucket's upper bound)."""
+    delta = [n - (before[i] if i < len(before) else 0) for i, n in enumerate(after)]
+    total = sum(delta)
+    if not total:
+        return {"victim_engine_started": 0}
+    seen = 0
+    p99 = float("inf")
+    for bound, n in zip(QUEUE_STEP_BOUNDS, delta, strict=False):
+        seen += n
+        if seen >= 0.99 * total:
+            p99 = bound
+            break
+    most = max(b for b, n in zip(QUEUE_STEP_BOUNDS, delta, strict=False) if n)
+    return {"victim_engine_started": total, "victim_queue_steps_p99": p99, "victim_queue_steps_max": most}
 
 
 def metrics_match_file(engine: e2e.Server, path: Path) -> bool:
@@ -807,12 +844,16 @@ def attack_row(runs: list[dict[str, Any]], scenario: str, row: str) -> dict[str,
     out["ttft_met"] = out["ttft_p99_vs_solo"] <= TTFT_GOAL and out["victim_misses"] == 0
     out["work_met"] = out["work_conserving"] >= WORK_GOAL
     out |= {k: median_of(both, k) for k in DIAGNOSIS}
+    # the engine's queue steps, the worst over the rounds (a bucket's upper bound)
+    out |= {k: max((r[k] for r in both if k in r), default=float("nan"))
+            for k in ("victim_queue_steps_p99", "victim_queue_steps_max")}  # fmt: skip
     return out
 
 
 #: where the victim's time went, per measurement (see where_time_goes)
 DIAGNOSIS = ("engine_running_mean", "engine_waiting_mean", "victim_held", "victim_held_s",
-             "victim_ttft_sum_s", "router_inflight_sequences_mean", "router_capacity_sequences")  # fmt: skip
+             "victim_ttft_sum_s", "router_inflight_sequences_mean", "router_capacity_sequences",
+             "victim_engine_started")  # fmt: skip
 
 
 def ratio(x: float, y: float) -> float:
@@ -920,7 +961,8 @@ def victim_table(summary: dict[str, Any]) -> str:
 def diagnosis_table(summary: dict[str, Any]) -> str:
     """Where the victim's time went next to each attacker (medians of the rounds)."""
     header = ["scenario", "row", "engine running", "engine waiting", "victim held (of req)",
-              "victim s held / s TTFT", "router seqs in flight / capacity"]  # fmt: skip
+              "victim s held / s TTFT", "router seqs in flight / capacity",
+              "victim steps queued in engine p99 / max"]  # fmt: skip
     lines = []
     for name, s in summary["rows"].items():
         scenario, row = name.split(" / ")
@@ -932,8 +974,10 @@ def diagnosis_table(summary: dict[str, Any]) -> str:
             cells.append(f"{fmt(s['victim_held_s'], '.2f')} / {fmt(s['victim_ttft_sum_s'], '.2f')}")
             flight, cap = s["router_inflight_sequences_mean"], s["router_capacity_sequences"]
             cells.append(f"{fmt(flight)} / {fmt(cap, '.0f')}")
+            p99, most = s["victim_queue_steps_p99"], s["victim_queue_steps_max"]
+            cells.append(f"{fmt(p99, '.0f')} / {fmt(most, '.0f')}")
         else:
-            cells += ["", "", ""]
+            cells += ["", "", "", ""]
         lines.append([scenario, row, *cells])
     return markdown(header, lines)
 
@@ -1007,6 +1051,12 @@ def source_commit(a: argparse.Namespace) -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one round, short windows, smaller floods")
+    p.add_argument(
+        "--scenarios",
+        type=lambda x: [s.strip() for s in x.split(",") if s.strip()],
+        default=[],
+        help=f"comma-separated, of: {', '.join((*ATTACKS, PAIR))} (default all; solo always runs)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window", type=float, default=30.0, help="seconds the victim sends for")
     p.add_argument("--lead", type=float, default=5.0, help="seconds the attacker runs before the victim")
@@ -1037,6 +1087,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     prompts, _, n = a.big_request.partition("x")
     a.big_prompts, a.big_n = int(prompts), int(n or 1)
     a.vllm_python = a.vllm_python or e2e.default_vllm_python()
+    unknown = set(a.scenarios) - {*ATTACKS, PAIR}
+    if unknown:
+        p.error(f"--scenarios: unknown {sorted(unknown)}; known: {', '.join((*ATTACKS, PAIR))}")
     return a
 
 
