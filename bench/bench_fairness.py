@@ -912,10 +912,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for row in ROWS:
         rows[f"solo / {row}"] = victim_row(pick(runs, "solo", row, "victim"))
+    ran = {r["scenario"] for r in runs}
     for scenario in ATTACKS:
-        for row in ROWS:
+        for row in ROWS if scenario in ran else ():
             rows[f"{scenario} / {row}"] = attack_row(runs, scenario, row)
-    pair = {row: pair_row(pick(runs, PAIR, row, "pair")) for row in plan(PAIR)[0]}
+    pair = {row: pair_row(pick(runs, PAIR, row, "pair")) for row in plan(PAIR)[0]} if PAIR in ran else {}
     return {"rows": rows, "pair": pair}
 
 
