@@ -115,6 +115,18 @@ def test_weights_divide_the_shares() -> None:
     assert (heavy, light) == (9, 2) and f.flow.weights == 6 and f.flow.reserved == 11
 
 
+def test_a_reloaded_weight_releases_what_its_larger_share_now_holds() -> None:
+    """Capacity 4 filled by a flood: the victim (weight 1) gets 2 and its third is held; a table that
+    raises its weight to 3 (a share of 3) releases that request at once, before any request ends."""
+    f = Flow(capacity=4)
+    f.saturate("flood")
+    assert f.admit("victim") and f.admit("victim") and not f.admit("victim")
+    assert f.hold("victim0")
+    assert f.went(f.flow.set_weights({"flood": 1})) == []  # nothing moved: nothing released
+    assert f.went(f.flow.set_weights({"victim": 3, "flood": 1})) == ["victim0"]
+    assert f.flow.weights == 4 and f.of("victim") == 3
+
+
 def test_a_tenant_never_passes_its_own_held_requests() -> None:
     """FIFO within a tenant: the victim's request of three sequences is beyond its share (two) and
     waits; its next request, which would fit its share, waits behind it, and they go in order."""

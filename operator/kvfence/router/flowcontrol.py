@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -211,6 +212,15 @@ class ClassFlow(Generic[T]):
     def set_capacity(self, capacity: int) -> list[T]:
         """The capacity changed (replicas came or went): what may go now."""
         self.capacity = capacity
+        return self.pump()
+
+    def set_weights(self, weights: Mapping[str, int]) -> list[T]:
+        """The routing table was reloaded: the active tenants' weights from ``weights`` (a tenant not
+        in it keeps its own), and what may go now that the shares moved."""
+        for tenant, old in list(self.weight_of.items()):
+            new = weights.get(tenant, old)
+            if new != old:
+                self._reweigh(tenant, new)
         return self.pump()
 
     def pump(self) -> list[T]:

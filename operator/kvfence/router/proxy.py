@@ -36,7 +36,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -374,6 +374,13 @@ class Proxy:
             self.flows[ce.name] = ClassFlow(capacity, c.queue_per_tenant)
         elif flow.capacity != capacity:
             self.wake(flow.set_capacity(capacity))
+
+    def reweigh(self, tenants: Mapping[str, TenantPlan]) -> None:
+        """A reloaded table's weights reach each class's flow control at once (a share that grew may
+        release a held request now, not when the next request ends)."""
+        for name, flow in self.flows.items():
+            weights = {t: p.quotas.weight or 1 for t, p in tenants.items() if p.trust_class.name == name}
+            self.wake(flow.set_weights(weights))
 
     @staticmethod
     def wake(tickets: Sequence[asyncio.Future[None]]) -> None:

@@ -121,6 +121,7 @@ class RouterState:
     def _on_table(self, table: CompiledTable) -> None:
         self.quotas.sync((name, p.quotas) for name, p in table.tenants.items())
         self.proxy.sync(table.classes)
+        self.proxy.reweigh(table.tenants)
         self.metrics.table_generation.inc()
         self.metrics.table_tenants.set(len(table.tenants))
 
