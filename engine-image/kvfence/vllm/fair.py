@@ -87,7 +87,6 @@ class StepShares:
         #: by the buckets of QUEUE_STEP_BUCKETS (n at most each bound; the last: more), and their sum
         self.queue_steps: dict[str, list[int]] = {}
         self.queue_steps_sum: dict[str, int] = {}
-        self.waits_counted = 0
 
     def set_weights(self, quotas: QuotasConfig) -> None:
         self.policy.set_weights(quotas.default.weight, quotas.weights())
@@ -226,11 +225,9 @@ class StepShares:
         in_run, get = self.in_run, self.tenant_of.get
         # The tenants' requests not running are waiting, unless vLLM keeps some elsewhere (a KV
         # transfer): the estimate from the counts kept is confirmed on the waiting queue itself.
-        want = _short(self.work, in_run, shares)
+        want = _short({t: n - in_run[t] for t, n in self.work.items()}, in_run, shares)
         if want > 0:
-            want = _short(
-                Counter([get(r.request_id, UNATTRIBUTED) for r in sched.waiting]), in_run, shares, 0
-            )
+            want = _short(Counter([get(r.request_id, UNATTRIBUTED) for r in sched.waiting]), in_run, shares)
         while want > 0 and len(running) >= self.max_num_seqs:
             victim_tenant = self.policy.victim(in_run, shares)
             if victim_tenant is None:
@@ -274,7 +271,6 @@ class StepShares:
                 counts = self.queue_steps[tenant] = [0] * (len(QUEUE_STEP_BUCKETS) + 1)
             counts[bisect_left(QUEUE_STEP_BUCKETS, waited)] += 1
             self.queue_steps_sum[tenant] = self.queue_steps_sum.get(tenant, 0) + waited
-            self.waits_counted += 1
 
     def _charges(self, sched: Any, output: Any, started: list[str], resumed: Any) -> dict[str, int]:
         """Each tenant's units of the step. A request that was decoding and got one token samples one;
@@ -308,10 +304,10 @@ class StepShares:
         return units
 
 
-def _short(counts: Mapping[str, int], in_run: Counter[str], shares: dict[str, int], running: int = 1) -> int:
-    """Slots the tenants below their shares could fill now: each tenant's requests not running
-    (``counts``: all of its requests, ``running`` = 1, or those waiting, 0) up to its share left."""
-    return sum(max(0, min(n - running * in_run[t], shares.get(t, 0) - in_run[t])) for t, n in counts.items())
+def _short(waiting: Mapping[str, int], in_run: Counter[str], shares: dict[str, int]) -> int:
+    """Slots the tenants below their shares could fill now: each tenant's ``waiting`` requests, up to
+    what its share leaves beside its running ones."""
+    return sum(max(0, min(n, shares.get(t, 0) - in_run[t])) for t, n in waiting.items())
 
 
 def _step_cost(n: int, done: int, prompt: int, tokens: int) -> int:

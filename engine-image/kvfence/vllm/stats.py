@@ -88,14 +88,10 @@ class Served(Protocol):
     def queue_steps_sum(self) -> Mapping[str, int]:
         """tenant -> the steps its started requests waited, summed"""
 
-    @property
-    def waits_counted(self) -> int:
-        """requests whose wait was counted (only ever grows)"""
-
 
 class EngineStats:
-    """The fence's snapshot with fair share's service units: a new version whenever either moved (both
-    only grow, so their sum moves exactly when one of them does)."""
+    """The fence's snapshot with fair share's service units and queue-steps histograms: a new version
+    whenever any of them moved (all only grow, so their sum moves exactly when one of them does)."""
 
     def __init__(self, fence: Snapshotting, fair: Served) -> None:
         self.fence = fence
@@ -103,7 +99,8 @@ class EngineStats:
 
     @property
     def version(self) -> int:
-        return self.fence.version + sum(list(self.fair.served.values())) + self.fair.waits_counted
+        started = sum(sum(counts) for counts in list(self.fair.queue_steps.values()))
+        return self.fence.version + sum(list(self.fair.served.values())) + started
 
     def snapshot(self) -> dict[str, Any]:
         fair = self.fair
