@@ -114,19 +114,23 @@ from typing import Any
 
 import bench_e2e as e2e
 
+from kvfence.contract import METRIC_TENANT_SERVICE_UNITS
+from kvfence.isolation.fairshare import OUTPUT_COST, PREFILL_COST
+from kvfence.vllm.fair import QUEUE_STEP_BUCKETS
+
 ROOT = e2e.ROOT
 ROWS = ("stock", "stock priority", "kvfence")
 ATTACKS = ("big request", "long prompts", "long generations", "slow readers")
 PAIR = "backlogged pair"
 #: the tenants and their API keys at the router
 KEYS = {t: f"sk-bench-fair-{t}-0123456789" for t in ("victim", "attacker", "tenant-a", "tenant-b")}
-#: service units per prompt and output token (the fair-share policy's, kvfence.isolation.fairshare)
-PROMPT_UNITS, OUTPUT_UNITS = 4, 8
-#: the engine's own count of each tenant's service (kvfence.contract.METRIC_TENANT_SERVICE_UNITS)
-SERVICE_METRIC = "kvfence_engine_tenant_service_units_total"
-#: the upper bounds of the engine's queue-steps histogram buckets (kvfence.vllm.fair.QUEUE_STEP_BUCKETS;
-#: the last bucket: more), as its stats file carries them to kvfence_engine_tenant_queue_steps
-QUEUE_STEP_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf"))
+#: service units per prompt and output token: the fair-share policy's
+PROMPT_UNITS, OUTPUT_UNITS = PREFILL_COST, OUTPUT_COST
+#: the engine's own count of each tenant's service
+SERVICE_METRIC = METRIC_TENANT_SERVICE_UNITS
+#: the upper bounds of the engine's queue-steps histogram buckets (the last bucket: more), as its stats
+#: file carries them to kvfence_engine_tenant_queue_steps
+QUEUE_STEP_BOUNDS = (*QUEUE_STEP_BUCKETS, float("inf"))
 #: the /metrics series a scrape keeps (the rest of vLLM's page is dropped unparsed)
 #: seconds between two reads of the engine's service count, two polls of the router's /metrics
 SERVICE_READ_EVERY, ROUTER_SCRAPE_EVERY = 0.1, 0.1
