@@ -426,13 +426,7 @@ class FencedAllocator:
     def check_handle(self, handle: BlockHandle) -> None:
         """Refuse (and count) a handle whose block is no longer the referenced block it named."""
         with self._lock:
-            b = self._block(handle)
-            if b.generation != handle.generation or b.state is not BlockState.ACTIVE:
-                self.metrics.stale_reference.inc()
-                raise StaleReference(
-                    f"stale handle for block {handle.block_id}: generation {handle.generation}, block is at "
-                    f"generation {b.generation} ({b.state.name})"
-                )
+            self._live(handle, BlockState.ACTIVE, "stale handle")
 
     def check_handles(self, handles: Sequence[BlockHandle]) -> None:
         with self._lock:
@@ -448,6 +442,18 @@ class FencedAllocator:
             self.metrics.stale_reference.inc()
             raise StaleReference(f"no block {handle.block_id}")
         return self.pool.blocks[handle.block_id]
+
+    def _live(self, handle: BlockHandle, state: BlockState, what: str) -> KVBlock:
+        """The block ``handle`` names, still at its generation and in ``state``; else refused and
+        counted as a stale reference (``what``: the use refused)."""
+        b = self._block(handle)
+        if b.generation != handle.generation or b.state is not state:
+            self.metrics.stale_reference.inc()
+            raise StaleReference(
+                f"{what} for block {handle.block_id} generation {handle.generation}, "
+                f"but the block is at generation {b.generation} ({b.state.name})"
+            )
+        return b
 
     def _get(self, seq_id: Hashable) -> _Sequence:
         seq = self._seqs.get(seq_id)
@@ -496,13 +502,7 @@ class FencedAllocator:
         if not 0 <= rank < self.tensor_parallel_size:
             raise ValueError(f"rank {rank} out of range (tensorParallelSize {self.tensor_parallel_size})")
         with self._lock:
-            b = self._block(handle)
-            if b.generation != handle.generation or b.state is not BlockState.FENCED:
-                self.metrics.stale_reference.inc()
-                raise StaleReference(
-                    f"fence signal for block {handle.block_id} generation {handle.generation}, "
-                    f"but the block is at generation {b.generation} ({b.state.name})"
-                )
+            b = self._live(handle, BlockState.FENCED, "fence signal")
             bit = 1 << rank
             if b.signalled & bit:
                 raise ValueError(f"rank {rank} already signalled block {handle.block_id}")
