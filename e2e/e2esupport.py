@@ -386,6 +386,32 @@ def vllm_cpu_archive(out: Path) -> Path:
     return archive
 
 
+def ctr_import(socket_path: str, archive: Path) -> None:
+    """Import an image archive into the node's containerd; a failure names ctr's own message and the
+    free space where the archive and the node's containerd keep their data (an image is stored twice
+    there: its blobs and the unpacked snapshot)."""
+    res = subprocess.run(
+        [
+            "ctr",
+            f"--address={socket_path}",
+            "--namespace=k8s.io",
+            "images",
+            "import",
+            "--no-unpack=false",
+            str(archive),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0:
+        dirs = {archive.parent, Path(socket_path).parent}
+        free = {str(d): shutil.disk_usage(d).free // 2**20 for d in dirs}
+        raise RuntimeError(
+            f"ctr images import {archive.name} ({archive.stat().st_size // 2**20} MiB) failed "
+            f"(exit {res.returncode}); free MiB {free}: {(res.stderr or res.stdout).strip()[-2000:]}"
+        )
+
+
 def import_images_into_containerd(socket_path: str, with_vllm: bool = False) -> bool:
     """For clusters whose node runs containerd on this machine (the project's own cluster with a real
     node, `make up`): build the images if needed and import them (no registry involved). True if they
@@ -406,19 +432,7 @@ def import_images_into_containerd(socket_path: str, with_vllm: bool = False) -> 
         print(f"e2e: CPU vLLM image archive ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     for a in archives:
         t0 = time.monotonic()
-        subprocess.run(
-            [
-                "ctr",
-                f"--address={socket_path}",
-                "--namespace=k8s.io",
-                "images",
-                "import",
-                "--no-unpack=false",
-                str(a),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        ctr_import(socket_path, a)
         print(f"e2e: imported {a.name} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return rebuild
 
