@@ -86,7 +86,8 @@ with tenants always schedules by fair share): in this process and the ones it fo
 scheduler's fair-share hooks (``StepShares.before``/``after``) are patched to do nothing, so the
 fenced schedule is stock vLLM's and fenced/stock is the fence's own cost. Run with and without it in
 the same minutes: the difference per scheduled request is fair share's cost (its own work and the
-different schedule it makes). Not with ``--callgrind`` (whose runs are fresh processes).
+different schedule it makes). With ``--callgrind`` its processes are started with the flag and patch
+themselves.
 
 ``--hooks`` times where the plugin's cost lands: ``schedule`` (the fenced one includes fair share's
 ``StepShares.before`` and ``after``, timed apart, 0 for stock), and each vLLM method the plugin
@@ -1016,6 +1017,7 @@ def callgrind_command(
         "--seed",
         str(a.seed),
         *(["--pure-python-records"] if a.pure_python_records else []),
+        *(["--fair-share-off"] if a.fair_share_off else []),
     ]
 
 
@@ -1136,6 +1138,7 @@ def callgrind(chosen: list[str], per_user: int, a: argparse.Namespace) -> None:
         "seed": a.seed,
         "last_level_cache": CALLGRIND_LL,
         "records": records_kind(a),
+        "fair_share": fair_share_kind(a),
     }
     path = write_results("vllm-callgrind", {"setup": setup, "variants": results})
     print(f"\nwritten to {path}")
@@ -1459,10 +1462,6 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     if a.floor and not a.lockstep:
         ap.error("--floor needs --lockstep (the floor is stock against itself, stepped in lockstep)")
-    if a.fair_share_off and a.callgrind:
-        ap.error(
-            "--fair-share-off patches this process's classes; --callgrind runs processes it does not reach"
-        )
     return a, chosen
 
 
