@@ -352,6 +352,28 @@ def test_compiled_records_are_no_work_for_the_garbage_collector_and_free_long_ch
     assert chain is not None and root_namespace(chain) == ns
 
 
+def test_full_block_records_start_on_a_cache_line_and_freed_slots_are_taken_again() -> None:
+    # Records of the slots' size (the block size of this process's first record_chain call) start on a
+    # cache line; freed, their slots are the next records' ones, and those hold their own tokens.
+    from kvfence.vllm import _records
+
+    ns = (("salt", None), None)
+    _records.record_chain([None, None], [FakeBlock(1)], 0, 1, None, list(range(BS)), None, BS, 0, ns)
+    n = _records.slot_tokens()
+    assert n > 0
+    blocks = [FakeBlock(i + 1) for i in range(64)]
+    store: list[Any] = [None] * 65
+    _records.record_chain(store, blocks, 0, 64, None, list(range(64 * n)), None, n, 0, ns)
+    taken = {id(r) for r in store[1:]}
+    assert len(taken) == 64 and all(address % 64 == 0 for address in taken)
+    store[1:] = [None] * 64  # the whole chain freed
+    again = [7 + t for t in range(64 * n)]
+    _records.record_chain(store, blocks, 0, 64, None, again, _records.pack(again), n, 0, ns)
+    assert {id(r) for r in store[1:]} == taken
+    view = chain_view(store[64], depth=64)
+    assert [tok for block in reversed(view) for tok in block[0]] == again
+
+
 def test_each_implementation_stores_its_own_records(tmp_path: Path, record_impl: str) -> None:
     # The fence's verification tests run with both (test_vllm_fence.py takes `record_impl` too); this
     # checks the fixture really switches what the scheduler records.
