@@ -114,9 +114,8 @@ from typing import Any
 
 import bench_e2e as e2e
 
-from kvfence.contract import METRIC_TENANT_SERVICE_UNITS
+from kvfence.contract import METRIC_TENANT_SERVICE_UNITS, QUEUE_STEP_BUCKETS
 from kvfence.isolation.fairshare import OUTPUT_COST, PREFILL_COST
-from kvfence.vllm.fair import QUEUE_STEP_BUCKETS
 
 ROOT = e2e.ROOT
 ROWS = ("stock", "stock priority", "kvfence")

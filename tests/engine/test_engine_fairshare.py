@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from engine.enginelib import Oracle, make_config
 
-from kvfence.contract import METRIC_TENANT_SERVICE_UNITS
+from kvfence.contract import METRIC_TENANT_QUEUE_STEPS, METRIC_TENANT_SERVICE_UNITS, QUEUE_STEP_BUCKETS
 from kvfence.engine.engine import (
     MAX_BATCH_TOKENS,
     MAX_RUNNING,
@@ -190,6 +190,33 @@ def test_a_flood_does_not_delay_another_tenants_first_token_beyond_one_step() ->
         assert isinstance(ev[-1], Finished), ev[-1]
         assert [e.token_id for e in ev if isinstance(e, Token)] == oracle.tokens(r.prompt, r.max_tokens)
     assert sum(isinstance(e, Admitted) for ev in h.events.values() for e in ev) == len(h.requests)
+
+
+def test_the_engine_counts_the_steps_each_request_waited_and_exports_them_as_the_vllm_plugin_does() -> None:
+    # Beside a flood of three times the slots, the other tenant's request is admitted by the next step
+    # (0 steps waited); the flood's later requests wait for slots. /metrics carries the histogram with
+    # the vLLM plugin's buckets (kvfence.isolation.metrics.queue_steps_family, the same function).
+    h = Harness()
+    h.submit("a", 3 * MAX_RUNNING, prompt=100, max_tokens=40)
+    for _ in range(5):
+        h.step()
+    h.submit("b", 1, prompt=PREFILL_CHUNK, max_tokens=5)
+    h.step()
+    h.engine.run_until_idle()
+    waits = h.engine.waits.snapshot()
+    assert waits["b"] == {"buckets": [1] + [0] * len(QUEUE_STEP_BUCKETS), "sum": 0}
+    assert sum(waits["a"]["buckets"]) == 3 * MAX_RUNNING
+    assert waits["a"]["buckets"][0] == MAX_RUNNING  # the first slots' worth, by the first step
+    assert waits["a"]["sum"] >= 2 * MAX_RUNNING  # the rest waited for slots
+    value = h.engine.metrics.value
+    name = METRIC_TENANT_QUEUE_STEPS
+    assert value(f"{name}_bucket", {"tenant": "b", "le": "0"}) == 1
+    assert value(f"{name}_bucket", {"tenant": "a", "le": "+Inf"}) == value(f"{name}_count", {"tenant": "a"})
+    assert value(f"{name}_count", {"tenant": "a"}) == 3 * MAX_RUNNING
+    assert value(f"{name}_sum", {"tenant": "a"}) == waits["a"]["sum"]
+    text = h.engine.metrics.render().decode()
+    assert [line.split("le=")[1].split('"')[1] for line in text.splitlines() if 'tenant="b"' in line
+            and "_bucket" in line] == [*map(str, QUEUE_STEP_BUCKETS), "+Inf"]  # fmt: skip
 
 
 def test_running_slots_are_divided_by_weight() -> None:

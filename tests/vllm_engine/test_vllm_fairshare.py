@@ -201,7 +201,7 @@ def test_each_request_s_wait_in_steps_reaches_metrics(tmp_path: Path) -> None:
     assert got[("a", "+Inf")] == 3 * SEQS and got[("b", "+Inf")] == 1
     assert got[("a", "0")] >= 1 and got[("a", "32")] < 3 * SEQS  # a's later requests queued behind its own
     written = json.loads(h.stats_path.read_text())["queue_steps"]
-    assert written["a"]["sum"] == h.sched.fair.queue_steps_sum["a"] > 0
+    assert written["a"]["sum"] == h.sched.fair.waits.sums["a"] > 0
 
 
 def test_reloaded_weights_reach_the_scheduler(tmp_path: Path) -> None:

@@ -93,8 +93,10 @@ METRIC_SIGNATURE_REJECTED = "kvfence_engine_signature_rejected_total"
 #: engine's scheduler charged them: VTC's per-client service, the engine's own view.
 METRIC_TENANT_SERVICE_UNITS = "kvfence_engine_tenant_service_units_total"
 #: A histogram per tenant of the engine steps that ran while a new request of the tenant waited, before
-#: the step that first scheduled it (vLLM engines): 0 when the next step took it.
+#: the step that first scheduled it (both engines): 0 when the next step took it.
 METRIC_TENANT_QUEUE_STEPS = "kvfence_engine_tenant_queue_steps"
+#: Its buckets' upper bounds, in steps (exported as ``le="0"``, ``le="1"``, ... and ``le="+Inf"``).
+QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # --- limits -------------------------------------------------------------------------------------
 MAX_SKEW_SECONDS = 30

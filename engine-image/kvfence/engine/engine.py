@@ -12,7 +12,8 @@ share of the step's tokens (what a tenant leaves unused goes to the others), and
 share of the slots that cannot be admitted preempts a sequence of the tenant furthest above its share
 (the sequence returns to the waiting queue and recomputes what the prefix cache no longer holds).
 What fair share charges each tenant is exported as ``kvfence_engine_tenant_service_units_total{tenant}``,
-the series the vLLM plugin exports too.
+and the steps each request waited before the step that admitted it as the histogram
+``kvfence_engine_tenant_queue_steps{tenant}``: the series the vLLM plugin exports too.
 
 Prefix-cache hits attach the cached blocks by reference and skip their computation: a request whose
 first ``n`` prompt tokens are cached starts its prefill at position ``n``, reading those positions'
@@ -44,7 +45,7 @@ from kvfence.isolation.allocator import (
     QuotaExceeded,
     StaleReference,
 )
-from kvfence.isolation.fairshare import FairShare, request_cost
+from kvfence.isolation.fairshare import FairShare, QueueSteps, request_cost
 from kvfence.isolation.metrics import EngineMetrics
 from kvfence.isolation.prefix_cache import CacheContext, HashFn, PrefixCache
 from kvfence.isolation.shared_prefixes import Pinned, SharedPrefixes, render, shared_namespace
@@ -114,6 +115,7 @@ class Request:
     cached_tokens: int = 0
     admitted: bool = False
     cancelled: bool = False
+    arrived_step: int = 0  # the engine's step count when it was submitted
 
     @property
     def adapter(self) -> str:
@@ -157,6 +159,10 @@ class Engine:
             prefix_cache=self.prefix_cache,
         )
         self.fair = FairShare(config.quotas.default.weight, config.quotas.weights())
+        #: the steps run so far, and what each request waited before the one that admitted it
+        self.steps = 0
+        self.waits = QueueSteps()
+        self.metrics.export_queue_steps(self.waits)
         self.tokenizer = ByteTokenizer()
         #: the declared shared prefixes, pinned (replaced on the scheduler thread only)
         self.shared = SharedPrefixes()
@@ -321,6 +327,7 @@ class Engine:
             if req.request_id in self._by_id:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._by_id[req.request_id] = req
+            req.arrived_step = self.steps
             self._waiting.append(req)
             self._cond.notify_all()
 
@@ -473,6 +480,8 @@ class Engine:
         self._running.append(req)
         if not req.admitted:
             req.admitted = True
+            # (a request submitted while this step ran counts as arrived before it: 0)
+            self.waits.add(req.tenant, max(0, self.steps - req.arrived_step - 1))
             req.cached_tokens = alloc.num_cached_tokens
             req.sink(Admitted(alloc.num_cached_tokens))
 
@@ -500,6 +509,7 @@ class Engine:
 
     def step(self) -> None:
         """One scheduler iteration."""
+        self.steps += 1
         if self._pending_shared is not None:
             self._apply_shared()
         self._reap()

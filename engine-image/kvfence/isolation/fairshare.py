@@ -31,10 +31,13 @@ plugin from vLLM's scheduler.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import accumulate, repeat
 from operator import truediv
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
+
+from kvfence.contract import QUEUE_STEP_BUCKETS
 
 T = TypeVar("T")
 
@@ -220,3 +223,25 @@ class FairShare:
             (n - shares.get(t, 0), self.counter(t), t) for t, n in running.items() if n > shares.get(t, 0)
         ]
         return max(over)[2] if over else None
+
+
+class QueueSteps:
+    """What fair share is for, counted: per tenant, its requests by the engine steps that ran while
+    each waited before the step that first scheduled it, in the buckets of
+    :data:`~kvfence.contract.QUEUE_STEP_BUCKETS` (at most each bound; the last one: more), and those
+    steps summed. Both engines export it as ``kvfence_engine_tenant_queue_steps{tenant}``."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+        self.sums: dict[str, int] = {}
+
+    def add(self, tenant: str, waited: int) -> None:
+        counts = self.counts.get(tenant)
+        if counts is None:
+            counts = self.counts[tenant] = [0] * (len(QUEUE_STEP_BUCKETS) + 1)
+        counts[bisect_left(QUEUE_STEP_BUCKETS, waited)] += 1
+        self.sums[tenant] = self.sums.get(tenant, 0) + waited
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """tenant -> {"buckets": counts per bucket, "sum": steps}; safe to call from another thread."""
+        return {t: {"buckets": list(c), "sum": self.sums.get(t, 0)} for t, c in list(self.counts.items())}

@@ -7,17 +7,24 @@ alerts need not care which engine runs a trust class.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from itertools import accumulate
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from kvfence.contract import (
     METRIC_CROSS_ACCESS_REJECTED,
     METRIC_HASH_COLLISION,
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
+    METRIC_TENANT_QUEUE_STEPS,
     METRIC_TENANT_SERVICE_UNITS,
+    QUEUE_STEP_BUCKETS,
 )
+from kvfence.isolation.fairshare import QueueSteps
 
 
 class EngineMetrics:
@@ -115,6 +122,10 @@ class EngineMetrics:
         self._info.clear()
         self._info.labels(prefix_walk=walk).set(1)
 
+    def export_queue_steps(self, waits: QueueSteps) -> None:
+        """``kvfence_engine_tenant_queue_steps{tenant}``, read from ``waits`` at scrape time."""
+        self.registry.register(_QueueStepsCollector(waits))
+
     def gauge_function(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         """A gauge whose value is read from ``fn`` at scrape time (block counts, queue lengths)."""
         g = Gauge(name, doc, registry=self.registry)
@@ -128,3 +139,26 @@ class EngineMetrics:
         """The current value of one sample (tests and the benchmark read counters through this)."""
         v = self.registry.get_sample_value(name, labels or {})
         return 0.0 if v is None else float(v)
+
+
+def queue_steps_family(hist: Mapping[str, Mapping[str, Any]]) -> HistogramMetricFamily:
+    """``kvfence_engine_tenant_queue_steps`` from :meth:`QueueSteps.snapshot`'s form, as both engines
+    export it (the vLLM middleware from the engine core's stats file)."""
+    fam = HistogramMetricFamily(
+        METRIC_TENANT_QUEUE_STEPS,
+        "Engine steps that ran while a new request of the tenant waited, before the step that first "
+        "scheduled it (0: the next step took it)",
+        labels=["tenant"],
+    )
+    bounds = [*map(str, QUEUE_STEP_BUCKETS), "+Inf"]
+    for tenant, h in sorted(hist.items()):
+        fam.add_metric([tenant], list(zip(bounds, accumulate(h["buckets"]), strict=True)), h["sum"])
+    return fam
+
+
+class _QueueStepsCollector(Collector):
+    def __init__(self, waits: QueueSteps) -> None:
+        self.waits = waits
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        yield queue_steps_family(self.waits.snapshot())

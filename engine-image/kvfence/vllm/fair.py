@@ -39,19 +39,22 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.isolation.fairshare import CACHED_COST, OUTPUT_COST, PREFILL_COST, Division, FairShare
+from kvfence.isolation.fairshare import (
+    CACHED_COST,
+    OUTPUT_COST,
+    PREFILL_COST,
+    Division,
+    FairShare,
+    QueueSteps,
+)
 from kvfence.vllm.fence import UNATTRIBUTED
 
 log = logging.getLogger("kvfence.vllm.fair")
-
-#: upper bounds (steps) of the buckets of :attr:`StepShares.queue_steps`
-QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class StepShares:
@@ -83,10 +86,8 @@ class StepShares:
         #: steps run so far; the step count when each request not yet started arrived
         self.steps = 0
         self._arrived: dict[str, int] = {}
-        #: tenant -> how many of its requests waited n steps before the one that first scheduled them,
-        #: by the buckets of QUEUE_STEP_BUCKETS (n at most each bound; the last: more), and their sum
-        self.queue_steps: dict[str, list[int]] = {}
-        self.queue_steps_sum: dict[str, int] = {}
+        #: the steps each request waited before the one that first scheduled it, by tenant
+        self.waits = QueueSteps()
 
     def set_weights(self, quotas: QuotasConfig) -> None:
         self.policy.set_weights(quotas.default.weight, quotas.weights())
@@ -264,13 +265,7 @@ class StepShares:
             at = arrived.pop(rid, None)
             if at is None:
                 continue
-            waited = steps - at - 1
-            tenant = get(rid, UNATTRIBUTED)
-            counts = self.queue_steps.get(tenant)
-            if counts is None:
-                counts = self.queue_steps[tenant] = [0] * (len(QUEUE_STEP_BUCKETS) + 1)
-            counts[bisect_left(QUEUE_STEP_BUCKETS, waited)] += 1
-            self.queue_steps_sum[tenant] = self.queue_steps_sum.get(tenant, 0) + waited
+            self.waits.add(get(rid, UNATTRIBUTED), steps - at - 1)
 
     def _charges(self, sched: Any, output: Any, started: list[str], resumed: Any) -> dict[str, int]:
         """Each tenant's units of the step. A request that was decoding and got one token samples one;

@@ -24,8 +24,8 @@ treat a vLLM class like a reference one:
   tenant since the engine started (kvfence.vllm.fair's ``StepShares.served``), the series the
   reference engine exports too;
 * ``kvfence_engine_tenant_queue_steps{tenant}`` (a histogram): for each request of the tenant, the engine
-  steps that ran while it waited before the step that first scheduled it (``StepShares.queue_steps``);
-  0 when the next step took it, whatever other tenants had queued (vLLM engines only);
+  steps that ran while it waited before the step that first scheduled it (``StepShares.waits``);
+  0 when the next step took it, whatever other tenants had queued (the reference engine's buckets);
 * ``kvfence_engine_info{records="compiled"|"python"}`` (always 1): which prefix-cache records the fence
   runs (kvfence.vllm.records), as the engine core reports it in its snapshot; before its first
   snapshot, what this process imported (the same install, so the same answer).
@@ -39,7 +39,6 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping
-from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,7 +47,6 @@ from kvfence.contract import (
     METRIC_HASH_COLLISION,
     METRIC_SIGNATURE_REJECTED,
     METRIC_STALE_REFERENCE,
-    METRIC_TENANT_QUEUE_STEPS,
     METRIC_TENANT_SERVICE_UNITS,
 )
 from kvfence.contract.engine_config import ENV_VLLM_STATS_FILE
@@ -56,6 +54,8 @@ from kvfence.vllm import records
 
 if TYPE_CHECKING:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+    from kvfence.isolation.fairshare import QueueSteps
 
 log = logging.getLogger("kvfence.vllm.stats")
 
@@ -81,12 +81,8 @@ class Served(Protocol):
         """tenant -> service units charged since the engine started (only ever grows)"""
 
     @property
-    def queue_steps(self) -> Mapping[str, list[int]]:
-        """tenant -> its started requests by the steps they waited, per bucket (QUEUE_STEP_BUCKETS)"""
-
-    @property
-    def queue_steps_sum(self) -> Mapping[str, int]:
-        """tenant -> the steps its started requests waited, summed"""
+    def waits(self) -> QueueSteps:
+        """each tenant's started requests by the steps they waited"""
 
 
 class EngineStats:
@@ -99,7 +95,7 @@ class EngineStats:
 
     @property
     def version(self) -> int:
-        started = sum(sum(counts) for counts in list(self.fair.queue_steps.values()))
+        started = sum(sum(counts) for counts in list(self.fair.waits.counts.values()))
         return self.fence.version + sum(list(self.fair.served.values())) + started
 
     def snapshot(self) -> dict[str, Any]:
@@ -107,10 +103,7 @@ class EngineStats:
         return {
             **self.fence.snapshot(),
             "service_units": dict(fair.served),
-            "queue_steps": {
-                t: {"buckets": list(counts), "sum": fair.queue_steps_sum.get(t, 0)}
-                for t, counts in list(fair.queue_steps.items())
-            },
+            "queue_steps": fair.waits.snapshot(),
         }
 
 
@@ -343,21 +336,9 @@ def _service_family(s: dict[str, Any]) -> CounterMetricFamily:
 
 
 def _queue_steps_family(s: dict[str, Any]) -> HistogramMetricFamily:
-    from prometheus_client.core import HistogramMetricFamily
+    from kvfence.isolation.metrics import queue_steps_family
 
-    from kvfence.vllm.fair import QUEUE_STEP_BUCKETS
-
-    fam = HistogramMetricFamily(
-        METRIC_TENANT_QUEUE_STEPS,
-        "Engine steps that ran while a new request of the tenant waited, before the step that first "
-        "scheduled it (0: the next step took it)",
-        labels=["tenant"],
-    )
-    bounds = [*map(str, QUEUE_STEP_BUCKETS), "+Inf"]
-    for tenant, h in sorted((s.get("queue_steps") or {}).items()):
-        counts = list(accumulate(h["buckets"]))
-        fam.add_metric([tenant], list(zip(bounds, counts, strict=True)), h["sum"])
-    return fam
+    return queue_steps_family(s.get("queue_steps") or {})
 
 
 def _info_family(s: dict[str, Any]) -> GaugeMetricFamily:
