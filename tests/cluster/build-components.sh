@@ -14,9 +14,20 @@ cache=${KVFENCE_CACHE:-$HOME/.cache/kvfence}
 bindir="$cache/bin/k8s-v$K8S_VERSION-etcd-v$ETCD_VERSION-kwok-v$KWOK_VERSION-helm-v$HELM_VERSION"
 if [[ "${1:-}" == "--print" ]]; then echo "$bindir"; exit 0; fi
 mkdir -p "$bindir"
-export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+export CGO_ENABLED=0 GOFLAGS="-mod=mod -modcacherw" GOTOOLCHAIN=local
 log() { printf '[build-components] %s\n' "$*" >&2; }
 scratch() { local d; d=$(mktemp -d "${TMPDIR:-/tmp}/kvfence-build.XXXXXX"); echo "$d"; }
+
+# Go's build and module caches live in a scratch directory, removed when the script ends: the binaries
+# are what is kept (by version), and the caches (about 10 GB for Kubernetes) would serve only a build
+# of other versions, while a fresh machine (CI) needs that disk for the images its tests build.
+gotmp=""
+go_scratch() {
+  [[ -n "$gotmp" ]] && return 0
+  gotmp=$(scratch)
+  export GOCACHE="$gotmp/cache" GOMODCACHE="$gotmp/mod"
+}
+trap '[[ -z "$gotmp" ]] || rm -rf "$gotmp"' EXIT
 
 k8s_pkg() { # binary name -> package in k8s.io/kubernetes
   case $1 in
@@ -32,6 +43,7 @@ build_k8s() {
   for b in "${want[@]}"; do [[ -x "$bindir/$b" ]] || missing+=("$b"); done
   [[ ${#missing[@]} -eq 0 ]] && return 0
   log "kubernetes v$K8S_VERSION: building ${missing[*]}"
+  go_scratch
   local d; d=$(scratch)
   (
     cd "$d"
@@ -68,6 +80,7 @@ build_k8s() {
 build_etcd() {
   [[ -x "$bindir/etcd" ]] && return 0
   log "etcd v$ETCD_VERSION"
+  go_scratch
   local d; d=$(scratch)
   (
     cd "$d"
@@ -95,6 +108,7 @@ build_tool() { # name module-path version; a stamp file records the version that
   local name=$1 pkg=$2 ver=$3
   [[ -x "$bindir/$name" && "$(cat "$bindir/$name.version" 2>/dev/null)" == "$ver" ]] && return 0
   log "$name v$ver"
+  go_scratch
   GOBIN="$bindir" go install -trimpath -ldflags "-s -w" "$pkg@v$ver"
   echo "$ver" > "$bindir/$name.version"
 }
