@@ -70,11 +70,10 @@
 typedef int32_t token_t;
 
 /* The tokens live in the record itself (one allocation, not a record and a bytes object), and records
- * come from the C heap (malloc: PyMem_RawMalloc, the same allocator, is outside the stable ABI before
- * 3.13), not from CPython's small-object pools, where vLLM's own short-lived objects live: a record
- * lives as long as its block stays cached. Timed, recording cost the plugin about two
- * points, many times what callgrind counts for it; this layout took part of that off (docs/engine.md,
- * "What the plugin costs inside vLLM"). */
+ * come from slots of their own (see slot_take) or the C heap, not from CPython's small-object pools,
+ * where vLLM's own short-lived objects live: a record lives as long as its block stays cached. Timed,
+ * recording cost the plugin about two points, many times what callgrind counts for it; this layout
+ * took part of that off (docs/engine.md, "What the plugin costs inside vLLM"). */
 typedef struct {
     PyObject_HEAD
     PyObject *parent;    /* Record or None */
@@ -89,12 +88,13 @@ static PyTypeObject *RecordType; /* a heap type, made by PyInit__records */
 
 /* The records of full blocks (all but a few made by hand) come from slabs of their own: slots of one
  * size, each starting on a cache line (a record of 16 tokens is then exactly two lines, where malloc's
- * chunks put it across three), taken and given back through a free list. Records live as long as
- * their blocks stay cached and are freed in the order blocks are evicted, so from malloc they were
- * scattered through the heap vLLM's own lists grow in: under callgrind, the fenced scheduler's list
- * reallocations then moved (and copied) more often than stock vLLM's. Slab memory is never returned:
- * it peaks with the number of cached blocks, which the pool bounds. The size is the block size of the
- * first record_chain call (one engine, one block size); records of other sizes come from malloc. */
+ * 16-byte alignment often puts it across three), taken and given back through a free list. Records
+ * live as long as their blocks stay cached and are freed in the order blocks are evicted: from malloc
+ * (PyMem_RawMalloc is outside the stable ABI before 3.13) they were scattered through the heap vLLM's
+ * own lists grow in, and under callgrind the fenced scheduler's list reallocations copied more than
+ * stock vLLM's (bench/results/engine.jsonl). Slab memory is never returned: it peaks with the number
+ * of cached blocks, which the pool bounds. The size is the block size of the first record_chain call
+ * (one engine, one block size); records of other sizes come from malloc. */
 #define SLOT_ALIGN 64
 #define SLAB_SLOTS 256
 static Py_ssize_t slab_ntokens = -1;
