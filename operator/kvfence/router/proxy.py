@@ -379,7 +379,7 @@ class Proxy:
         """A reloaded table's weights reach each class's flow control at once (a share that grew may
         release a held request now, not when the next request ends)."""
         for name, flow in self.flows.items():
-            weights = {t: p.quotas.weight or 1 for t, p in tenants.items() if p.trust_class.name == name}
+            weights = {t: p.weight for t, p in tenants.items() if p.trust_class.name == name}
             self.wake(flow.set_weights(weights))
 
     @staticmethod
@@ -401,8 +401,7 @@ class Proxy:
         with Retry-After when the tenant's queue is full or the wait exceeds the hold timeout. Returns
         with ``sequences`` counted in flight; the caller ends them with :meth:`finish`."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        weight = plan.quotas.weight or 1
-        if not flow.hold(plan.name, weight, sequences, fut):
+        if not flow.hold(plan.name, plan.weight, sequences, fut):
             self.metrics.flow_rejections.inc((plan.name, "queue_full"))
             raise _saturated(plan, f"{flow.queue_limit} of its requests are already waiting")
         self.metrics.held.inc((plan.name,))

@@ -310,7 +310,7 @@ async def _inference(state: RouterState, request: Request, path: str) -> Answer:
             state.metrics.quota_rejections.inc((plan.name, grant.quota))
             raise _refusal(grant)
         flow = state.proxy.flows.get(cls.name)
-        if flow is not None and not flow.try_admit(plan.name, plan.quotas.weight or 1, sequences):
+        if flow is not None and not flow.try_admit(plan.name, plan.weight, sequences):
             await _hold(state, flow, plan, sequences, grant)
         inflight = state.metrics.inflight
         inflight.inc((cls.name,))

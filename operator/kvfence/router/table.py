@@ -71,6 +71,11 @@ class TenantPlan:
     # the unit the engines' prefix caches are scoped by (kvfence.router.balance).
     affinity: int = 0
 
+    @property
+    def weight(self) -> int:
+        """The tenant's fair-share weight at the router's flow control (1 when its quotas name none)."""
+        return self.quotas.weight or 1
+
 
 @dataclass(frozen=True, slots=True)
 class CompiledTable:
