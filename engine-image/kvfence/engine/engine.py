@@ -480,8 +480,7 @@ class Engine:
         self._running.append(req)
         if not req.admitted:
             req.admitted = True
-            # (a request submitted while this step ran counts as arrived before it: 0)
-            self.waits.add(req.tenant, max(0, self.steps - req.arrived_step - 1))
+            self.waits.started(req.tenant, req.arrived_step, self.steps)
             req.cached_tokens = alloc.num_cached_tokens
             req.sink(Admitted(alloc.num_cached_tokens))
 

@@ -235,7 +235,11 @@ class QueueSteps:
         self.counts: dict[str, list[int]] = {}
         self.sums: dict[str, int] = {}
 
-    def add(self, tenant: str, waited: int) -> None:
+    def started(self, tenant: str, arrived: int, step: int) -> None:
+        """A request of ``tenant`` that arrived when the engine had run ``arrived`` steps was first
+        scheduled by step number ``step``: the steps between waited for it (none when it arrived while
+        that step ran)."""
+        waited = max(0, step - arrived - 1)
         counts = self.counts.get(tenant)
         if counts is None:
             counts = self.counts[tenant] = [0] * (len(QUEUE_STEP_BUCKETS) + 1)

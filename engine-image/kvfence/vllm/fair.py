@@ -265,7 +265,7 @@ class StepShares:
             at = arrived.pop(rid, None)
             if at is None:
                 continue
-            self.waits.add(get(rid, UNATTRIBUTED), steps - at - 1)
+            self.waits.started(get(rid, UNATTRIBUTED), at, steps)
 
     def _charges(self, sched: Any, output: Any, started: list[str], resumed: Any) -> dict[str, int]:
         """Each tenant's units of the step. A request that was decoding and got one token samples one;
