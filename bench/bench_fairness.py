@@ -123,17 +123,13 @@ ATTACKS = ("big request", "long prompts", "long generations", "slow readers")
 PAIR = "backlogged pair"
 #: the tenants and their API keys at the router
 KEYS = {t: f"sk-bench-fair-{t}-0123456789" for t in ("victim", "attacker", "tenant-a", "tenant-b")}
-#: service units per prompt and output token: the fair-share policy's
-PROMPT_UNITS, OUTPUT_UNITS = PREFILL_COST, OUTPUT_COST
-#: the engine's own count of each tenant's service
-SERVICE_METRIC = METRIC_TENANT_SERVICE_UNITS
 #: the upper bounds of the engine's queue-steps histogram buckets (the last bucket: more), as its stats
 #: file carries them to kvfence_engine_tenant_queue_steps
 QUEUE_STEP_BOUNDS = (*QUEUE_STEP_BUCKETS, float("inf"))
 #: the /metrics series a scrape keeps (the rest of vLLM's page is dropped unparsed)
 #: seconds between two reads of the engine's service count, two polls of the router's /metrics
 SERVICE_READ_EVERY, ROUTER_SCRAPE_EVERY = 0.1, 0.1
-SCRAPED = (SERVICE_METRIC, "vllm:num_requests_running", "vllm:num_requests_waiting",
+SCRAPED = (METRIC_TENANT_SERVICE_UNITS, "vllm:num_requests_running", "vllm:num_requests_waiting",
            "kvfence_router_queued_requests", "kvfence_router_held_requests_total",
            "kvfence_router_inflight_sequences", "kvfence_router_flow_control_capacity_sequences")  # fmt: skip
 TTFT_GOAL = 2.0
@@ -194,11 +190,11 @@ def account(rec: Record, line: bytes, now: float, n: int, prompt_len: int, seen:
         return
     units = 0
     for choice in doc.get("choices", []):
-        units += OUTPUT_UNITS * len(choice.get("token_ids") or [0])
+        units += OUTPUT_COST * len(choice.get("token_ids") or [0])
         prompt = choice["index"] // n
         if prompt not in seen:
             seen.add(prompt)
-            units += PROMPT_UNITS * prompt_len
+            units += PREFILL_COST * prompt_len
     if units:
         rec.arrivals.append(now)
         rec.service.append((now, units))
@@ -612,7 +608,7 @@ def victim_figures(v: Tenant, start: float, end: float) -> dict[str, Any]:
         if r.arrivals:
             ttft.append((r.arrivals[0] - r.sent) * 1e3)
             itl += [(y - x) * 1e3 for x, y in itertools.pairwise(r.arrivals)]
-            tokens = sum(u for _, u in r.service[1:]) // OUTPUT_UNITS
+            tokens = sum(u for _, u in r.service[1:]) // OUTPUT_COST
             if tokens:  # the decode time per token after the first (vLLM's TPOT): one step each
                 tpot.append((r.arrivals[-1] - r.arrivals[0]) * 1e3 / tokens)
         else:
@@ -722,7 +718,9 @@ def metrics_match_file(engine: e2e.Server, path: Path) -> bool:
     for _ in range(10):
         page = kept_samples(request("GET", engine.url + "/metrics", timeout=30)[2].decode())
         units = json.loads(path.read_text()).get("service_units") or {}
-        if units and all(page.get(f'{SERVICE_METRIC}{{tenant="{t}"}}') == float(u) for t, u in units.items()):
+        if units and all(
+            page.get(f'{METRIC_TENANT_SERVICE_UNITS}{{tenant="{t}"}}') == float(u) for t, u in units.items()
+        ):
             return True
         time.sleep(0.5)
     return False
@@ -784,7 +782,7 @@ def pair_figures(ta: Tenant, tb: Tenant, start: float, end: float, a: argparse.N
     sa, sb = shapes(a)["tenant-a"], shapes(a)["tenant-b"]
     longest_prompt = max(sa.prompt_len, sb.prompt_len)
     batch_tokens = a.max_num_seqs * max(sa.prompt_len + sa.max_tokens, sb.prompt_len + sb.max_tokens)
-    bound = 2 * max(PROMPT_UNITS * longest_prompt, OUTPUT_UNITS * batch_tokens)
+    bound = 2 * max(PREFILL_COST * longest_prompt, OUTPUT_COST * batch_tokens)
     return {
         "a_units_per_s": wa / (end - start),
         "b_units_per_s": wb / (end - start),
@@ -794,9 +792,9 @@ def pair_figures(ta: Tenant, tb: Tenant, start: float, end: float, a: argparse.N
         "difference_by_second": by_second,
         "vtc_bound": bound,
         "vtc_bound_terms": {
-            "w_p": PROMPT_UNITS,
+            "w_p": PREFILL_COST,
             "L_input": longest_prompt,
-            "w_q": OUTPUT_UNITS,
+            "w_q": OUTPUT_COST,
             "M": batch_tokens,
         },
         "errors": len(real_errors(ta.records)) + len(real_errors(tb.records)),
