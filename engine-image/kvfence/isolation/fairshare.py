@@ -158,6 +158,9 @@ class FairShare:
         position, position): the merge of the tenants' non-decreasing sequences."""
         n = len(tenants)
         first = {t: i for i, t in enumerate(dict.fromkeys(tenants))}  # by first appearance
+        if len(first) == n:  # one item a tenant (a step letting one request of each through)
+            counter = self.counter
+            return sorted(range(n), key=lambda i: (counter(tenants[i]), i))
         ids = list(map(first.__getitem__, tenants))
         grouped = sorted(range(n), key=ids.__getitem__)  # stable: each tenant's positions in order
         levels: list[float] = []

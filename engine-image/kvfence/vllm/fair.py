@@ -29,10 +29,11 @@ Cost: the scheduler runs every step, over every running and waiting request, so 
 per-request work to what a decision needs. The tenants with work and their request counts are kept as
 requests arrive and leave (:meth:`StepShares.arrive`, :meth:`StepShares.leave`), not recounted; the
 slot shares are divided only when the requests outnumber the slots, and again only when the counts
-or the weights changed; the running list is ordered only when its order can change the step
-(:func:`_order_matters`, from vLLM's own set of requests still computing their prompts); and
-:meth:`StepShares.after` looks at each request that computed prompt tokens, the rest (one token
-sampled each) are counted per tenant in one pass.
+or the weights changed; the waiting requests each tenant's share lets through are found by the
+list's own search, not by a loop over the queue; the running list is ordered only when its order
+can change the step (:func:`_order_matters`, from vLLM's own set of requests still computing their
+prompts); and :meth:`StepShares.after` looks at each request that computed prompt tokens, the rest
+(one token sampled each) are counted per tenant in one pass.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
+from itertools import filterfalse, repeat
+from operator import attrgetter
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
@@ -55,6 +58,8 @@ from kvfence.isolation.fairshare import (
 from kvfence.vllm.fence import UNATTRIBUTED
 
 log = logging.getLogger("kvfence.vllm.fair")
+
+_request_id = attrgetter("request_id")
 
 
 class StepShares:
@@ -81,7 +86,9 @@ class StepShares:
         #: times the running requests kept here were found to differ from vLLM's and were recounted
         self.recounts = 0
         self._synced = True  # the policy knows the tenants of ``work`` (see :meth:`_sync`)
-        self._division: Division | None = None  # the slots divided for ``work``, while it is unchanged
+        #: the slots divided (:meth:`_slot_shares`), and the request counts they were divided for
+        self._division: Division | None = None
+        self._divided_for: tuple[tuple[str, int], ...] = ()
         self._prefilling: list[str] = []  # running requests computing their prompts as the step began
         #: steps run so far; the step count when each request not yet started arrived
         self.steps = 0
@@ -100,7 +107,6 @@ class StepShares:
         n = self.work.get(tenant, 0)
         self.work[tenant] = n + 1
         self.total += 1
-        self._division = None
         if not n:
             self._synced = False
 
@@ -116,7 +122,6 @@ class StepShares:
         self._arrived.pop(rid, None)
         n = self.work[tenant] - 1
         self.total -= 1
-        self._division = None
         if n:
             self.work[tenant] = n
         else:
@@ -155,8 +160,13 @@ class StepShares:
             self._synced = True
 
     def _slot_shares(self) -> dict[str, int]:
-        if self._division is None:
+        """Each tenant's share of the running slots. The division is kept while the request counts are
+        the ones it was made for: a closed loop's next request arrives as its last one finishes, and
+        the counts of the step are then those of the step before."""
+        counts = tuple(self.work.items())
+        if self._division is None or counts != self._divided_for:
             self._division = self.policy.fill(self.max_num_seqs, self.work)
+            self._divided_for = counts
         return self.policy.hand_out(self._division)
 
     # --- before the step ------------------------------------------------------------------------
@@ -190,31 +200,45 @@ class StepShares:
         the slots (all of them when the slots are not short); hold the rest for the step."""
         get = self.tenant_of.get
         waiting = list(queue)  # vLLM's FCFS queue: a deque
-        tenants = [get(r.request_id, UNATTRIBUTED) for r in waiting]
-        held: list[Any] = []
         if shares is None:
             keep = list(range(len(waiting)))
+            tenants = list(map(get, map(_request_id, waiting), repeat(UNATTRIBUTED)))
         else:
-            in_run = self.in_run
-            room = {t: shares.get(t, 0) - in_run[t] for t in self.work}
-            keep = []
-            for i, t in enumerate(tenants):
-                left = room.get(t, 0)
-                if left > 0:
-                    room[t] = left - 1
-                    keep.append(i)
-                else:
-                    held.append(waiting[i])
-        if len(set(map(tenants.__getitem__, keep))) > 1:
-            ranks = self.policy.ranks(
-                [tenants[i] for i in keep], [waiting[i].num_tokens * PREFILL_COST for i in keep]
-            )
+            keep, tenants = self._first_within_shares(waiting, shares)
+        if len(set(tenants)) > 1:
+            ranks = self.policy.ranks(tenants, [waiting[i].num_tokens * PREFILL_COST for i in keep])
             keep = [keep[j] for j in ranks]
-        if held or keep != sorted(keep):
-            self.fifo = waiting
-            queue.clear()
-            queue.extend([waiting[i] for i in keep])
+        if len(keep) == len(waiting) and keep == sorted(keep):
+            return []
+        self.fifo = waiting
+        held = waiting.copy()
+        for i in sorted(keep, reverse=True):
+            del held[i]
+        queue.clear()
+        queue.extend([waiting[i] for i in keep])
         return held
+
+    def _first_within_shares(self, waiting: list[Any], shares: dict[str, int]) -> tuple[list[int], list[str]]:
+        """The positions in ``waiting`` of each tenant's first requests up to what its share of the
+        slots leaves beside its running ones, in queue order, and their tenants. Found by the list's
+        own search for each tenant with room: in a saturated engine most tenants are at their share,
+        and the queue is long."""
+        in_run, get = self.in_run, self.tenant_of.get
+        room = {t: left for t in self.work if (left := shares.get(t, 0) - in_run[t]) > 0}
+        if not room:
+            return [], []
+        queued = list(map(get, map(_request_id, waiting), repeat(UNATTRIBUTED)))
+        keep: list[int] = []
+        for t, left in room.items():
+            at = -1
+            for _ in range(left):
+                try:
+                    at = queued.index(t, at + 1)
+                except ValueError:  # fewer waiting than its room (some are elsewhere: a KV transfer)
+                    break
+                keep.append(at)
+        keep.sort()
+        return keep, [queued[i] for i in keep]
 
     def _preempt_for_slots(self, sched: Any, shares: dict[str, int]) -> None:
         """While every slot is taken and a tenant below its share has requests waiting, preempt the
@@ -321,14 +345,14 @@ def restore_order(queue: Any, fifo: list[Any], held: list[Any]) -> None:
     step: its ``_preempt_request`` puts each at the head, and it admits nothing in a step that
     preempts), as vLLM left them; then, in ``fifo``'s order (the queue as it stood before the step's
     reordering, fair share's own preemptions at its head), those of ``fifo`` still waiting and those
-    ``held`` out of the queue for the step."""
+    ``held`` out of the queue for the step: all of ``fifo`` but the requests the step took from it."""
     before = set(fifo)
-    waiting = set(queue)
-    waiting.update(held)
-    head = [r for r in queue if r not in before]
+    now = list(queue)
+    head = list(filterfalse(before.__contains__, now))
+    gone = before.difference(now, held)
     queue.clear()
     queue.extend(head)
-    queue.extend([r for r in fifo if r in waiting])
+    queue.extend(filterfalse(gone.__contains__, fifo) if gone else fifo)
 
 
 def _prefilling(sched: Any) -> Any:

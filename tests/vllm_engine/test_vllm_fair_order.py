@@ -1,0 +1,65 @@
+"""The waiting-queue mechanics of fair share on vLLM (kvfence.vllm.fair), checked against their plain
+definitions on random queues: which requests a step lets through within the tenants' shares, and the
+queue put back in vLLM's order after the step."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfence.contract.engine_config import QuotasConfig
+from kvfence.vllm.fair import StepShares, restore_order
+
+TENANTS = "abcd"
+
+
+@dataclass(eq=False)
+class Req:
+    request_id: str
+
+
+def queue_of(tenants: list[str]) -> tuple[list[Req], dict[str, str]]:
+    reqs = [Req(f"{t}-{i}") for i, t in enumerate(tenants)]
+    return reqs, {r.request_id: t for r, t in zip(reqs, tenants, strict=True)}
+
+
+@given(
+    queued=st.lists(st.sampled_from(TENANTS), max_size=40),
+    shares=st.dictionaries(st.sampled_from(TENANTS), st.integers(0, 8)),
+    running=st.dictionaries(st.sampled_from(TENANTS), st.integers(0, 8)),
+)
+def test_the_requests_let_through_are_each_tenants_first_within_its_room(
+    queued: list[str], shares: dict[str, int], running: dict[str, int]
+) -> None:
+    waiting, tenant_of = queue_of(queued)
+    fair = StepShares(QuotasConfig(), 16, tenant_of)
+    fair.work = {t: n + running.get(t, 0) for t, n in Counter(queued).items()}
+    fair.in_run = Counter(running)
+    keep, tenants = fair._first_within_shares(waiting, shares)
+    # The definition: in queue order, a request is let through while its tenant has room left.
+    room = {t: shares.get(t, 0) - running.get(t, 0) for t in TENANTS}
+    expected = []
+    for i, t in enumerate(queued):
+        if room[t] > 0:
+            room[t] -= 1
+            expected.append(i)
+    assert keep == expected
+    assert tenants == [queued[i] for i in expected]
+
+
+@given(data=st.data(), n=st.integers(0, 30))
+def test_the_queue_is_put_back_in_vllms_order_after_a_reordered_step(data: st.DataObject, n: int) -> None:
+    fifo = [Req(f"r{i}") for i in range(n)]
+    held = data.draw(st.lists(st.sampled_from(fifo), unique=True)) if fifo else []
+    let_through = [r for r in fifo if r not in held]
+    order = data.draw(st.permutations(let_through))
+    taken = set(data.draw(st.lists(st.sampled_from(order), unique=True))) if order else set()
+    preempted = [Req(f"p{i}") for i in range(data.draw(st.integers(0, 3)))]
+    # The step: vLLM took some of the requests let through (in the policy's order) and put the
+    # requests it preempted at the head.
+    queue = deque([*preempted, *(r for r in order if r not in taken)])
+    restore_order(queue, fifo, held)
+    assert list(queue) == [*preempted, *(r for r in fifo if r not in taken)]
