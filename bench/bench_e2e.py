@@ -1,9 +1,10 @@
 """What a client loses end to end through kvfence, measured with vLLM's own client (a benchmark, not a test).
 
-    flock /tmp/kvfence-vllm.lock .venv/bin/python bench/bench_e2e.py [--rates 2,4,8,inf] [--rounds 3]
-        [--num-prompts 160] [--input-len 384] [--output-len 32] [--prefix-len 0] [--max-concurrency 16]
-        [--max-num-seqs 16] [--model DIR] [--vllm-python PATH] [--plugin-path DIR] [--device cpu|gpu]
-        [--results-dir DIR] [--note TEXT]
+    flock /tmp/kvfence-vllm.lock .venv/bin/python bench/bench_e2e.py [--rates 8,inf] [--rounds 6]
+        [--num-prompts 120] [--saturation-seconds 8] [--warmup-prompts 128] [--num-warmups 8]
+        [--pin auto|router-alone|engine-alone|none] [--bootstrap 2000] [--input-len 384]
+        [--output-len 32] [--prefix-len 0] [--max-concurrency 16] [--max-num-seqs 16] [--model DIR]
+        [--vllm-python PATH] [--plugin-path DIR] [--device cpu|gpu] [--results-dir DIR] [--note TEXT]
 
 Same run, same model, same vLLM arguments (the ones the operator renders for a ``runtime: vllm``
 TrustClass, ``kvfence.operator.builders``, through tests/vllm/vllmserve.py's ``rendered``), three rows:
@@ -42,9 +43,36 @@ round and rate (``same_prompts``): equal counts mean the three rows were sent th
 A run whose requests partly fail keeps its figures (of the completed requests), and the failures are
 counted in the table's ``failed`` column with vLLM's error messages in the run's record.
 
+Power by design: a saturation run lasts ``--saturation-seconds`` (its request count is that many
+seconds at the fastest row's warm-up throughput), so that the start and the tail of a run, when fewer
+than ``--max-concurrency`` requests are in flight, weigh little; each run begins with vLLM's own
+``--num-warmups`` requests (not counted; they reuse the run's first prompt); below saturation each run
+has ``--num-prompts`` requests and the client saves each request's TTFT (``--save-detailed``). The TTFT
+p50 a row adds over its peer is the mean over rounds of the per-round difference of medians; its 95%
+interval is Student's t over those per-round differences (the rounds are the units: the interval
+carries the machine's drift between rounds, which on a shared VM outweighs the requests' own noise),
+and beside it a bootstrap interval over the requests within each round (request indices resampled,
+the same indices for both rows: request i is the same prompt sent at the same time on every row of a
+round, so the noise they share cancels), the precision if every round had seen the same machine.
+The throughput ratio gets a 95% t interval over the rounds' log ratios. A goal is ``met`` when its
+whole interval is on the goal's side, ``MISSED`` when it is wholly on the other side, ``undecided``
+otherwise: more rounds narrow it.
+
+Layout (``--pin``): ``router-alone`` (the default for a CPU engine on two or more CPUs) runs the router
+alone on the last CPU, as a router replica on CPUs of its own, and the engines and the client on the
+others (the client's load, alike on every row, comes out of the engine's CPU); ``engine-alone`` runs
+the engines alone on all CPUs but the last and the router and the client on the last (then the
+router waits behind the client for its CPU); ``none`` leaves placement to the kernel. The results
+name the layout that ran.
+
+Attribution: each run records the CPU seconds the engine's processes, the router and the client spent
+(CPU ms per request in the table), and, for the router row, the router's own counters around the run
+(requests, their summed durations, requests flow control held, upstream errors).
+
 Goals: ``kvfence + router`` keeps at least 0.98x of ``stock``'s request throughput at saturation and adds
 at most 1 ms to TTFT p50 below it. ``kvfence direct`` splits a miss between the engine plugin and the
-router. Results go to bench/results/e2e-<time>.json (date, commit, machine, load, command, every run).
+router. Results go to bench/results/e2e-<time>.json (date, commit, machine, load, command, layout,
+every run with its per-request TTFTs).
 bench/gpu/run.sh runs this inside the GPU image.
 """
 
@@ -172,6 +200,13 @@ class Stack:
     servers: dict[str, Server] = field(default_factory=dict)
     #: the rendered ``vllm serve`` arguments of each server (for the results)
     args: dict[str, list[str]] = field(default_factory=dict)
+    #: where processes run: ``engine`` (both vllm serve), ``router``, ``client`` -> a CPU list for
+    #: taskset; empty: unpinned
+    cpus: dict[str, str] = field(default_factory=dict)
+
+    def pinned(self, part: str, cmd: list[str]) -> list[str]:
+        """``cmd`` run on ``part``'s CPUs (``taskset -c``; its children inherit the affinity)."""
+        return ["taskset", "-c", self.cpus[part], *cmd] if part in self.cpus else cmd
 
     def close(self) -> None:
         for s in self.servers.values():
@@ -237,7 +272,7 @@ def start_vllm(stack: Stack, name: str, args: list[str], env: dict[str, str], po
         full_env["PYTHONPATH"] = stack.a.plugin_path
     if stack.a.device == "cpu":
         full_env["VLLM_CACHE_ROOT"] = str(Path.home() / ".cache" / "kvfence" / "vllm-compile")
-    cmd = [stack.a.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", *args]
+    cmd = stack.pinned("engine", [stack.a.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", *args])
     log = stack.workdir / f"{name.replace(' ', '-')}.log"
     proc = ManagedProcess(cmd, log, env=full_env, new_session=True, grace=60).start()
     url = f"http://127.0.0.1:{port}"
@@ -298,10 +333,50 @@ def start_router(
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence.router.server", "--routing-table", str(path)]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    proc = ManagedProcess(cmd, stack.workdir / "router.log", env=env, new_session=True).start()
+    proc = ManagedProcess(
+        stack.pinned("router", cmd), stack.workdir / "router.log", env=env, new_session=True
+    ).start()
     url = f"http://127.0.0.1:{port}"
     proc.wait_ready(lambda: request("GET", url + "/readyz", timeout=2)[0] == 200, "router /readyz", 60, 0.2)
     stack.servers["router"] = Server("router", url, proc)
+
+
+#: the ``--pin`` layouts: where the engines, the router and the client (with this script) run, as
+#: "rest" (all CPUs but the last) or "last" (the last CPU)
+LAYOUTS = {
+    "engine-alone": {"engine": "rest", "router": "last", "client": "last"},
+    "router-alone": {"engine": "rest", "router": "last", "client": "rest"},
+}
+
+
+def layout(pin: str, device: str, cpus: list[int], taskset: bool) -> dict[str, str]:
+    """Which CPUs each part runs on (``taskset -c`` lists). ``engine-alone``: the engines on all CPUs
+    but the last, the router and the client on the last, so neither takes CPU from the engine (as on a
+    GPU host, where the engine's work is on the GPU). ``router-alone``: the router alone on the last
+    CPU, as a router replica on CPUs of its own; the engines and the client share the rest (the
+    client's load, alike on every row, then comes out of the engine's CPU). ``none``: the kernel
+    places everything. ``auto``: ``router-alone`` for a CPU engine on two or more CPUs, else ``none``."""
+    if pin == "auto":
+        pin = "router-alone" if device == "cpu" and len(cpus) >= 2 and taskset else "none"
+    if pin == "none":
+        return {}
+    if len(cpus) < 2 or not taskset:
+        raise SystemExit(f"--pin {pin} needs taskset and two CPUs (this process may run on {cpus})")
+    where = {"rest": _cpu_list(cpus[:-1]), "last": str(cpus[-1])}
+    return {part: where[at] for part, at in LAYOUTS[pin].items()}
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def layout_text(cpus: dict[str, str]) -> str:
+    if not cpus:
+        return f"unpinned (every process may run on CPUs {_cpu_list(sorted(os.sched_getaffinity(0)))})"
+    return (
+        f"engines on CPU {cpus['engine']}; router on CPU {cpus['router']}; client and this script on "
+        f"CPU {cpus['client']}"
+    )
 
 
 def setup(a: argparse.Namespace) -> Stack:
@@ -311,7 +386,11 @@ def setup(a: argparse.Namespace) -> Stack:
     model = Path(a.model) if a.model else vllmserve.tiny_model(a.vllm_python)
     key_file = workdir / "signing-key"
     key_file.write_bytes(os.urandom(32))
-    stack = Stack(a, workdir, model, key_file)
+    cpus = layout(a.pin, a.device, sorted(os.sched_getaffinity(0)), shutil.which("taskset") is not None)
+    stack = Stack(a, workdir, model, key_file, cpus=cpus)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus["client"].split(",")})
+    print(f"layout: {layout_text(cpus)}", file=sys.stderr)
     try:
         start_engines(stack)
         start_router(stack)
@@ -340,7 +419,7 @@ def target(stack: Stack, row: str) -> Server:
 
 def client_cmd(stack: Stack, row: str, url: str, rate: str, seed: int, n: int, out: Path) -> list[str]:
     a = stack.a
-    cmd = [a.vllm_python, str(Path(__file__).resolve()), "client"]
+    cmd = stack.pinned("client", [a.vllm_python, str(Path(__file__).resolve()), "client"])
     if row == "kvfence direct":
         cmd += ["--sign", str(stack.key_file), TENANT[row]]
     cmd += ["--", "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
@@ -349,15 +428,26 @@ def client_cmd(stack: Stack, row: str, url: str, rate: str, seed: int, n: int, o
     cmd += ["--random-prefix-len", str(a.prefix_len), "--ignore-eos", "--num-prompts", str(n)]
     cmd += ["--request-rate", rate, "--max-concurrency", str(a.max_concurrency), "--seed", str(seed)]
     cmd += ["--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
-    cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    cmd += [
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
+    cmd += ["--num-warmups", str(a.num_warmups)]
     if row == "kvfence + router":
         cmd += ["--header", f"Authorization=Bearer {API_KEY}"]
     return cmd
 
 
 def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> dict[str, Any]:
-    """One ``vllm bench serve`` run of ``row``; its figures (all of vLLM's result but the per-request
-    lists), the load average when it began and, for the signing row, the client's signing cost."""
+    """One ``vllm bench serve`` run of ``row``: its figures (vLLM's result without its per-request
+    lists), each request's TTFT (by request index: the rows of a round send the same prompts at the
+    same times), the CPU seconds the engine, the router and the client spent during the measured
+    requests, the router's own view (router row), the load average when it began and, for the signing
+    row, the client's signing cost."""
     server = target(stack, row)
     out = stack.workdir / "runs" / f"r{rnd}-{rate}-{row.replace(' ', '_').replace('+', '')}.json"
     out.parent.mkdir(exist_ok=True)
@@ -367,18 +457,119 @@ def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> d
         env["PYTHONPATH"] = stack.a.plugin_path
     load = os.getloadavg()[0]
     cmd = client_cmd(stack, row, server.url, rate, seed, n, out)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    res, (cpu0, seen0), (cpu1, seen1) = run_client(stack, cmd, env, out.with_suffix(".stderr"))
     if res.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed for {row} at {rate}: {res.stderr[-3000:]}")
-    doc = {k: v for k, v in json.loads(out.read_text()).items() if not isinstance(v, list)}
+    raw = json.loads(out.read_text())
+    doc = {k: v for k, v in raw.items() if not isinstance(v, list)}
     if not doc.get("completed"):
         raise RuntimeError(f"{row} at {rate}: no request completed: {res.stdout[-3000:]}")
     run = {"row": row, "rate": rate, "round": rnd, "seed": seed, "load_1m": round(load, 2), **doc}
+    parts = {"engine": "stock" if row == "stock" else "kvfence", "router": "router", "client": "client"}
+    run["cpu_s"] = {part: round(cpu1[src] - cpu0[src], 3) for part, src in parts.items()}
+    if row == "kvfence + router":
+        run["router"] = {k: seen1[k] - seen0[k] for k in seen1}
     run.update(sign_cost(res.stderr))
     if doc.get("failed"):  # counted and shown in the table: the figures are of the completed ones
         run["client_errors"] = client_errors(res.stdout)
-    print(f"  round {rnd + 1} rate {rate:>4} {row:<16} " + figures_line(run), file=sys.stderr)
+    what = f"round {rnd + 1}" if rnd >= 0 else "warm-up"
+    print(f"  {what} rate {rate:>4} {row:<16} " + figures_line(run), file=sys.stderr)
+    run["ttfts_ms"] = request_ttfts_ms(raw)
     return run
+
+
+#: what vllm bench serve prints after its warm-up requests, as its measured requests begin
+MAIN_RUN = "Starting main benchmark run"
+Counts = tuple[dict[str, float], dict[str, float]]
+
+
+def run_client(
+    stack: Stack, cmd: list[str], env: dict[str, str], err: Path
+) -> tuple[subprocess.CompletedProcess[str], Counts, Counts]:
+    """Run the client; with its result, the CPU seconds (cpu_seconds) and the router's counters
+    (router_view) when its measured requests began (after its start-up and warm-up requests) and when
+    it ended. The client's own CPU at the start is read from /proc, at the end from its rusage."""
+    base = (cpu_seconds(stack), router_view(stack))
+    start: Counts | None = None
+    with err.open("w+") as errors:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if start is None and line.startswith(MAIN_RUN):
+                own = stat_cpu_ticks(Path(f"/proc/{proc.pid}/stat").read_text())[1]
+                client = base[0]["client"] + own / os.sysconf("SC_CLK_TCK")
+                start = ({**cpu_seconds(stack), "client": client}, router_view(stack))
+        rc = proc.wait(timeout=1800)
+        end = (cpu_seconds(stack), router_view(stack))
+        errors.seek(0)
+        res = subprocess.CompletedProcess(cmd, rc, "".join(lines), errors.read())
+    return res, start or base, end
+
+
+#: the router's own metrics read around its row's runs: key -> metric (summed over its labels)
+ROUTER_METRICS = {
+    "requests": "kvfence_router_request_duration_seconds_count",
+    "seconds": "kvfence_router_request_duration_seconds_sum",
+    "held": "kvfence_router_held_requests_total",
+    "upstream_errors": "kvfence_router_upstream_errors_total",
+}
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU seconds (user + system) spent so far by each engine's processes (its process group), the
+    router's, and this script's finished children (the clients)."""
+    import resource
+
+    got = {name: group_cpu_seconds(s.process.popen.pid) for name, s in stack.servers.items()}
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {**got, "client": child.ru_utime + child.ru_stime}
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            group, spent = stat_cpu_ticks(stat.read_text())
+        except OSError:  # the process ended while this read the list
+            continue
+        ticks += spent if group == pgid else 0
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stat_cpu_ticks(stat: str) -> tuple[int, int]:
+    """(process group, user + system clock ticks) of a /proc/PID/stat line (the name, in parentheses,
+    may hold spaces and parentheses: the fields are counted after its last ``)``)."""
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[2]), int(fields[11]) + int(fields[12])
+
+
+def router_view(stack: Stack) -> dict[str, float]:
+    """The router's counters of requests, their summed durations, requests held and upstream errors."""
+    from router.support import request
+
+    status, _, body = request("GET", stack.servers["router"].url + "/metrics", timeout=5)
+    if status != 200:
+        raise RuntimeError(f"router /metrics answered {status}")
+    text = body.decode()
+    return {k: metric_sum(text, name) for k, name in ROUTER_METRICS.items()}
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples (all label sets) in Prometheus text format."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(None, 1)[1])
+    return total
+
+
+def request_ttfts_ms(result: dict[str, Any]) -> list[float | None]:
+    """Each request's TTFT in ms from vllm bench serve's detailed result, in request order; None for
+    a failed request (so that request i stays request i across rows)."""
+    errors = result.get("errors") or [""] * len(result["ttfts"])
+    return [None if err else round(t * 1000, 3) for t, err in zip(result["ttfts"], errors, strict=True)]
 
 
 def client_errors(stdout: str) -> str:
@@ -406,16 +597,29 @@ def order_of(rnd: int) -> tuple[str, ...]:
     return ROWS[k:] + ROWS[:k]
 
 
-def run(stack: Stack) -> list[dict[str, Any]]:
+def prompts_for(rate: str, num_prompts: int, seconds: float, throughputs: list[float]) -> int:
+    """Requests in a run at ``rate``: ``num_prompts`` below saturation; at saturation (``inf``) enough
+    for ``seconds`` on the fastest row of the warm-up (so that start and tail, when fewer than
+    ``--max-concurrency`` requests are in flight, weigh little), and never fewer than ``num_prompts``."""
+    if rate != "inf":
+        return num_prompts
+    return max(num_prompts, math.ceil(seconds * max(throughputs)))
+
+
+def run(stack: Stack) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The warm-up (every path, at saturation, untimed: it also sizes the saturation runs), then the
+    rounds; the runs and the requests per run at each rate."""
     a = stack.a
-    for row in ROWS:  # untimed warm-up of every path
-        measure(stack, row, "inf", a.seed - 1, a.warmup_prompts, -1)
+    warm = [measure(stack, row, "inf", a.seed - 1, a.warmup_prompts, -1) for row in ROWS]
+    rates = [r["request_throughput"] for r in warm]
+    sizes = {rate: prompts_for(rate, a.num_prompts, a.saturation_seconds, rates) for rate in a.rates}
+    print(f"requests per run: {sizes}", file=sys.stderr)
     runs = []
     for rnd in range(a.rounds):
         for i, rate in enumerate(a.rates):
             seed = a.seed + 1000 * rnd + i
-            runs += [measure(stack, row, rate, seed, a.num_prompts, rnd) for row in order_of(rnd)]
-    return runs
+            runs += [measure(stack, row, rate, seed, sizes[rate], rnd) for row in order_of(rnd)]
+    return runs, sizes
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -424,33 +628,136 @@ def figures(runs: list[dict[str, Any]], rate: str, row: str) -> list[dict[str, A
     return got
 
 
-def compare(runs: list[dict[str, Any]], rate: str, row: str, peer: str) -> dict[str, Any]:
-    """``row`` against ``peer`` round by round at ``rate``: throughput ratio (median, rounds won, sign
-    test) and the TTFT/ITL p50 added, in ms (median of the per-round differences)."""
+def compare(runs: list[dict[str, Any]], rate: str, row: str, peer: str, boot: int) -> dict[str, Any]:
+    """``row`` against ``peer`` round by round at ``rate``: the request throughput ratio (median of the
+    per-round ratios, rounds won, sign test; geometric mean with its 95% interval over the rounds),
+    the TTFT p50 added with its bootstrap interval (ttft_added), and the ITL p50 and TTFT p99 added in
+    ms (median of the per-round differences of vLLM's figures)."""
     from bench_router import paired
 
     ours, theirs = figures(runs, rate, row), figures(runs, rate, peer)
-    wins, n, ratio, p = paired(
-        [r["request_throughput"] for r in ours], [r["request_throughput"] for r in theirs], True
-    )
+    tp_ours, tp_peer = [r["request_throughput"] for r in ours], [r["request_throughput"] for r in theirs]
+    wins, n, ratio, p = paired(tp_ours, tp_peer, True)
+    mean, low, high = ratio_interval(tp_ours, tp_peer)
     out: dict[str, Any] = {"throughput_ratio": ratio, "throughput_rounds_won": f"{wins}/{n}", "sign_p": p}
+    out["throughput_ratio_mean"], out["throughput_ratio_ci95"] = mean, [low, high]
+    out["throughput_ratios"] = [x / y for x, y in zip(tp_ours, tp_peer, strict=True)]
     for k in ("median_ttft_ms", "median_itl_ms", "p99_ttft_ms"):
         diffs = [x[k] - y[k] for x, y in zip(ours, theirs, strict=True)]
         out[f"{k}_added"] = statistics.median(diffs)
+    seed = sum(map(ord, f"{rate} {row} {peer}"))  # the same resamples on a rerun of the report
+    out["ttft_added"] = median_added(
+        [r["ttfts_ms"] for r in ours], [r["ttfts_ms"] for r in theirs], boot, seed
+    )
     return out
 
 
-def summarize(runs: list[dict[str, Any]], rates: list[str]) -> dict[str, Any]:
+def median_added(
+    ours: list[list[float | None]], peer: list[list[float | None]], boot: int, seed: int
+) -> dict[str, Any]:
+    """How much higher ``ours``' median is than ``peer``'s, from per-request figures of paired runs
+    (one list per round; request i of a round is the same prompt sent at the same time in both):
+    the mean over rounds of the per-round difference of medians, with two 95% intervals. ``ci95``:
+    Student's t over the per-round differences (the rounds are the units: it carries both the
+    requests' noise and the machine's drift from round to round, and is the one the verdicts use).
+    ``ci95_within``: a bootstrap over the requests of each round (``boot`` resamples of the request
+    indices, the same indices for both rows, so the pairing's shared noise cancels): the precision
+    the request counts alone would give if every round saw the same machine. Requests that failed in
+    either run are left out of both."""
+    import random
+
+    rounds = [[(a, b) for a, b in zip(o, p, strict=True) if a is not None and b is not None]
+              for o, p in zip(ours, peer, strict=True)]  # fmt: skip
+    rounds = [r for r in rounds if r]
+    if not rounds:
+        nan = [math.nan, math.nan]
+        return {"ms": math.nan, "ci95": nan, "ci95_within": nan, "per_round": [], "requests": 0}
+    per_round = [_median_diff(r) for r in rounds]
+    rng = random.Random(seed)
+    means = sorted(
+        statistics.fmean(_median_diff(rng.choices(r, k=len(r))) for r in rounds) for _ in range(boot)
+    )
+    low, high = (means[int(q * (boot - 1))] for q in (0.025, 0.975)) if boot else (math.nan, math.nan)
+    mean, t_low, t_high = mean_interval(per_round)
+    return {
+        "ms": mean,
+        "ci95": [t_low, t_high],
+        "ci95_within": [low, high],
+        "per_round": per_round,
+        "requests": sum(len(r) for r in rounds),
+    }
+
+
+def _median_diff(pairs: list[tuple[float, float]]) -> float:
+    return statistics.median(a for a, _ in pairs) - statistics.median(b for _, b in pairs)
+
+
+#: two-sided 95% quantiles of Student's t by degrees of freedom (larger: the normal's 1.96 corrected)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ratio_interval(ours: list[float], peer: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of the per-round ratios ours/peer and its 95% t interval (on the log
+    ratios: rounds are independent draws of the machine's state); NaN interval with one round."""
+    logs = [math.log(a / b) for a, b in zip(ours, peer, strict=True) if a > 0 and b > 0]
+    mean, low, high = mean_interval(logs)
+    return math.exp(mean), math.exp(low), math.exp(high)
+
+
+def mean_interval(xs: list[float]) -> tuple[float, float, float]:
+    """The mean of ``xs`` and its 95% Student's t interval (NaN where there are too few)."""
+    if not xs:
+        return math.nan, math.nan, math.nan
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, math.nan, math.nan
+    df = len(xs) - 1
+    half = T95.get(df, 1.96 + 2.4 / df) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return mean, mean - half, mean + half
+
+
+def verdict(low: float, high: float, goal: float, higher_is_better: bool) -> str:
+    """``met`` when the whole interval is on the goal's side, ``MISSED`` when it is wholly on the
+    other, else ``undecided`` (the run could not tell)."""
+    if math.isnan(low) or math.isnan(high):
+        return "undecided"
+    ok, bad = (low >= goal, high < goal) if higher_is_better else (high <= goal, low > goal)
+    return "met" if ok else "MISSED" if bad else "undecided"
+
+
+def cpu_per_request(got: list[dict[str, Any]]) -> dict[str, float]:
+    """Median over rounds of the CPU ms each part spent per completed request."""
+    parts = got[0]["cpu_s"].keys()
+    return {p: statistics.median(1000 * r["cpu_s"][p] / r["completed"] for r in got) for p in parts}
+
+
+def router_seen(got: list[dict[str, Any]]) -> dict[str, float]:
+    """The router's own view of its row's runs: its mean request duration (received to last chunk)
+    against the client's mean end-to-end latency, and the requests flow control held."""
+    req = sum(r["router"]["requests"] for r in got)
+    return {
+        "router_mean_ms": 1000 * sum(r["router"]["seconds"] for r in got) / req if req else math.nan,
+        "client_mean_e2el_ms": statistics.fmean(r["mean_e2el_ms"] for r in got),
+        "held": sum(r["router"]["held"] for r in got),
+        "upstream_errors": sum(r["router"]["upstream_errors"] for r in got),
+    }
+
+
+def summarize(runs: list[dict[str, Any]], rates: list[str], boot: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for rate in rates:
         for row in ROWS:
             got = figures(runs, rate, row)
             med = {k: statistics.median(r[k] for r in got) for k in METRICS}
             med["failed"] = sum(r.get("failed", 0) for r in got)
-            vs = {} if row == "stock" else compare(runs, rate, row, "stock")
+            vs = {} if row == "stock" else compare(runs, rate, row, "stock", boot)
             if row == "kvfence + router":
-                vs["router_alone"] = compare(runs, rate, row, "kvfence direct")
-            rows[f"{rate} {row}"] = {"rate": rate, "row": row, "median": med, "vs_stock": vs}
+                vs["router_alone"] = compare(runs, rate, row, "kvfence direct", boot)
+            s = {"rate": rate, "row": row, "median": med, "vs_stock": vs, "cpu_ms_per_request": {}}
+            s["cpu_ms_per_request"] = cpu_per_request(got)
+            if row == "kvfence + router":
+                s["router_seen"] = router_seen(got)
+            rows[f"{rate} {row}"] = s
     return {"rows": rows, "goals": goals(rows, rates), "same_prompts": same_prompts(runs)}
 
 
@@ -463,38 +770,66 @@ def same_prompts(runs: list[dict[str, Any]]) -> bool:
 
 
 def goals(rows: dict[str, Any], rates: list[str]) -> dict[str, Any]:
-    """The two goals, each met or not, with the part of the difference the engine plugin (kvfence
-    direct against stock) and the router (kvfence + router against kvfence direct) account for."""
-    sat = "inf" if "inf" in rates else max(rates, key=float)
-    full = rows[f"{sat} kvfence + router"]["vs_stock"]
-    out: dict[str, Any] = {
-        "saturation_rate": sat,
-        "throughput_ratio": full["throughput_ratio"],
-        "throughput_met": full["throughput_ratio"] >= THROUGHPUT_GOAL,
-        "throughput_engine_part": rows[f"{sat} kvfence direct"]["vs_stock"]["throughput_ratio"],
-        "throughput_router_part": full["router_alone"]["throughput_ratio"],
-        "ttft_added_ms": {},
-    }
-    for rate in (r for r in rates if r != sat):
-        c = rows[f"{rate} kvfence + router"]["vs_stock"]
-        out["ttft_added_ms"][rate] = {
-            "total": c["median_ttft_ms_added"],
-            "met": c["median_ttft_ms_added"] <= TTFT_GOAL_MS,
-            "engine_part": rows[f"{rate} kvfence direct"]["vs_stock"]["median_ttft_ms_added"],
-            "router_part": c["router_alone"]["median_ttft_ms_added"],
-        }
+    """The two goals, each met, MISSED or undecided by its 95% interval, with the part of the
+    difference the engine plugin (kvfence direct against stock) and the router (kvfence + router
+    against kvfence direct) account for: throughput where ``inf`` (saturation) ran, TTFT at every
+    other rate."""
+    out: dict[str, Any] = throughput_goal(rows) if "inf" in rates else {}
+    out["ttft_added_ms"] = {rate: ttft_goal(rows, rate) for rate in rates if rate != "inf"}
     return out
 
 
+def throughput_goal(rows: dict[str, Any]) -> dict[str, Any]:
+    full = rows["inf kvfence + router"]["vs_stock"]
+    low, high = full["throughput_ratio_ci95"]
+    engine, router = rows["inf kvfence direct"]["vs_stock"], full["router_alone"]
+    return {
+        "saturation_rate": "inf",
+        "throughput_ratio": full["throughput_ratio"],
+        "throughput_ratio_mean": full["throughput_ratio_mean"],
+        "throughput_ratio_ci95": [low, high],
+        "throughput_ratios": full["throughput_ratios"],
+        "throughput_met": full["throughput_ratio"] >= THROUGHPUT_GOAL,
+        "throughput_verdict": verdict(low, high, THROUGHPUT_GOAL, True),
+        "throughput_engine_part": engine["throughput_ratio"],
+        "throughput_router_part": router["throughput_ratio"],
+        "throughput_parts": {
+            part: {"mean": c["throughput_ratio_mean"], "ci95": c["throughput_ratio_ci95"]}
+            for part, c in (("engine", engine), ("router", router))
+        },
+    }
+
+
+def ttft_goal(rows: dict[str, Any], rate: str) -> dict[str, Any]:
+    c = rows[f"{rate} kvfence + router"]["vs_stock"]
+    t = c["ttft_added"]
+    return {
+        "total": t["ms"],
+        "ci95": t["ci95"],
+        "ci95_within": t["ci95_within"],
+        "per_round": t["per_round"],
+        "met": t["ms"] <= TTFT_GOAL_MS,
+        "verdict": verdict(*t["ci95"], TTFT_GOAL_MS, False),
+        "engine_part": rows[f"{rate} kvfence direct"]["vs_stock"]["ttft_added"],
+        "router_part": c["router_alone"]["ttft_added"],
+    }
+
+
+def _ci(x: dict[str, Any]) -> str:
+    return f"{x['ms']:+.2f} [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}]"
+
+
 def print_table(summary: dict[str, Any]) -> None:
-    header = ["rate", "path", *METRICS.values(), "failed", "req/s vs stock", "TTFT p50 added ms"]
+    header = ["rate", "path", *METRICS.values(), "failed", "req/s vs stock", "TTFT p50 added ms [95%]"]
+    header += ["CPU ms/req engine", "router", "client"]
     lines = []
     for s in summary["rows"].values():
-        vs = s["vs_stock"]
+        vs, cpu = s["vs_stock"], s["cpu_ms_per_request"]
         ratio = "" if not vs else f"{vs['throughput_ratio']:.3f} ({vs['throughput_rounds_won']})"
-        added = "" if not vs else f"{vs['median_ttft_ms_added']:+.2f}"
+        added = "" if not vs else _ci(vs["ttft_added"])
         cells = [f"{s['median'][k]:.2f}" for k in METRICS]
-        lines.append([s["rate"], s["row"], *cells, str(s["median"]["failed"]), ratio, added])
+        cpus = [f"{cpu[p]:.2f}" for p in ("engine", "router", "client")]
+        lines.append([s["rate"], s["row"], *cells, str(s["median"]["failed"]), ratio, added, *cpus])
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(header)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -502,18 +837,42 @@ def print_table(summary: dict[str, Any]) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)) + " |")
 
 
+def _ratio(mean: float, ci: list[float]) -> str:
+    return f"{mean:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
 def print_goals(g: dict[str, Any]) -> None:
-    verdict = {True: "met", False: "MISSED"}
-    print(
-        f"\nthroughput at saturation ({g['saturation_rate']}): kvfence + router / stock = "
-        f"{g['throughput_ratio']:.3f} (goal >= {THROUGHPUT_GOAL}: {verdict[g['throughput_met']]}); "
-        f"engine plugin {g['throughput_engine_part']:.3f}, router {g['throughput_router_part']:.3f}"
-    )
-    for rate, t in g["ttft_added_ms"].items():
+    print()
+    if "throughput_ratio" in g:
+        parts, full = g["throughput_parts"], _ratio(g["throughput_ratio_mean"], g["throughput_ratio_ci95"])
         print(
-            f"TTFT p50 added at {rate} req/s: {t['total']:+.2f} ms (goal <= {TTFT_GOAL_MS}: "
-            f"{verdict[t['met']]}); engine plugin {t['engine_part']:+.2f}, router {t['router_part']:+.2f}"
+            f"throughput at saturation: kvfence + router / stock = {g['throughput_ratio']:.3f} (median of "
+            f"rounds; geometric mean and 95% {full}; "
+            f"goal >= {THROUGHPUT_GOAL}: {g['throughput_verdict']}); per round "
+            + ", ".join(f"{x:.3f}" for x in g["throughput_ratios"])
+            + f"; engine plugin {_ratio(parts['engine']['mean'], parts['engine']['ci95'])}, "
+            f"router {_ratio(parts['router']['mean'], parts['router']['ci95'])}"
         )
+    for rate, t in g["ttft_added_ms"].items():
+        within = t["ci95_within"]
+        print(
+            f"TTFT p50 added at {rate} req/s: {t['total']:+.2f} ms, 95% over rounds [{t['ci95'][0]:+.2f}, "
+            f"{t['ci95'][1]:+.2f}] (goal <= {TTFT_GOAL_MS}: {t['verdict']}); within rounds "
+            f"[{within[0]:+.2f}, {within[1]:+.2f}]; per round "
+            + ", ".join(f"{x:+.2f}" for x in t["per_round"])
+            + f"; engine plugin {_ci(t['engine_part'])}, router {_ci(t['router_part'])}"
+        )
+
+
+def print_router(summary: dict[str, Any]) -> None:
+    for s in summary["rows"].values():
+        if "router_seen" in s:
+            v = s["router_seen"]
+            print(
+                f"router's view at {s['rate']}: mean request {v['router_mean_ms']:.2f} ms (client's mean "
+                f"end to end {v['client_mean_e2el_ms']:.2f} ms), held {v['held']:.0f}, upstream errors "
+                f"{v['upstream_errors']:.0f}"
+            )
 
 
 def machine() -> dict[str, Any]:
@@ -556,12 +915,16 @@ def vllm_facts(a: argparse.Namespace) -> dict[str, Any]:
     return facts
 
 
-def report(stack: Stack, runs: list[dict[str, Any]], started: float, load: list[float]) -> Path:
+def report(
+    stack: Stack, runs: list[dict[str, Any]], sizes: dict[str, int], started: float, load: list[float]
+) -> Path:
     a = stack.a
-    summary = summarize(runs, a.rates)
-    print(f"\nend to end, vllm bench serve, median of {a.rounds} paired rounds ({a.note})\n")
+    summary = summarize(runs, a.rates, a.bootstrap)
+    print(f"\nend to end, vllm bench serve, median of {a.rounds} paired rounds ({a.note})")
+    print(f"requests per run {sizes}; {layout_text(stack.cpus)}\n")
     print_table(summary)
     print_goals(summary["goals"])
+    print_router(summary)
     if not summary["same_prompts"]:
         print("NOTE: the rows of a round were not sent prompts of the same length (see the runs' records)")
     doc = {
@@ -571,6 +934,8 @@ def report(stack: Stack, runs: list[dict[str, Any]], started: float, load: list[
         "machine": {**machine(), "load_average_1m": [*load, round(os.getloadavg()[0], 2)], "note": a.note},
         "engine": vllm_facts(a),
         "config": {k: v for k, v in vars(a).items() if k != "func"},
+        "layout": {"cpus": stack.cpus, "text": layout_text(stack.cpus)},
+        "requests_per_run": sizes,
         "vllm_args": stack.args,
         "seconds": round(time.time() - started, 1),
         "summary": summary,
@@ -604,10 +969,30 @@ def default_vllm_python() -> str:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rates", default="2,4,8,inf", help="request rates (req/s) to run, inf = saturation")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=160)
-    p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--rates", default="8,inf", help="request rates (req/s) to run, inf = saturation")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--num-prompts", type=int, default=120, help="requests per run below saturation")
+    p.add_argument(
+        "--saturation-seconds",
+        type=float,
+        default=8.0,
+        help="a saturation run's length: its requests are this many seconds at the warm-up's rate",
+    )
+    p.add_argument(
+        "--warmup-prompts", type=int, default=128, help="each row's untimed warm-up run (saturation)"
+    )
+    p.add_argument(
+        "--num-warmups", type=int, default=8, help="vllm bench serve's warm-up requests before each run"
+    )
+    p.add_argument(
+        "--pin",
+        choices=("auto", *LAYOUTS, "none"),
+        default="auto",
+        help="engine-alone: engines on all CPUs but the last, router and client on the last; "
+        "router-alone: router on the last, engines and client on the others; auto: router-alone for "
+        "--device cpu on two or more CPUs",
+    )
+    p.add_argument("--bootstrap", type=int, default=2000, help="resamples for the TTFT intervals")
     p.add_argument("--input-len", type=int, default=384)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=0, help="random tokens every prompt starts with")
@@ -638,10 +1023,10 @@ def main() -> None:
     started, load = time.time(), [round(os.getloadavg()[0], 2)]
     stack = setup(a)
     try:
-        runs = run(stack)
+        runs, sizes = run(stack)
     finally:
         stack.close()
-    report(stack, runs, started, load)
+    report(stack, runs, sizes, started, load)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,20 @@ def step_rows(doc: dict[str, Any] | None) -> list[list[str]]:
     ]
 
 
+def _interval(ci: list[float | None] | None, fmt: str) -> str:
+    """`` [low, high]`` (a 95% interval) where the results have one (bench_e2e.py records it)."""
+    if not ci or None in ci:
+        return ""
+    return f" [{ci[0]:{fmt}}, {ci[1]:{fmt}}]"
+
+
+def _ms(part: float | dict[str, Any]) -> str:
+    """A part of the TTFT added: a figure in ms, or one with its interval."""
+    if isinstance(part, dict):
+        return f"{part['ms']:+.2f}{_interval(part.get('ci95'), '+.2f')}"
+    return f"{part:+.2f}"
+
+
 def e2e_rows(doc: dict[str, Any] | None) -> list[list[str]]:
     if doc is None:
         return [["end to end (vllm bench serve)", "not run", "", "-"]]
@@ -54,22 +68,25 @@ def e2e_rows(doc: dict[str, Any] | None) -> list[list[str]]:
         value += f", ITL p50 {m['median_itl_ms']:.2f} ms"
         rows.append([f"rate {s['rate']}: {s['row']}", value, "", "-"])
     g = doc["summary"]["goals"]
-    rows.append(
-        [
-            f"throughput at {g['saturation_rate']}, kvfence + router / stock",
-            f"{g['throughput_ratio']:.3f} (engine {g['throughput_engine_part']:.3f}, "
-            f"router {g['throughput_router_part']:.3f})",
-            f">= {THROUGHPUT_GOAL}",
-            verdict(g["throughput_met"]),
-        ]
-    )
+    if "throughput_ratio" in g:  # saturation ran
+        ci = g.get("throughput_ratio_ci95")
+        rows.append(
+            [
+                f"throughput at {g['saturation_rate']}, kvfence + router / stock",
+                f"{g['throughput_ratio']:.3f}{_interval(ci, '.3f')} (engine "
+                f"{g['throughput_engine_part']:.3f}, router {g['throughput_router_part']:.3f})",
+                f">= {THROUGHPUT_GOAL}",
+                g.get("throughput_verdict") or verdict(g["throughput_met"]),
+            ]
+        )
     for rate, t in g["ttft_added_ms"].items():
         rows.append(
             [
                 f"TTFT p50 added at {rate} req/s",
-                f"{t['total']:+.2f} ms (engine {t['engine_part']:+.2f}, router {t['router_part']:+.2f})",
+                f"{t['total']:+.2f} ms{_interval(t.get('ci95'), '+.2f')} (engine {_ms(t['engine_part'])}, "
+                f"router {_ms(t['router_part'])})",
                 f"<= {TTFT_GOAL_MS} ms",
-                verdict(t["met"]),
+                t.get("verdict") or verdict(t["met"]),
             ]
         )
     return rows
