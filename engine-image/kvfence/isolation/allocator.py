@@ -246,44 +246,8 @@ class FencedAllocator:
         shared: Pinned | None,
         max_hits: int | None = None,
     ) -> SequenceAllocation:
-        cache = self.prefix_cache
-        hits: list[KVBlock] = []
-        parent_key = b""
-        token_bytes = b""
-        num_shared = 0
-        if ctx is not None and cache is not None:
-            parent_key = cache.root_key(ctx)
-            if prompt is not None and len(prompt) > 0:
-                token_bytes = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
-                limit = (len(prompt) - 1) // self.block_size if max_hits is None else max_hits
-                start: list[KVBlock] = []
-                parent: BlockHandle | None = None
-                if shared is not None:
-                    num_shared = self._shared_start(shared, token_bytes, limit)
-                    if num_shared:
-                        start = list(shared.blocks[:num_shared])
-                        parent = shared.handles[num_shared - 1]
-                        parent_key = cache.after_shared(ctx, shared.keys[num_shared - 1])
-                m = cache.lookup(ctx, token_bytes, limit, start=num_shared, key=parent_key, parent=parent)
-                hits, parent_key = start + m.blocks, m.next_parent_key
-        needed = self.blocks_for(num_tokens) - len(hits)
-        revived_own = 0
-        revived_by_owner: dict[str, int] = {}
-        for b in hits:
-            if b.state is BlockState.COLD:
-                assert b.owner is not None
-                revived_by_owner[b.owner] = revived_by_owner.get(b.owner, 0) + 1
-        revived_own = revived_by_owner.get(acct.tenant, 0)
-        try:
-            plan = plan_allocation(
-                self.pool, self.book, acct, needed, revived_own=revived_own, revived_by_owner=revived_by_owner
-            )
-        except QuotaExceeded as e:
-            self.metrics.quota_rejected.labels(acct.tenant).inc()
-            own = self.blocks_for(num_tokens) - num_shared  # all it holds but the declared shared prefix
-            if own > acct.max_blocks:
-                raise BeyondMaximum(acct.tenant, own, acct.max_blocks, self.block_size) from e
-            raise
+        hits, parent_key, num_shared = self._prefix_hits(ctx, prompt, shared, max_hits)
+        plan = self._plan(acct, hits, self.blocks_for(num_tokens), num_shared)
         # --- commit: nothing below may fail ---
         for b in hits:
             if b.state is BlockState.COLD:
@@ -304,12 +268,66 @@ class FencedAllocator:
         seq.parent_handle = (hits[-1].cache_handle or handles[len(hits) - 1]) if hits else None
         self._seqs[seq_id] = seq
         cached_tokens = len(hits) * self.block_size
-        if prompt is not None and ctx is not None and cache is not None and max_hits is None:
+        if prompt is not None and ctx is not None and self.prefix_cache is not None and max_hits is None:
             self.metrics.prefix_queries.inc(len(prompt))
             self.metrics.prefix_hits.inc(cached_tokens)
             if num_shared:
                 self.metrics.shared_prefix_hits.inc(num_shared * self.block_size)
         return SequenceAllocation(cached_tokens, tuple(handles), table)
+
+    def _prefix_hits(
+        self, ctx: CacheContext | None, prompt: TokenArray | None, shared: Pinned | None, max_hits: int | None
+    ) -> tuple[list[KVBlock], bytes, int]:
+        """The verified prefix-cache hit of ``prompt`` in ``ctx``'s namespace (the declared shared
+        prefix it begins with, then its own blocks; at most ``max_hits`` blocks, and never its last
+        token's block), the chain key a block after the hit hangs under, and how many hit blocks are
+        the shared prefix's."""
+        cache = self.prefix_cache
+        if ctx is None or cache is None:
+            return [], b"", 0
+        parent_key = cache.root_key(ctx)
+        if prompt is None or len(prompt) == 0:
+            return [], parent_key, 0
+        token_bytes = np.ascontiguousarray(prompt, dtype="<i4").tobytes()
+        limit = (len(prompt) - 1) // self.block_size if max_hits is None else max_hits
+        start: list[KVBlock] = []
+        parent: BlockHandle | None = None
+        num_shared = 0
+        if shared is not None:
+            num_shared = self._shared_start(shared, token_bytes, limit)
+            if num_shared:
+                start = list(shared.blocks[:num_shared])
+                parent = shared.handles[num_shared - 1]
+                parent_key = cache.after_shared(ctx, shared.keys[num_shared - 1])
+        m = cache.lookup(ctx, token_bytes, limit, start=num_shared, key=parent_key, parent=parent)
+        return start + m.blocks, m.next_parent_key, num_shared
+
+    def _plan(
+        self, acct: TenantAccount, hits: list[KVBlock], num_blocks: int, num_shared: int
+    ) -> EvictionPlan:
+        """Where the ``num_blocks`` blocks of a sequence beyond its ``hits`` come from (the cold hits it
+        revives count against their owners), or QuotaExceeded (:class:`BeyondMaximum` when what the
+        sequence holds alone, the declared shared prefix aside, exceeds its tenant's maximum)."""
+        revived_by_owner: dict[str, int] = {}
+        for b in hits:
+            if b.state is BlockState.COLD:
+                assert b.owner is not None
+                revived_by_owner[b.owner] = revived_by_owner.get(b.owner, 0) + 1
+        try:
+            return plan_allocation(
+                self.pool,
+                self.book,
+                acct,
+                num_blocks - len(hits),
+                revived_own=revived_by_owner.get(acct.tenant, 0),
+                revived_by_owner=revived_by_owner,
+            )
+        except QuotaExceeded as e:
+            self.metrics.quota_rejected.labels(acct.tenant).inc()
+            own = num_blocks - num_shared
+            if own > acct.max_blocks:
+                raise BeyondMaximum(acct.tenant, own, acct.max_blocks, self.block_size) from e
+            raise
 
     def _take(self, acct: TenantAccount, plan: EvictionPlan) -> list[KVBlock]:
         """Commit ``plan``: evict what it says (own cold blocks, then others' beyond their guarantee),
