@@ -29,7 +29,14 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from kvfence.contract import CacheScope, Identity, Signer, cache_namespace, derive_cache_salt, key_id
-from kvfence.contract.routing import KEY_HASH_PREFIX, Quotas, RequestLimits, RoutingTable, decode_table_bytes
+from kvfence.contract.routing import (
+    KEY_HASH_PREFIX,
+    Quotas,
+    RequestLimits,
+    RoutingTable,
+    TenantRoute,
+    decode_table_bytes,
+)
 from kvfence.router.balance import hash64
 
 log = logging.getLogger("kvfence.router.table")
@@ -121,6 +128,28 @@ def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
     with a warning instead of failing the whole table, so that (for instance) revoking one key still
     takes effect when some other entry is broken."""
     warnings: list[str] = []
+    classes = _class_plans(table, warnings)
+    tenants: dict[str, TenantPlan] = {}
+    key_hashes: dict[str, tuple[str, TenantPlan]] = {}
+    duplicates: set[str] = set()
+    for name, tr in table.tenants.items():
+        cls = classes.get(tr.trust_class)
+        if cls is None:
+            warnings.append(f"tenant {name!r} skipped: trust class {tr.trust_class!r} is not routable")
+            continue
+        plan = tenants[name] = _tenant_plan(name, tr, cls, warnings)
+        _bind_keys(plan, tr.api_key_hashes, key_hashes, duplicates, warnings)
+    for d in duplicates:
+        # One key naming two tenants is ambiguous: it authenticates nobody.
+        del key_hashes[d]
+        warnings.append(f"key hash sha256:{d[:12]}... is bound to several tenants; refused for all")
+    return CompiledTable(
+        checksum=checksum, classes=classes, tenants=tenants, key_hashes=key_hashes, warnings=tuple(warnings)
+    )
+
+
+def _class_plans(table: RoutingTable, warnings: list[str]) -> dict[str, ClassPlan]:
+    """The plan of each trust class whose signing keys and endpoint are usable."""
     classes: dict[str, ClassPlan] = {}
     for name, tc in table.trust_classes.items():
         try:
@@ -142,49 +171,49 @@ def compile_table(table: RoutingTable, checksum: str = "") -> CompiledTable:
             signing_key_id=key_id(key),
             request_limits=tc.request_limits or RequestLimits(),
         )
+    return classes
 
-    tenants: dict[str, TenantPlan] = {}
-    key_hashes: dict[str, tuple[str, TenantPlan]] = {}
-    duplicates: set[str] = set()
-    for name, tr in table.tenants.items():
-        cls = classes.get(tr.trust_class)
-        if cls is None:
-            warnings.append(f"tenant {name!r} skipped: trust class {tr.trust_class!r} is not routable")
-            continue
-        adapters = [a for a in tr.allowed_adapters if a in cls.adapters]
-        for a in tr.allowed_adapters:
-            if a not in cls.adapters:
-                warnings.append(f"tenant {name!r}: adapter {a!r} is not served by {cls.name!r}; ignored")
-        models = [*cls.served_models, *(a for a in adapters if a not in cls.served_models)]
-        namespace = cache_namespace(cls.name, name, cls.cache_scope)
-        identity = Identity(tenant=name, trust_class=cls.name, namespace=namespace)
-        plan = TenantPlan(
-            name=name,
-            trust_class=cls,
-            identity=identity,
-            cache_salt=derive_cache_salt(cls.signing_key, cls.name, namespace),
-            allowed_models=frozenset(models),
-            models_body=_models_body(models),
-            quotas=tr.quotas,
-            signer=Signer(cls.signing_key, identity),
-            affinity=hash64(namespace),
-        )
-        tenants[name] = plan
-        for h in tr.api_key_hashes:
-            hexdigest = h[len(KEY_HASH_PREFIX) :].lower() if h.startswith(KEY_HASH_PREFIX) else ""
-            if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
-                warnings.append(f"tenant {name!r}: key hash {h[:16]!r}... is not sha256:<64 hex>; ignored")
-                continue
-            if hexdigest in key_hashes and key_hashes[hexdigest][1].name != name:
-                duplicates.add(hexdigest)
-            key_hashes[hexdigest] = (hexdigest, plan)
-    for d in duplicates:
-        # One key naming two tenants is ambiguous: it authenticates nobody.
-        del key_hashes[d]
-        warnings.append(f"key hash sha256:{d[:12]}... is bound to several tenants; refused for all")
-    return CompiledTable(
-        checksum=checksum, classes=classes, tenants=tenants, key_hashes=key_hashes, warnings=tuple(warnings)
+
+def _tenant_plan(name: str, tr: TenantRoute, cls: ClassPlan, warnings: list[str]) -> TenantPlan:
+    """A tenant's plan in its class: the models it may name (the class's, and the adapters of the
+    class it is allowed), its identity, salt and signer."""
+    adapters = [a for a in tr.allowed_adapters if a in cls.adapters]
+    for a in tr.allowed_adapters:
+        if a not in cls.adapters:
+            warnings.append(f"tenant {name!r}: adapter {a!r} is not served by {cls.name!r}; ignored")
+    models = [*cls.served_models, *(a for a in adapters if a not in cls.served_models)]
+    namespace = cache_namespace(cls.name, name, cls.cache_scope)
+    identity = Identity(tenant=name, trust_class=cls.name, namespace=namespace)
+    return TenantPlan(
+        name=name,
+        trust_class=cls,
+        identity=identity,
+        cache_salt=derive_cache_salt(cls.signing_key, cls.name, namespace),
+        allowed_models=frozenset(models),
+        models_body=_models_body(models),
+        quotas=tr.quotas,
+        signer=Signer(cls.signing_key, identity),
+        affinity=hash64(namespace),
     )
+
+
+def _bind_keys(
+    plan: TenantPlan,
+    hashes: list[str],
+    key_hashes: dict[str, tuple[str, TenantPlan]],
+    duplicates: set[str],
+    warnings: list[str],
+) -> None:
+    """Bind a tenant's API key hashes to its plan in ``key_hashes`` (hex -> plan); a malformed hash is
+    ignored, and one already bound to another tenant goes to ``duplicates``."""
+    for h in hashes:
+        hexdigest = h[len(KEY_HASH_PREFIX) :].lower() if h.startswith(KEY_HASH_PREFIX) else ""
+        if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
+            warnings.append(f"tenant {plan.name!r}: key hash {h[:16]!r}... is not sha256:<64 hex>; ignored")
+            continue
+        if hexdigest in key_hashes and key_hashes[hexdigest][1].name != plan.name:
+            duplicates.add(hexdigest)
+        key_hashes[hexdigest] = (hexdigest, plan)
 
 
 def parse_table(raw: bytes) -> CompiledTable:
