@@ -493,21 +493,11 @@ class Pool:
             conn.idle_since = now
             idle.append(conn)
 
-    # 72 lines: the per-request path (slot, connection, write, status line), one coroutine frame.
-    async def request(
-        self,
-        method: str,
-        path: str,
-        headers: Mapping[str, str] | None,
-        body: bytes = b"",
-        *,
-        head: bytes = b"",
-        fresh: bool = False,
-        tenant: str = "",
-    ) -> Response:
-        """Send a request; returns once the answer's status and headers arrived. ``head``: header
-        lines already formatted (``Name: value\\r\\n`` each), sent after ``headers``. ``fresh``: on a
-        new connection. ``tenant``: whose share of the pool the connection counts against."""
+    def _encode(
+        self, method: str, path: str, headers: Mapping[str, str] | None, head: bytes, body: bytes
+    ) -> bytes:
+        """The request as it goes on the wire: request line, Host, ``headers`` (refused with a line
+        break in them), ``head`` (lines already formatted), Content-Length, the body."""
         line = self._request_lines.get((method, path))
         if line is None:
             line = f"{method} {path} HTTP/1.1\r\n".encode("latin-1")
@@ -524,6 +514,24 @@ class Pool:
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
         lines.append(body)
+        return b"".join(lines)
+
+    # 57 lines: the per-request path (share, slot, connection, write, status line), one coroutine frame.
+    async def request(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str] | None,
+        body: bytes = b"",
+        *,
+        head: bytes = b"",
+        fresh: bool = False,
+        tenant: str = "",
+    ) -> Response:
+        """Send a request; returns once the answer's status and headers arrived. ``head``: header
+        lines already formatted (``Name: value\\r\\n`` each), sent after ``headers``. ``fresh``: on a
+        new connection. ``tenant``: whose share of the pool the connection counts against."""
+        message = self._encode(method, path, headers, head, body)
         if not self.tenant_limit:
             tenant = ""
         elif tenant:
@@ -548,7 +556,7 @@ class Pool:
             conn = None if fresh else self._reuse()
             if conn is None:
                 conn = await self._connect()
-            resp = conn.send(b"".join(lines))
+            resp = conn.send(message)
             conn.tenant = tenant
         except BaseException:
             self._slots.give()
