@@ -236,7 +236,6 @@ class PrefixCache:
         block after the shared part is keyed by the tenant, as without shared prefixes."""
         return self.hash_fn(self.root_key(ctx), shared_key)
 
-    # 68 lines: the verified walk of a prompt's chain (a hot path), with its docstring's contract.
     def lookup(
         self,
         ctx: CacheContext,
@@ -254,37 +253,50 @@ class PrefixCache:
         the prompt, chaining from ``key`` after the block ``parent`` (the end of a shared prefix).
         """
         raw = token_bytes if type(token_bytes) is bytes else bytes(token_bytes)
-        bb = self.block_bytes
         ctx, root = self.canonical(ctx)
-        key = matched = root if key is None else key
+        key = root if key is None else key
+        bb = self.block_bytes
+        span = (start * bb, min(max_blocks * bb, len(raw)))
+        walk = self._walk_compiled if self.compiled else self._walk_python
+        return walk(ctx, raw, span, key, parent)
+
+    def _walk_compiled(
+        self, ctx: CacheContext, raw: bytes, span: tuple[int, int], key: bytes, parent: BlockHandle | None
+    ) -> Match:
+        """:meth:`lookup` by the C walk, which takes what the Python walk's fast path takes and returns
+        at the first block it cannot (``cand``: that block's entry, None at a miss or the end);
+        :meth:`verify` decides then."""
+        walk, index, bb, fenced = _prefix_walk.walk, self.index, self.block_bytes, BlockState.FENCED
+        pos, end = span
+        matched = key
+        blocks: list[KVBlock] = []
+        while True:
+            pos, key, matched, parent, cand = walk(
+                index, raw, pos, end, bb, key, matched, ctx, parent, fenced, blocks
+            )
+            if cand is None or not self._verified(cand, ctx, parent, raw[pos : pos + bb]):
+                return Match(blocks, matched)
+            blocks.append(cand)
+            matched = key
+            parent = cand.cache_handle
+            pos += bb
+
+    def _walk_python(
+        self, ctx: CacheContext, raw: bytes, span: tuple[int, int], key: bytes, parent: BlockHandle | None
+    ) -> Match:
+        """:meth:`lookup` in Python (BLAKE2b, an injected hash_fn, or no compiled module). The prompt's
+        full blocks come from one C call per window of blocks (no slicing per block, and at most a
+        window split in vain when the walk stops early). Each block is checked on a fast path first:
+        the interned context, the very parent handle object the previous block carries (or the
+        caller's), the same tokens byte for byte, usable. Anything else goes through :meth:`verify`,
+        which compares by value and counts what it refuses."""
+        get, split, hf = self.index.get, self._split.findall, self.hash_fn
+        fenced = BlockState.FENCED
+        matched = key
         blocks: list[KVBlock] = []
         append = blocks.append
-        fenced = BlockState.FENCED
-        if self.compiled:
-            # The C walk takes what the fast path below takes and returns at the first block it
-            # cannot (cand is that block's entry, None at a miss or the end); verify() decides then.
-            walk, index = _prefix_walk.walk, self.index
-            pos, end = start * bb, min(max_blocks * bb, len(raw))
-            while True:
-                pos, key, matched, parent, cand = walk(
-                    index, raw, pos, end, bb, key, matched, ctx, parent, fenced, blocks
-                )
-                if cand is None or not self._verified(cand, ctx, parent, raw[pos : pos + bb]):
-                    return Match(blocks, matched)
-                append(cand)
-                matched = key
-                parent = cand.cache_handle
-                pos += bb
-        get = self.index.get
-        split = self._split.findall
-        hf = self.hash_fn
-        # The Python walk (BLAKE2b, an injected hash_fn, or no compiled module). The prompt's full
-        # blocks come from one C call per window of blocks (no slicing per block, and at most a
-        # window split in vain when the walk stops early). Each block is checked on a fast path
-        # first: the interned context, the very parent handle object the previous block carries (or
-        # the caller's), the same tokens byte for byte, usable. Anything else goes through verify(),
-        # which compares by value and counts what it refuses.
-        pos, end, step = start * bb, min(max_blocks * bb, len(raw)), SPLIT_WINDOW * bb
+        pos, end = span
+        step = SPLIT_WINDOW * self.block_bytes
         while pos < end:
             stop = min(end, pos + step)
             for chunk in split(raw, pos, stop):
