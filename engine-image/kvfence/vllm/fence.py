@@ -572,7 +572,6 @@ class TenantFence:
             return (tenant_ns, extra)
         return None if extra is None else (extra,)
 
-    # 65 lines: the hit check of every cached block (a hot path), most of it the docstring's contract.
     def verify(
         self,
         block_ids: Sequence[int],
@@ -603,41 +602,50 @@ class TenantFence:
             if verify_chain(records, ids, tokens, packed, (tenant_ns, None), bs) == len(ids):
                 return len(ids), Verdict.OK
         parent: Record | None = None
-        start = len(shared)
         for i, bid in enumerate(block_ids):
             rec = records[bid]
-            if i < start:
-                if rec is shared[i]:  # the pinned block itself (its tokens were compared at add)
-                    parent = rec
-                    continue
-            elif rec is not None and equal(rec.tokens, tokens, i * bs):
-                if i == start:  # where the request's namespace enters the chain
-                    ok = (
-                        rec.root
-                        and rec.parent is parent
-                        and rec.namespace
-                        == (
-                            tenant_ns,
-                            extras[i] if extras is not None else None,
-                        )
-                    )
-                else:
-                    ok = rec.namespace == (
-                        None if extras is None or extras[i] is None else (extras[i],)
-                    ) and (rec.parent is parent or same_chain(rec.parent, parent))
-                if ok:
-                    parent = rec
-                    continue
-            root = root_namespace(rec) if rec is not None else None
-            if root is not None and root[0] != tenant_ns:
-                self.counters.cross_access_rejected += 1
-                verdict = Verdict.CROSS_ACCESS
-            else:
-                self.counters.hash_collision += 1
-                verdict = Verdict.COLLISION
-            self.version += 1
-            return i, verdict
+            if not self._continues(rec, i, parent, tokens, tenant_ns, extras, shared):
+                return i, self._refused(rec, tenant_ns)
+            parent = rec
         return len(block_ids), Verdict.OK
+
+    def _continues(
+        self,
+        rec: Record | None,
+        i: int,
+        parent: Record | None,
+        tokens: list[int],
+        tenant_ns: Namespace,
+        extras: Sequence[Any] | None,
+        shared: Sequence[Record],
+    ) -> bool:
+        """Whether ``rec``, the record of block ``i`` of a hit, continues the chain verified up to
+        ``parent`` (see :meth:`verify`): within the declared shared prefix, the pinned block itself (its
+        tokens were compared when it was pinned); after it, the request's own tokens, under its
+        namespace where the namespace enters the chain and the chain's own extra keys after that."""
+        start = len(shared)
+        if i < start:
+            return rec is shared[i]
+        if rec is None or not equal(rec.tokens, tokens, i * self.block_size):
+            return False
+        if i == start:  # where the request's namespace enters the chain
+            extra = extras[i] if extras is not None else None
+            return bool(rec.root and rec.parent is parent and rec.namespace == (tenant_ns, extra))
+        own = None if extras is None or extras[i] is None else (extras[i],)
+        return rec.namespace == own and (rec.parent is parent or same_chain(rec.parent, parent))
+
+    def _refused(self, rec: Record | None, tenant_ns: Namespace) -> str:
+        """Count a hit block that did not verify: a cross-namespace access if its chain starts in
+        another namespace, otherwise a hash collision."""
+        root = root_namespace(rec) if rec is not None else None
+        if root is not None and root[0] != tenant_ns:
+            self.counters.cross_access_rejected += 1
+            verdict = Verdict.CROSS_ACCESS
+        else:
+            self.counters.hash_collision += 1
+            verdict = Verdict.COLLISION
+        self.version += 1
+        return verdict
 
     # --- counters -------------------------------------------------------------------------------------
     def count(self, name: str, key: str) -> None:
