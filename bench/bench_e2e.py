@@ -115,9 +115,11 @@ METRICS = {
 THROUGHPUT_GOAL = 0.98
 TTFT_GOAL_MS = 1.0
 SIGN_STATS = "kvfence-bench-sign:"
+#: what the client prints when a run ended (then its exit status)
+DONE = "kvfence-bench-done:"
 
 
-# --- the client: vLLM's CLI in a process of its own, optionally signing --------------------------
+# --- the client: vLLM's benchmark client in a process of its own, optionally signing ---------------
 def install_signer(key: bytes, tenant: str) -> list[float]:
     """Wrap ``aiohttp.ClientSession.post`` so that a JSON request is sent as bytes with the router's
     identity headers for ``tenant``; returns the list the wrapper appends each signing's seconds to."""
@@ -149,21 +151,35 @@ def _dumps(doc: Any) -> bytes:
     return json.dumps(doc).encode()  # what aiohttp's json= sends
 
 
-def client_main(argv: list[str]) -> None:
-    """``bench_e2e.py client [--sign KEYFILE TENANT] -- <vllm CLI arguments>`` (vLLM's Python)."""
-    spent: list[float] | None = None
-    if argv[:1] == ["--sign"]:
-        spent = install_signer(Path(argv[1]).read_bytes(), argv[2])
-        argv = argv[3:]
-    assert argv[:1] == ["--"], f"usage: client [--sign KEYFILE TENANT] -- ARGS (got {argv[:3]})"
-    from vllm.entrypoints.cli.main import main as vllm_main
+def client_main() -> None:
+    """``bench_e2e.py client`` (vLLM's Python): one ``vllm bench serve`` run per line of stdin, a JSON
+    object ``{"argv": [its arguments], "sign": [KEYFILE, TENANT] or null}``, all in this one process
+    (so that its start-up, seconds of imports on a CPU VM, is paid once a round, not once a run); after each
+    run, ``DONE`` and its exit status on stdout."""
+    import traceback
 
-    sys.argv = ["vllm", *argv[1:]]
-    try:
-        vllm_main()
-    finally:
+    import aiohttp
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    post = aiohttp.ClientSession.post
+    for line in sys.stdin:
+        job = json.loads(line)
+        parser = FlexibleArgumentParser()
+        add_cli_args(parser)
+        spent = install_signer(Path(job["sign"][0]).read_bytes(), job["sign"][1]) if job["sign"] else []
+        rc = 0
+        try:
+            serve(parser.parse_args(job["argv"]))
+        except BaseException:  # argparse's SystemExit too: the run failed, the client goes on
+            traceback.print_exc(file=sys.stdout)
+            rc = 1
+        finally:
+            aiohttp.ClientSession.post = post  # type: ignore[method-assign]
         if spent:
-            print(f"{SIGN_STATS} {len(spent)} {statistics.mean(spent) * 1e6:.1f}", file=sys.stderr)
+            print(f"{SIGN_STATS} {len(spent)} {statistics.mean(spent) * 1e6:.1f}")
+        print(f"{DONE} {rc}", flush=True)
 
 
 # --- setup: the servers and the router -------------------------------------------------------------
@@ -203,12 +219,25 @@ class Stack:
     #: where processes run: ``engine`` (both vllm serve), ``router``, ``client`` -> a CPU list for
     #: taskset; empty: unpinned
     cpus: dict[str, str] = field(default_factory=dict)
+    #: the client process (``bench_e2e.py client``), started by the first run of a round
+    client: Any = None  # subprocess.Popen[str]
 
     def pinned(self, part: str, cmd: list[str]) -> list[str]:
         """``cmd`` run on ``part``'s CPUs (``taskset -c``; its children inherit the affinity)."""
         return ["taskset", "-c", self.cpus[part], *cmd] if part in self.cpus else cmd
 
+    def stop_client(self) -> None:
+        if self.client is not None:
+            self.client.stdin.close()  # its loop ends
+            try:
+                self.client.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.client.kill()
+                self.client.wait()
+            self.client = None
+
     def close(self) -> None:
+        self.stop_client()
         for s in self.servers.values():
             s.stop()
 
@@ -417,29 +446,36 @@ def target(stack: Stack, row: str) -> Server:
     return server
 
 
-def client_cmd(stack: Stack, row: str, url: str, rate: str, seed: int, n: int, out: Path) -> list[str]:
+def client_args(stack: Stack, row: str, url: str, rate: str, seed: int, n: int, out: Path) -> list[str]:
+    """``vllm bench serve``'s arguments for a run of ``row``."""
     a = stack.a
-    cmd = stack.pinned("client", [a.vllm_python, str(Path(__file__).resolve()), "client"])
-    if row == "kvfence direct":
-        cmd += ["--sign", str(stack.key_file), TENANT[row]]
-    cmd += ["--", "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
+    cmd = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions"]
     cmd += ["--model", "tiny", "--tokenizer", str(stack.model), "--dataset-name", "random"]
     cmd += ["--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len)]
     cmd += ["--random-prefix-len", str(a.prefix_len), "--ignore-eos", "--num-prompts", str(n)]
     cmd += ["--request-rate", rate, "--max-concurrency", str(a.max_concurrency), "--seed", str(seed)]
     cmd += ["--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
-    cmd += [
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(out.parent),
-        "--result-filename",
-        out.name,
-    ]
-    cmd += ["--num-warmups", str(a.num_warmups)]
+    cmd += ["--save-result", "--save-detailed", "--result-dir", str(out.parent)]
+    cmd += ["--result-filename", out.name, "--num-warmups", str(a.num_warmups)]
     if row == "kvfence + router":
         cmd += ["--header", f"Authorization=Bearer {API_KEY}"]
     return cmd
+
+
+def client_process(stack: Stack) -> subprocess.Popen[str]:
+    """The client (``bench_e2e.py client`` under vLLM's Python), started on first use."""
+    if stack.client is None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("OPENAI_API_KEY", None)
+        if stack.a.plugin_path:
+            env["PYTHONPATH"] = stack.a.plugin_path
+        cmd = stack.pinned("client", [stack.a.vllm_python, str(Path(__file__).resolve()), "client"])
+        with (stack.workdir / "client.log").open("w") as log:
+            stack.client = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+    proc: subprocess.Popen[str] = stack.client
+    return proc
 
 
 def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> dict[str, Any]:
@@ -451,27 +487,26 @@ def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> d
     server = target(stack, row)
     out = stack.workdir / "runs" / f"r{rnd}-{rate}-{row.replace(' ', '_').replace('+', '')}.json"
     out.parent.mkdir(exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("OPENAI_API_KEY", None)
-    if stack.a.plugin_path:
-        env["PYTHONPATH"] = stack.a.plugin_path
     load = os.getloadavg()[0]
-    cmd = client_cmd(stack, row, server.url, rate, seed, n, out)
-    res, (cpu0, seen0), (cpu1, seen1) = run_client(stack, cmd, env, out.with_suffix(".stderr"))
-    if res.returncode != 0 or not out.exists():
-        raise RuntimeError(f"vllm bench serve failed for {row} at {rate}: {res.stderr[-3000:]}")
+    sign = [str(stack.key_file), TENANT[row]] if row == "kvfence direct" else None
+    argv = client_args(stack, row, server.url, rate, seed, n, out)
+    engine = "stock" if row == "stock" else "kvfence"
+    stdout, rc, (cpu0, seen0), (cpu1, seen1) = run_client(stack, argv, sign, engine)
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed for {row} at {rate}: {stdout[-3000:]}")
     raw = json.loads(out.read_text())
     doc = {k: v for k, v in raw.items() if not isinstance(v, list)}
     if not doc.get("completed"):
-        raise RuntimeError(f"{row} at {rate}: no request completed: {res.stdout[-3000:]}")
+        raise RuntimeError(f"{row} at {rate}: no request completed: {stdout[-3000:]}")
     run = {"row": row, "rate": rate, "round": rnd, "seed": seed, "load_1m": round(load, 2), **doc}
-    parts = {"engine": "stock" if row == "stock" else "kvfence", "router": "router", "client": "client"}
+    parts = {"engine": engine, "router": "router", "client": "client"}
     run["cpu_s"] = {part: round(cpu1[src] - cpu0[src], 3) for part, src in parts.items()}
+    run["engine_seen"] = {k: seen1[k] - seen0[k] for k in ENGINE_METRICS}
     if row == "kvfence + router":
-        run["router"] = {k: seen1[k] - seen0[k] for k in seen1}
-    run.update(sign_cost(res.stderr))
+        run["router"] = {k: seen1[k] - seen0[k] for k in ROUTER_METRICS}
+    run.update(sign_cost(stdout))
     if doc.get("failed"):  # counted and shown in the table: the figures are of the completed ones
-        run["client_errors"] = client_errors(res.stdout)
+        run["client_errors"] = client_errors(stdout)
     what = f"round {rnd + 1}" if rnd >= 0 else "warm-up"
     print(f"  {what} rate {rate:>4} {row:<16} " + figures_line(run), file=sys.stderr)
     run["ttfts_ms"] = request_ttfts_ms(raw)
@@ -484,28 +519,27 @@ Counts = tuple[dict[str, float], dict[str, float]]
 
 
 def run_client(
-    stack: Stack, cmd: list[str], env: dict[str, str], err: Path
-) -> tuple[subprocess.CompletedProcess[str], Counts, Counts]:
-    """Run the client; with its result, the CPU seconds (cpu_seconds) and the router's counters
-    (router_view) when its measured requests began (after its start-up and warm-up requests) and when
-    it ended. The client's own CPU at the start is read from /proc, at the end from its rusage."""
-    base = (cpu_seconds(stack), router_view(stack))
+    stack: Stack, argv: list[str], sign: list[str] | None, engine: str
+) -> tuple[str, int, Counts, Counts]:
+    """One run by the client: what it printed, its exit status, and the CPU seconds (cpu_seconds) and
+    the router's and ``engine``'s counters (seen) when its measured requests began (after its warm-up
+    requests) and when it ended."""
+    proc = client_process(stack)
+    assert proc.stdin is not None and proc.stdout is not None
+    base = (cpu_seconds(stack), seen(stack, engine))
+    proc.stdin.write(json.dumps({"argv": argv, "sign": sign}) + "\n")
+    proc.stdin.flush()
+    lines: list[str] = []
     start: Counts | None = None
-    with err.open("w+") as errors:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if start is None and line.startswith(MAIN_RUN):
-                own = stat_cpu_ticks(Path(f"/proc/{proc.pid}/stat").read_text())[1]
-                client = base[0]["client"] + own / os.sysconf("SC_CLK_TCK")
-                start = ({**cpu_seconds(stack), "client": client}, router_view(stack))
-        rc = proc.wait(timeout=1800)
-        end = (cpu_seconds(stack), router_view(stack))
-        errors.seek(0)
-        res = subprocess.CompletedProcess(cmd, rc, "".join(lines), errors.read())
-    return res, start or base, end
+    for line in proc.stdout:
+        if line.startswith(DONE):
+            end = (cpu_seconds(stack), seen(stack, engine))
+            return "".join(lines), int(line.split()[1]), start or base, end
+        lines.append(line)
+        if start is None and line.startswith(MAIN_RUN):
+            start = (cpu_seconds(stack), seen(stack, engine))
+    log = (stack.workdir / "client.log").read_text()[-3000:]
+    raise RuntimeError(f"the client exited ({proc.wait()}): {''.join(lines)[-3000:]}\n{log}")
 
 
 #: the router's own metrics read around its row's runs: key -> metric (summed over its labels)
@@ -519,12 +553,10 @@ ROUTER_METRICS = {
 
 def cpu_seconds(stack: Stack) -> dict[str, float]:
     """CPU seconds (user + system) spent so far by each engine's processes (its process group), the
-    router's, and this script's finished children (the clients)."""
-    import resource
-
+    router's, and the client's."""
     got = {name: group_cpu_seconds(s.process.popen.pid) for name, s in stack.servers.items()}
-    child = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {**got, "client": child.ru_utime + child.ru_stime}
+    ticks = stat_cpu_ticks(Path(f"/proc/{stack.client.pid}/stat").read_text())[1] if stack.client else 0
+    return {**got, "client": ticks / os.sysconf("SC_CLK_TCK")}
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -545,15 +577,34 @@ def stat_cpu_ticks(stat: str) -> tuple[int, int]:
     return int(fields[2]), int(fields[11]) + int(fields[12])
 
 
-def router_view(stack: Stack) -> dict[str, float]:
-    """The router's counters of requests, their summed durations, requests held and upstream errors."""
+#: the engine's own metrics read around each run (vLLM's, from the request's arrival in its engine
+#: client, after the HTTP server and the middleware): key -> metric (summed over its labels)
+ENGINE_METRICS = {
+    "ttft_s": "vllm:time_to_first_token_seconds_sum",
+    "ttft_n": "vllm:time_to_first_token_seconds_count",
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "queue_n": "vllm:request_queue_time_seconds_count",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "prefill_n": "vllm:request_prefill_time_seconds_count",
+}
+
+
+def seen(stack: Stack, engine: str) -> dict[str, float]:
+    """The router's counters (ROUTER_METRICS) and the running ``engine``'s (ENGINE_METRICS)."""
+    return {
+        **scrape(stack.servers["router"].url, ROUTER_METRICS),
+        **scrape(stack.servers[engine].url, ENGINE_METRICS),
+    }
+
+
+def scrape(url: str, metrics: dict[str, str]) -> dict[str, float]:
     from router.support import request
 
-    status, _, body = request("GET", stack.servers["router"].url + "/metrics", timeout=5)
+    status, _, body = request("GET", url + "/metrics", timeout=5)
     if status != 200:
-        raise RuntimeError(f"router /metrics answered {status}")
+        raise RuntimeError(f"{url}/metrics answered {status}")
     text = body.decode()
-    return {k: metric_sum(text, name) for k, name in ROUTER_METRICS.items()}
+    return {k: metric_sum(text, name) for k, name in metrics.items()}
 
 
 def metric_sum(text: str, name: str) -> float:
@@ -578,8 +629,8 @@ def client_errors(stdout: str) -> str:
     return stdout[start : start + 3000] if start >= 0 else "(not printed)"
 
 
-def sign_cost(stderr: str) -> dict[str, float]:
-    for line in stderr.splitlines():
+def sign_cost(stdout: str) -> dict[str, float]:
+    for line in stdout.splitlines():
         if line.startswith(SIGN_STATS):
             calls, mean_us = line.split()[1:3]
             return {"client_signatures": int(calls), "client_sign_us_mean": float(mean_us)}
@@ -608,7 +659,7 @@ def prompts_for(rate: str, num_prompts: int, seconds: float, throughputs: list[f
 
 def run(stack: Stack) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """The warm-up (every path, at saturation, untimed: it also sizes the saturation runs), then the
-    rounds; the runs and the requests per run at each rate."""
+    rounds, each with a client process of its own; the runs and the requests per run at each rate."""
     a = stack.a
     warm = [measure(stack, row, "inf", a.seed - 1, a.warmup_prompts, -1) for row in ROWS]
     rates = [r["request_throughput"] for r in warm]
@@ -616,6 +667,7 @@ def run(stack: Stack) -> tuple[list[dict[str, Any]], dict[str, int]]:
     print(f"requests per run: {sizes}", file=sys.stderr)
     runs = []
     for rnd in range(a.rounds):
+        stack.stop_client()  # a fresh client each round: whatever one leaves behind stays in its round
         for i, rate in enumerate(a.rates):
             seed = a.seed + 1000 * rnd + i
             runs += [measure(stack, row, rate, seed, sizes[rate], rnd) for row in order_of(rnd)]
@@ -731,6 +783,21 @@ def cpu_per_request(got: list[dict[str, Any]]) -> dict[str, float]:
     return {p: statistics.median(1000 * r["cpu_s"][p] / r["completed"] for r in got) for p in parts}
 
 
+def engine_seen(got: list[dict[str, Any]]) -> dict[str, float]:
+    """The engine's own view of a row's runs, means in ms: vLLM's TTFT (from the request's arrival in
+    its engine client), its queue time and its prefill time, beside the client's mean TTFT; what the
+    client sees beyond vLLM's TTFT is spent before the engine client (the HTTP server, the middleware,
+    the router) or after it (the answer's way back)."""
+    total = {k: sum(r["engine_seen"][k] for r in got) for k in ENGINE_METRICS}
+    out = {f"{k}_mean_ms": _per(total[f"{k}_s"], total[f"{k}_n"]) for k in ("ttft", "queue", "prefill")}
+    out["client_mean_ttft_ms"] = statistics.fmean(r["mean_ttft_ms"] for r in got)
+    return out
+
+
+def _per(seconds: float, count: float) -> float:
+    return 1000 * seconds / count if count else math.nan
+
+
 def router_seen(got: list[dict[str, Any]]) -> dict[str, float]:
     """The router's own view of its row's runs: its mean request duration (received to last chunk)
     against the client's mean end-to-end latency, and the requests flow control held."""
@@ -755,6 +822,7 @@ def summarize(runs: list[dict[str, Any]], rates: list[str], boot: int) -> dict[s
                 vs["router_alone"] = compare(runs, rate, row, "kvfence direct", boot)
             s = {"rate": rate, "row": row, "median": med, "vs_stock": vs, "cpu_ms_per_request": {}}
             s["cpu_ms_per_request"] = cpu_per_request(got)
+            s["engine_seen"] = engine_seen(got)
             if row == "kvfence + router":
                 s["router_seen"] = router_seen(got)
             rows[f"{rate} {row}"] = s
@@ -866,6 +934,13 @@ def print_goals(g: dict[str, Any]) -> None:
 
 def print_router(summary: dict[str, Any]) -> None:
     for s in summary["rows"].values():
+        e = s["engine_seen"]
+        print(
+            f"engine's view at {s['rate']}, {s['row']}: mean TTFT {e['ttft_mean_ms']:.2f} ms (queue "
+            f"{e['queue_mean_ms']:.2f}, prefill {e['prefill_mean_ms']:.2f}); the client's mean TTFT "
+            f"{e['client_mean_ttft_ms']:.2f} ms"
+        )
+    for s in summary["rows"].values():
         if "router_seen" in s:
             v = s["router_seen"]
             print(
@@ -916,8 +991,15 @@ def vllm_facts(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(
-    stack: Stack, runs: list[dict[str, Any]], sizes: dict[str, int], started: float, load: list[float]
+    stack: Stack,
+    runs: list[dict[str, Any]],
+    sizes: dict[str, int],
+    started: tuple[float, str],
+    load: list[float],
 ) -> Path:
+    """The table and the verdicts; the results file. ``started``: the time and the commit (commit())
+    the run began at; the file names the commit at its end too where the tree changed meanwhile."""
+    started_at, head = started
     a = stack.a
     summary = summarize(runs, a.rates, a.bootstrap)
     print(f"\nend to end, vllm bench serve, median of {a.rounds} paired rounds ({a.note})")
@@ -928,8 +1010,9 @@ def report(
     if not summary["same_prompts"]:
         print("NOTE: the rows of a round were not sent prompts of the same length (see the runs' records)")
     doc = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at)),
+        "commit": head,
+        **({} if commit() == head else {"commit_at_end": commit()}),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {**machine(), "load_average_1m": [*load, round(os.getloadavg()[0], 2)], "note": a.note},
         "engine": vllm_facts(a),
@@ -937,13 +1020,13 @@ def report(
         "layout": {"cpus": stack.cpus, "text": layout_text(stack.cpus)},
         "requests_per_run": sizes,
         "vllm_args": stack.args,
-        "seconds": round(time.time() - started, 1),
+        "seconds": round(time.time() - started_at, 1),
         "summary": summary,
         "runs": runs,
     }
     out = Path(a.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"e2e-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}.json"
+    path = out / f"e2e-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started_at))}.json"
     path.write_text(json.dumps(_finite(doc), indent=2) + "\n")
     print(f"\nwritten to {path}")
     return path
@@ -1017,10 +1100,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main() -> None:
     if sys.argv[1:2] == ["client"]:
-        client_main(sys.argv[2:])
+        client_main()
         return
     a = parse(sys.argv[1:])
-    started, load = time.time(), [round(os.getloadavg()[0], 2)]
+    started, load = (time.time(), commit()), [round(os.getloadavg()[0], 2)]
     stack = setup(a)
     try:
         runs, sizes = run(stack)

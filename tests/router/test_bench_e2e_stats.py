@@ -149,3 +149,17 @@ def test_a_metric_is_summed_over_its_label_sets_and_not_its_namesakes(e2e: Modul
 def test_request_ttfts_keep_request_order_with_failures_as_none(e2e: ModuleType) -> None:
     result = {"ttfts": [0.0123, 0.0, 0.0201], "errors": ["", "Bad Request", ""]}
     assert e2e.request_ttfts_ms(result) == [12.3, None, 20.1]
+
+
+def test_the_engines_view_is_the_mean_over_all_rounds_requests(e2e: ModuleType) -> None:
+    def run(ttft_s: float, n: int, client_ms: float) -> dict[str, object]:
+        seen = {"ttft_s": ttft_s, "ttft_n": n, "queue_s": 0.0, "queue_n": n, "prefill_s": 0.0, "prefill_n": 0}
+        return {"engine_seen": seen, "mean_ttft_ms": client_ms}
+
+    got = e2e.engine_seen([run(1.0, 100, 12.0), run(3.0, 100, 14.0)])
+    assert got["ttft_mean_ms"] == pytest.approx(20.0)  # 4 s over 200 requests
+    assert got["queue_mean_ms"] == 0.0
+    assert math.isnan(got["prefill_mean_ms"])  # nothing counted
+    assert got["client_mean_ttft_ms"] == pytest.approx(13.0)
+    text = 'vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 1.5\n'
+    assert e2e.metric_sum(text, e2e.ENGINE_METRICS["ttft_s"]) == 1.5
