@@ -871,13 +871,14 @@ def throughput_goal(rows: dict[str, Any]) -> dict[str, Any]:
 def ttft_goal(rows: dict[str, Any], rate: str) -> dict[str, Any]:
     c = rows[f"{rate} kvfence + router"]["vs_stock"]
     t = c["ttft_added"]
+    low, high = t["ci95"]
     return {
         "total": t["ms"],
         "ci95": t["ci95"],
         "ci95_within": t["ci95_within"],
         "per_round": t["per_round"],
         "met": t["ms"] <= TTFT_GOAL_MS,
-        "verdict": verdict(*t["ci95"], TTFT_GOAL_MS, False),
+        "verdict": verdict(low, high, TTFT_GOAL_MS, False),
         "engine_part": rows[f"{rate} kvfence direct"]["vs_stock"]["ttft_added"],
         "router_part": c["router_alone"]["ttft_added"],
     }
