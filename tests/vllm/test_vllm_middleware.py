@@ -9,6 +9,7 @@ quota refusal: the app leaves a refusal under the request's reference and answer
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import importlib
@@ -64,6 +65,9 @@ MIDDLEWARE_FLAG = "kvfence.vllm.middleware.KvfenceMiddleware"  # what the operat
 REFUSED_PROMPT = "refused by the scheduler"
 #: A prompt the stand-in app fails with vLLM's generic error, with no refusal left (a real engine error).
 FAILED_PROMPT = "failed in the engine"
+#: A prompt whose stream the stand-in app starts at once and whose first event waits for :data:`GATE`.
+GATED_PROMPT = "first token when the gate opens"
+GATE = threading.Event()
 QUOTA = EngineRefusal(400, "max_kv_blocks_exceeded", "KV-block quota exceeded for tenant 'alice': ...")
 #: vLLM's answers for a request finished with an error (vllm/entrypoints: GenerationError)
 VLLM_500 = {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}
@@ -101,6 +105,13 @@ def make_app(seen: Seen, middleware: list[Middleware], box: RefusalBox | None = 
 
                 return StreamingResponse(error_events(), media_type="text/event-stream")
             return JSONResponse(VLLM_500, status_code=500)
+        if body.get("prompt") == GATED_PROMPT:
+
+            async def gated() -> Any:
+                await asyncio.to_thread(GATE.wait, 10)
+                yield b"data: {}\n\n"
+
+            return StreamingResponse(gated(), media_type="text/event-stream")
         identity = request.scope.get("state", {}).get("kvfence_identity")
         item = {
             "path": request.url.path,
@@ -369,6 +380,83 @@ def test_an_engine_error_without_a_refusal_passes_through(env: Env, stream: bool
         assert body == f"data: {json.dumps(VLLM_500)}\n\n".encode() + b"data: [DONE]\n\n"
     else:
         assert (status, json.loads(body)) == (500, VLLM_500)
+
+
+@pytest.fixture
+def quota_env(tmp_path: Path) -> Iterator[Env]:
+    """The middleware with the engine config the operator mounts: alice has a KV maximum, bob none."""
+    write_keys(tmp_path / "keys", KEY)
+    cfg = {
+        "trustClass": TC,
+        "model": {"name": "tiny", "revision": "1"},
+        "numBlocks": 64,
+        "maxModelLen": 256,
+        "signingKeyDir": str(tmp_path / "keys"),
+        "quotas": {"tenants": {"alice": {"maxBlocks": 4}}},
+    }
+    (tmp_path / "engine.json").write_text(json.dumps(cfg))
+    seen, registry, box = Seen(), CollectorRegistry(), RefusalBox(tmp_path / "refusals")
+    mw = Middleware(
+        KvfenceMiddleware,
+        keys=KeySource(TC, tmp_path / "keys"),
+        registry=registry,
+        refusals=box,
+        config_path=str(tmp_path / "engine.json"),
+    )
+    with Server(make_app(seen, [mw], box)) as server:
+        yield Env(server, seen, registry, tmp_path / "keys", box)
+
+
+def _gated_stream(env: Env, identity: Identity) -> tuple[bool, bytes]:
+    """Whether the answer's headers reached the client while the first event was still held back by
+    the app (the gate closed), and the answer's body."""
+    GATE.clear()
+    raw = json.dumps({"prompt": GATED_PROMPT, "stream": True}).encode()
+    headers = {"Content-Type": "application/json", **sign(KEY, identity, "POST", COMPLETIONS, raw)}
+    conn = http.client.HTTPConnection("127.0.0.1", env.server.port, timeout=10)
+    opener = threading.Timer(0.5, GATE.set)  # opens the gate if the headers wait for the first event
+    try:
+        conn.request("POST", COMPLETIONS, body=raw, headers=headers)
+        opener.start()
+        resp = conn.getresponse()
+        before_first_event = not GATE.is_set()
+        GATE.set()
+        assert resp.status == 200
+        return before_first_event, resp.read()
+    finally:
+        opener.cancel()
+        GATE.set()
+        conn.close()
+
+
+def test_a_stream_starts_before_its_first_token_when_no_refusal_can_replace_it(quota_env: Env) -> None:
+    # bob has no KV maximum: nothing the scheduler can refuse him for, and vLLM's start goes at once
+    # (holding it costs the client a context switch on the first token; docs/engine.md, "end to end").
+    assert _gated_stream(quota_env, BOB) == (True, b"data: {}\n\n")
+    # alice has one: her stream's start waits for its first event, which could be her refusal.
+    assert _gated_stream(quota_env, ALICE) == (False, b"data: {}\n\n")
+
+
+def test_a_refusal_of_a_tenant_without_a_maximum_comes_as_the_streams_error_event(quota_env: Env) -> None:
+    # A refusal for a tenant the middleware found without a maximum (one set since, or a token the
+    # records cannot hold): the stream had started, so the refusal replaces vLLM's error event.
+    status, _, body = quota_env.post({"prompt": REFUSED_PROMPT, "stream": True}, identity=BOB)
+    assert status == 200
+    assert (
+        body == b"data: " + json.dumps(QUOTA_ANSWER, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+    )
+    assert list(quota_env.box.directory.iterdir()) == []  # taken
+    # alice's is held: the whole answer is the refusal, as without a config.
+    status, headers, body = quota_env.post({"prompt": REFUSED_PROMPT, "stream": True}, identity=ALICE)
+    assert (status, headers["content-type"], json.loads(body)) == (400, "application/json", QUOTA_ANSWER)
+
+
+@pytest.mark.parametrize("identity", [ALICE, BOB])
+def test_a_refused_answer_that_is_not_a_stream_is_replaced_whoever_sends_it(
+    quota_env: Env, identity: Identity
+) -> None:
+    status, _, body = quota_env.post({"prompt": REFUSED_PROMPT}, identity=identity)
+    assert (status, json.loads(body)) == (400, QUOTA_ANSWER)
 
 
 def test_a_refusal_left_for_another_request_is_not_taken(env: Env) -> None:

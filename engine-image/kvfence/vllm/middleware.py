@@ -40,7 +40,10 @@ What it does, per HTTP request:
   (:mod:`kvfence.vllm.refusals`): when the scheduler refuses the request (a prompt that alone exceeds
   the tenant's ``maxKVBlocks``) it leaves its answer under that reference, and vLLM's generic error
   (``500``, or a streamed error event) is replaced by it: ``400 max_kv_blocks_exceeded``, as the
-  reference engine answers.
+  reference engine answers. To replace a stream's ``200``, its start is held until the first event,
+  for the tenants the engine config (``KVFENCE_ENGINE_CONFIG``) gives a KV maximum (all of them when
+  there is no config); another tenant's stream starts as vLLM starts it, and a refusal that still
+  comes (a maximum set since) replaces vLLM's error event inside it.
 
 Rejections are counted in ``kvfence_engine_signature_rejected_total{reason}`` (the contract's name,
 the same series the reference engine exports) and salt mismatches also in
@@ -74,6 +77,7 @@ from kvfence.contract.engine_config import (
     ENV_ENGINE_CONFIG,
     READY_PATH,
     ConfigError,
+    EngineConfig,
     file_stamp,
     load_config,
 )
@@ -150,28 +154,37 @@ class _Metrics:
             return edge
 
 
-class TenantsPending:
-    """Whether the mounted engine config still waits for its tenants' quotas (``tenantsPending``), read
-    again whenever the file changes (the kubelet swaps it in place). No file named: never."""
+class EngineConfigView:
+    """The mounted engine config as the middleware needs it, read again whenever the file changes (the
+    kubelet swaps it in place): whether it still waits for its tenants' quotas (``tenantsPending``),
+    and which tenants have a KV maximum. No file named: never pending, and any tenant may have one."""
 
     def __init__(self, path: str | None) -> None:
         self._path = Path(path) if path else None
         self._stamp: tuple[int, int, int] | None = None
-        self._pending = False
+        self._config: EngineConfig | None = None
 
-    def __call__(self) -> bool:
+    def _current(self) -> EngineConfig | None:
         if self._path is None:
-            return False
+            return None
         stamp = file_stamp(self._path)
         if stamp is not None and stamp != self._stamp:
             self._stamp = stamp
             try:
-                self._pending = load_config(self._path).tenants_pending
+                self._config = load_config(self._path)
             except ConfigError as e:
-                log.warning(
-                    "kvfence: the engine config changed but does not load; readiness unchanged: %s", e
-                )
-        return self._pending
+                log.warning("kvfence: the engine config changed but does not load; kept the last: %s", e)
+        return self._config
+
+    def tenants_pending(self) -> bool:
+        cfg = self._current()
+        return cfg is not None and cfg.tenants_pending
+
+    def may_refuse(self, tenant: str) -> bool:
+        """Whether the kvfence scheduler may refuse a request of ``tenant`` for its KV maximum (a prompt
+        that alone exceeds it): the tenant has one, or no config says it has none."""
+        cfg = self._current()
+        return cfg is None or cfg.quotas.for_tenant(tenant).max_blocks is not None
 
 
 class KvfenceMiddleware:
@@ -191,7 +204,7 @@ class KvfenceMiddleware:
     ) -> None:
         ensure_handler()
         self.app = app
-        self.tenants_pending = TenantsPending(
+        self.config = EngineConfigView(
             config_path if config_path is not None else os.environ.get(ENV_ENGINE_CONFIG)
         )
         self.refusals = refusals if refusals is not None else RefusalBox.from_env()
@@ -215,7 +228,7 @@ class KvfenceMiddleware:
             return
         method, path = scope["method"].upper(), scope["path"]
         if path == READY_PATH and method in ("GET", "HEAD"):
-            if self.tenants_pending():
+            if self.config.tenants_pending():
                 body = json.dumps({"status": "waiting for the tenants' quotas"}).encode()
                 await _send_whole(send, 503, [(b"content-type", b"application/json")], body)
                 return
@@ -243,7 +256,9 @@ class KvfenceMiddleware:
         await self.app(
             _downstream_scope(scope, verified, len(new_body)),
             _replay(new_body, receive),
-            _answering_refusals(send, self.refusals, ref),
+            _answering_refusals(
+                send, self.refusals, ref, hold=self.config.may_refuse(verified.identity.tenant)
+            ),
         )
 
     async def _read_body(self, receive: Receive) -> bytes:
@@ -301,40 +316,61 @@ def _downstream_scope(scope: Scope, verified: Verified, length: int) -> Scope:
 _SSE_ERROR = b'data: {"error"'
 
 
-def _answering_refusals(send: Send, box: RefusalBox, ref: str) -> Send:
+def _answering_refusals(send: Send, box: RefusalBox, ref: str, *, hold: bool) -> Send:
     """``send``, except that vLLM's error answer for a request the kvfence scheduler refused is replaced
-    by the scheduler's own answer. The response start is held until the first body chunk shows whether
-    the answer is an error: a 5xx, or a stream whose first event is an error (a refusal comes before
-    any token)."""
-    start: Message | None = None
+    by the scheduler's own answer (a refusal comes before any token). A 5xx answer's start is held
+    until its body, and replaced. A stream's start (``200``, sent by vLLM before the engine has seen
+    the request) is held until its first event when ``hold``: the refusal then replaces the whole
+    answer (its status included). Without ``hold`` (a tenant the scheduler cannot refuse for its KV
+    maximum) the start goes at once, as vLLM sends it: holding it would put its write and the first
+    token's write back to back, and on a busy CPU the client woken by the first often takes the CPU
+    before the second; should a refusal still come (a maximum set since), it replaces vLLM's error
+    event inside the stream (same status as vLLM's, and the answer never silently lost)."""
+    start: Message | None = None  # the answer's start, once vLLM sent it
+    held = False  # whether that start is held here
     decided = False
     replaced = False
 
     async def send_(msg: Message) -> None:
-        nonlocal start, decided, replaced
+        nonlocal start, held, decided, replaced
         if decided:
             if not replaced:
                 await send(msg)
             return  # the rest of vLLM's error answer, replaced
         kind = msg["type"]
         if kind == "http.response.start":
-            start = msg
+            start, status = msg, int(msg["status"])
+            held = hold or status >= 500
+            if not held:
+                await send(msg)
+                decided = status != 200 or not _is_stream(msg)  # no refusal can come as this answer
             return
         if kind != "http.response.body" or start is None:
             await send(msg)
             return
         decided = True
-        status = int(start["status"])
-        if status >= 500 or (status == 200 and bytes(msg.get("body", b"")).startswith(_SSE_ERROR)):
-            refusal = box.take(ref)
-            if refusal is not None:
-                replaced = True
-                await _answer(send, refusal)
-                return
-        await send(start)
-        await send(msg)
+        status, body = int(start["status"]), bytes(msg.get("body", b""))
+        refused = status >= 500 or (status == 200 and body.startswith(_SSE_ERROR))
+        refusal = box.take(ref) if refused else None
+        if refusal is None:
+            if held:
+                await send(start)
+            await send(msg)
+        elif held:
+            replaced = True
+            await _answer(send, refusal)
+        else:  # the start went: the refusal as the stream's error event, then the rest of vLLM's
+            event = error_body(refusal.message, refusal.code, error_type(refusal.status))
+            await send({**msg, "body": b"data: " + event + b"\n\n"})
 
     return send_
+
+
+def _is_stream(start: Message) -> bool:
+    return any(
+        k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+        for k, v in start.get("headers", [])
+    )
 
 
 async def _answer(send: Send, r: EngineRefusal) -> None:
