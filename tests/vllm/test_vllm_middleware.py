@@ -431,7 +431,8 @@ def _gated_stream(env: Env, identity: Identity) -> tuple[bool, bytes]:
 
 def test_a_stream_starts_before_its_first_token_when_no_refusal_can_replace_it(quota_env: Env) -> None:
     # bob has no KV maximum: nothing the scheduler can refuse him for, and vLLM's start goes at once
-    # (holding it costs the client a context switch on the first token; docs/engine.md, "end to end").
+    # (holding it costs the client a context switch on the first token; docs/contract.md,
+    # "The tenant inside vLLM's engine core").
     assert _gated_stream(quota_env, BOB) == (True, b"data: {}\n\n")
     # alice has one: her stream's start waits for its first event, which could be her refusal.
     assert _gated_stream(quota_env, ALICE) == (False, b"data: {}\n\n")
