@@ -237,6 +237,18 @@ def write_keys(d: Path, current: bytes, previous: bytes | None = None) -> None:
         (d / "previous").write_bytes(previous)
 
 
+def engine_config(key_dir: Path, **fields: Any) -> dict[str, Any]:
+    """An engine config as the operator mounts it (the middleware reads readiness and quotas from it)."""
+    base = {
+        "trustClass": TC,
+        "model": {"name": "tiny", "revision": "1"},
+        "numBlocks": 64,
+        "maxModelLen": 256,
+        "signingKeyDir": str(key_dir),
+    }
+    return {**base, **fields}
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     key_dir = tmp_path_factory.mktemp("keys")
@@ -386,14 +398,7 @@ def test_an_engine_error_without_a_refusal_passes_through(env: Env, stream: bool
 def quota_env(tmp_path: Path) -> Iterator[Env]:
     """The middleware with the engine config the operator mounts: alice has a KV maximum, bob none."""
     write_keys(tmp_path / "keys", KEY)
-    cfg = {
-        "trustClass": TC,
-        "model": {"name": "tiny", "revision": "1"},
-        "numBlocks": 64,
-        "maxModelLen": 256,
-        "signingKeyDir": str(tmp_path / "keys"),
-        "quotas": {"tenants": {"alice": {"maxBlocks": 4}}},
-    }
+    cfg = engine_config(tmp_path / "keys", quotas={"tenants": {"alice": {"maxBlocks": 4}}})
     (tmp_path / "engine.json").write_text(json.dumps(cfg))
     seen, registry, box = Seen(), CollectorRegistry(), RefusalBox(tmp_path / "refusals")
     mw = Middleware(
@@ -661,14 +666,7 @@ def test_readiness_waits_while_the_engine_config_waits_for_its_tenants(tmp_path:
     """``/ready`` (the readiness probe the operator renders): 503 while the mounted config says
     ``tenantsPending`` (a new class's engine, started before the routing decision), vLLM's ``/health``
     once the file is rewritten without it; ``/health`` itself (liveness) is never held back."""
-    cfg = {
-        "trustClass": TC,
-        "model": {"name": "tiny", "revision": "1"},
-        "numBlocks": 64,
-        "maxModelLen": 256,
-        "signingKeyDir": str(tmp_path),
-        "tenantsPending": True,
-    }
+    cfg = engine_config(tmp_path, tenantsPending=True)
     path = tmp_path / "engine.json"
     path.write_text(json.dumps(cfg))
     write_keys(tmp_path / "keys", KEY)

@@ -81,7 +81,6 @@ from kvfence.contract.engine_config import (
     file_stamp,
     load_config,
 )
-from kvfence.contract.errors import error_body, error_type
 from kvfence.isolation import guard
 from kvfence.isolation.guard import KeySourceError, Refusal
 from kvfence.vllm.logs import ensure_handler
@@ -360,8 +359,7 @@ def _answering_refusals(send: Send, box: RefusalBox, ref: str, *, hold: bool) ->
             replaced = True
             await _answer(send, refusal)
         else:  # the start went: the refusal as the stream's error event, then the rest of vLLM's
-            event = error_body(refusal.message, refusal.code, error_type(refusal.status))
-            await send({**msg, "body": b"data: " + event + b"\n\n"})
+            await send({**msg, "body": b"data: " + refusal.body() + b"\n\n"})
 
     return send_
 
@@ -374,8 +372,7 @@ def _is_stream(start: Message) -> bool:
 
 
 async def _answer(send: Send, r: EngineRefusal) -> None:
-    body = error_body(r.message, r.code, error_type(r.status))
-    await _send_whole(send, r.status, [(b"content-type", b"application/json")], body)
+    await _send_whole(send, r.status, [(b"content-type", b"application/json")], r.body())
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

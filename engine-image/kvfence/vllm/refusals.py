@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfence.contract.errors import error_body, error_type
 from kvfence.vllm.stats import stats_path
 
 log = logging.getLogger("kvfence.vllm.refusals")
@@ -53,6 +54,10 @@ class EngineRefusal:
     status: int
     code: str
     message: str
+
+    def body(self) -> bytes:
+        """The answer's JSON, as a whole body or as a stream's error event."""
+        return error_body(self.message, self.code, error_type(self.status))
 
 
 class RefusalBox:
