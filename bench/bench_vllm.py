@@ -98,9 +98,10 @@ overrides (``add_request``, ``get_computed_blocks``, ``allocate_slots``, ``get_n
 ``cache_full_blocks``, ``touch``, ``_free_request``, ``free``, ``free_blocks``), each wrapped in a
 wall-clock timer, in stock and fenced runs
 alike, alternating, a forked process each; per hook, microseconds per step, fenced - stock (a hook's
-time includes the hooks it calls). Unlike cProfile (whose overhead per call swamps a sub-microsecond
-difference) and callgrind (a simulated cache), this shows the cache misses a hook causes on this
-machine. The timers cost both sides alike.
+time includes the hooks it calls), over all steps and over the saturated ones (where fair share's
+work is largest: a slot frees while requests of every tenant wait). Unlike cProfile (whose overhead
+per call swamps a sub-microsecond difference) and callgrind (a simulated cache), this shows the cache
+misses a hook causes on this machine. The timers cost both sides alike.
 
 ``--bytecodes`` counts Python bytecodes instead (``sys.settrace`` with opcode events, only inside the
 timed calls, one run of each scheduler in this process, the stats write and file check paced as under
@@ -211,6 +212,8 @@ class Run:
     fence: dict[str, Any] = field(default_factory=dict)
     #: --hooks: ns spent inside each timed vLLM method (HOOKS), over the whole run
     hooks: dict[str, int] = field(default_factory=dict)
+    #: --hooks: the same, over the saturated steps only
+    hooks_saturated: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, float]:
         s = sorted(self.step_ns)

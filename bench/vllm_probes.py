@@ -407,9 +407,42 @@ def hooked_run(
                 spent[_key] += pc() - t0
 
         setattr(classes[where], method, timer)
-    run = drive(kind, streams, quotas, config)
+    # ``spent`` as it stood before each step's arrivals (drive's pace), and once more at the end: the
+    # difference of two is one step's, which the run marks saturated or not.
+    before_step: list[dict[str, int]] = []
+    run = drive(kind, streams, quotas, config, pace=lambda: before_step.append(dict(spent)))
+    before_step.append(dict(spent))
     run.hooks = spent
+    run.hooks_saturated = {
+        key: sum(
+            after[key] - at[key]
+            for at, after, sat in zip(before_step, before_step[1:], run.saturated, strict=False)
+            if sat
+        )
+        for key in spent
+    }
     return run
+
+
+def hook_means(runs: list[Run], *, saturated: bool) -> dict[str, float]:
+    """Per hook, and for the whole step, the median over the rounds of its microseconds per step: over
+    every step, or over the saturated ones (:meth:`Run.saturated_summary`)."""
+
+    def steps(r: Run) -> int:
+        return max(1, sum(r.saturated)) if saturated else len(r.step_ns)
+
+    def whole(r: Run) -> float:
+        return r.saturated_summary()["saturated_mean_us"] if saturated else r.summary()["mean_us"]
+
+    return {
+        **{
+            key: statistics.median(
+                (r.hooks_saturated if saturated else r.hooks)[key] / steps(r) / 1e3 for r in runs
+            )
+            for key in runs[0].hooks
+        },
+        "the whole step": statistics.median(whole(r) for r in runs),
+    }
 
 
 def hooks(chosen: list[str], per_user: int, seed: int, config: Any, rounds: int) -> None:
@@ -426,32 +459,31 @@ def hooks(chosen: list[str], per_user: int, seed: int, config: Any, rounds: int)
                     isolated(lambda kind=kind, quotas=quotas: hooked_run(kind, streams, warm, quotas, config))
                 )
             print(f"  [{label}] round {rnd + 1}/{rounds}", file=sys.stderr)
-        per_step = {
-            kind: {
-                **{
-                    key: statistics.median(r.hooks[key] / len(r.step_ns) / 1e3 for r in runs)
-                    for key in runs[0].hooks
-                },
-                "the whole step": statistics.median(sum(r.step_ns) / len(r.step_ns) / 1e3 for r in runs),
-            }
-            for kind, runs in got.items()
-        }
+        per_step = {kind: hook_means(runs, saturated=False) for kind, runs in got.items()}
+        per_saturated = {kind: hook_means(runs, saturated=True) for kind, runs in got.items()}
         same = len({r.fingerprint for runs in got.values() for r in runs}) == 1
         table(
             f"[{label}] microseconds per step inside each hook, medians of {rounds} rounds (nested hooks "
-            f"are included in their callers; same schedule: {same})",
-            ["hook", "stock", "fenced", "fenced - stock"],
+            f"are included in their callers; same schedule: {same}); all steps, and the saturated ones "
+            "(requests left waiting: full batches both sides)",
+            ["hook", "stock", "fenced", "fenced - stock", "saturated: stock", "fenced", "fenced - stock"],
             [
-                [
-                    k,
-                    f"{per_step['stock'][k]:.1f}",
-                    f"{per_step['fenced'][k]:.1f}",
-                    f"{per_step['fenced'][k] - per_step['stock'][k]:+.1f}",
+                [k]
+                + [
+                    f"{x:.1f}" if i < 2 else f"{x:+.1f}"
+                    for means in (per_step, per_saturated)
+                    for i, x in enumerate(
+                        (means["stock"][k], means["fenced"][k], means["fenced"][k] - means["stock"][k])
+                    )
                 ]
                 for k in per_step["stock"]
             ],
         )
-        results[label] = {"us_per_step": per_step, "same_schedule": same}
+        results[label] = {
+            "us_per_step": per_step,
+            "us_per_saturated_step": per_saturated,
+            "same_schedule": same,
+        }
     path = write_results("vllm-hooks", {"rounds": rounds, "variants": results})
     print(f"\nwritten to {path}")
 
