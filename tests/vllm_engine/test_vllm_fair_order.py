@@ -36,6 +36,7 @@ def test_the_requests_let_through_are_each_tenants_first_within_its_room(
 ) -> None:
     waiting, tenant_of = queue_of(queued)
     fair = StepShares(QuotasConfig(), 16, tenant_of)
+    fair.tenant_by_request = {r: tenant_of[r.request_id] for r in waiting}
     fair.work = {t: n + running.get(t, 0) for t, n in Counter(queued).items()}
     fair.in_run = Counter(running)
     keep, tenants = fair._first_within_shares(waiting, shares)

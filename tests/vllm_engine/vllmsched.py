@@ -243,6 +243,8 @@ class Harness:
         held = [*sched.running, *sched.waiting]
         assert fair.work == Counter(tenant[r.request_id] for r in held if r.request_id in tenant)
         assert fair.total == sum(fair.work.values()) and fair.recounts == 0
+        # The tenant of every request the scheduler holds, by the request object, and of no other.
+        assert fair.tenant_by_request == {r: tenant[r.request_id] for r in held if r.request_id in tenant}
 
     def check(self) -> None:
         """The shadow agrees with vLLM's pool; quotas, reservations and records hold."""

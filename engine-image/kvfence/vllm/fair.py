@@ -30,7 +30,9 @@ per-request work to what a decision needs. The tenants with work and their reque
 requests arrive and leave (:meth:`StepShares.arrive`, :meth:`StepShares.leave`), not recounted; the
 slot shares are divided only when the requests outnumber the slots, and again only when the counts
 or the weights changed; the waiting requests each tenant's share lets through are found by the
-list's own search, not by a loop over the queue; the running list is ordered only when its order
+list's own search, not by a loop over the queue, on their tenants looked up by the request objects
+themselves (vLLM's requests hash by identity: the queue's requests are not read, so the scan leaves
+the CPU's caches to vLLM's running requests); the running list is ordered only when its order
 can change the step (:func:`_order_matters`, from vLLM's own set of requests still computing their
 prompts); and :meth:`StepShares.after` looks at each request that computed prompt tokens, the rest
 (one token sampled each) are counted per tenant in one pass.
@@ -70,6 +72,9 @@ class StepShares:
         self.policy = FairShare(quotas.default.weight, quotas.weights())
         self.max_num_seqs = max_num_seqs
         self.tenant_of = tenant_of
+        #: the same map keyed by the request objects themselves (vLLM's Request hashes by identity): the
+        #: per-step scans of the waiting queue look a request's tenant up without reading the request
+        self.tenant_by_request: dict[Any, str] = {}
         #: requests preempted for a tenant below its share of the slots
         self.preemptions = 0
         #: the waiting queue in vLLM's order when :meth:`before` reordered it this step, else None
@@ -101,8 +106,10 @@ class StepShares:
         self._division = None
 
     # --- the scheduler's requests ---------------------------------------------------------------
-    def arrive(self, rid: str, tenant: str) -> None:
-        """The scheduler took request ``rid`` of ``tenant``."""
+    def arrive(self, request: Any, tenant: str) -> None:
+        """The scheduler took ``request`` (vLLM's Request) of ``tenant``."""
+        rid = request.request_id
+        self.tenant_by_request[request] = tenant
         self._arrived[rid] = self.steps
         n = self.work.get(tenant, 0)
         self.work[tenant] = n + 1
@@ -116,8 +123,10 @@ class StepShares:
             self.running.discard(rid)
             self.in_run[self.tenant_of.get(rid, UNATTRIBUTED)] -= 1
 
-    def leave(self, rid: str, tenant: str) -> None:
-        """A request of ``tenant`` finished (or was aborted); call before its tenant is forgotten."""
+    def leave(self, request: Any, tenant: str) -> None:
+        """``request`` of ``tenant`` finished (or was aborted); call before its tenant is forgotten."""
+        rid = request.request_id
+        self.tenant_by_request.pop(request, None)
         self.stopped(rid)
         self._arrived.pop(rid, None)
         n = self.work[tenant] - 1
@@ -198,11 +207,10 @@ class StepShares:
     def _order_waiting(self, queue: Any, shares: dict[str, int] | None) -> list[Any]:
         """Let through, in the policy's order, each tenant's first waiting requests up to its share of
         the slots (all of them when the slots are not short); hold the rest for the step."""
-        get = self.tenant_of.get
         waiting = list(queue)  # vLLM's FCFS queue: a deque
         if shares is None:
             keep = list(range(len(waiting)))
-            tenants = list(map(get, map(_request_id, waiting), repeat(UNATTRIBUTED)))
+            tenants = list(map(self.tenant_by_request.get, waiting, repeat(UNATTRIBUTED)))
         else:
             keep, tenants = self._first_within_shares(waiting, shares)
         if len(set(tenants)) > 1:
@@ -223,11 +231,11 @@ class StepShares:
         slots leaves beside its running ones, in queue order, and their tenants. Found by the list's
         own search for each tenant with room: in a saturated engine most tenants are at their share,
         and the queue is long."""
-        in_run, get = self.in_run, self.tenant_of.get
+        in_run = self.in_run
         room = {t: left for t in self.work if (left := shares.get(t, 0) - in_run[t]) > 0}
         if not room:
             return [], []
-        queued = list(map(get, map(_request_id, waiting), repeat(UNATTRIBUTED)))
+        queued = list(map(self.tenant_by_request.get, waiting, repeat(UNATTRIBUTED)))
         keep: list[int] = []
         for t, left in room.items():
             at = -1
@@ -252,7 +260,8 @@ class StepShares:
         # transfer): the estimate from the counts kept is confirmed on the waiting queue itself.
         want = _short({t: n - in_run[t] for t, n in self.work.items()}, in_run, shares)
         if want > 0:
-            want = _short(Counter([get(r.request_id, UNATTRIBUTED) for r in sched.waiting]), in_run, shares)
+            queued = map(self.tenant_by_request.get, sched.waiting, repeat(UNATTRIBUTED))
+            want = _short(Counter(queued), in_run, shares)
         while want > 0 and len(running) >= self.max_num_seqs:
             victim_tenant = self.policy.victim(in_run, shares)
             if victim_tenant is None:

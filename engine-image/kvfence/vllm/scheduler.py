@@ -259,7 +259,7 @@ class FenceMixin:
                 super().add_request(request)  # type: ignore[misc]
                 return
         self._tenant_of[rid] = tenant
-        self.fair.arrive(rid, tenant)
+        self.fair.arrive(request, tenant)
         shared_tokens = self._shared_start(request) * self.block_size  # not charged to the tenant
         self._fit_to_quota(request, tenant, shared_tokens)
         super().add_request(request)  # type: ignore[misc]
@@ -403,7 +403,7 @@ class FenceMixin:
                 block_hasher=self._hasher,
             )
             self._tenant_of[rid] = SHARED_OWNER
-            self.fair.arrive(rid, SHARED_OWNER)
+            self.fair.arrive(req, SHARED_OWNER)
             self._reach_of[rid] = len(prompt) + 1
             self._pinning[rid] = (name, tokens, k)
             self._pin_ids.add(rid)
@@ -556,7 +556,7 @@ class FenceMixin:
         out = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
         tenant = self._tenant_of.get(rid)
         if tenant is not None:
-            self.fair.leave(rid, tenant)
+            self.fair.leave(request, tenant)
             del self._tenant_of[rid]
         self._reach_of.pop(rid, None)
         self._shared_of.pop(rid, None)
