@@ -35,7 +35,9 @@ Variants:
   slots: the fenced schedule is then not stock vLLM's. It drains differently (a heavy tenant held to
   its share finishes last, alone, in small batches: more steps, fewer requests a step), so the whole
   run's per-step and per-request figures weigh the drain; the "saturated" line compares the steps
-  that left requests waiting, where both run full batches. With ``--fair-share-off`` the schedule must be
+  that left requests waiting, where both run full batches (but not the same steps: in the full
+  workload fair share's run has fewer of them), and the "whole workload" line the time each scheduler
+  spent serving the same requests, its drain included. With ``--fair-share-off`` the schedule must be
   step-for-step identical to stock vLLM's ("same schedule"); the per-step times are then paired, and a
   least-squares fit splits the fence's cost into a part per scheduled request, per new request
   (prefix lookup + verification + admission) and per finished one.
@@ -693,6 +695,7 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
     sat_step, sat_req = "saturated_mean_us", "saturated_us_per_sched_req"
     ratio_sat = [f.summary()[sat_step] / s.summary()[sat_step] for s, f in pairs]
     ratio_sat_req = [f.summary()[sat_req] / s.summary()[sat_req] for s, f in pairs]
+    ratio_total = [f.summary()["total_ms"] / s.summary()["total_ms"] for s, f in pairs]
     same = stock[0].fingerprint == fenced[0].fingerprint
     res: dict[str, Any] = {
         "quotas": VARIANTS[label],
@@ -706,6 +709,8 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
         "ratio_saturated_step": statistics.median(ratio_sat),
         "ratio_saturated_step_per_round": ratio_sat,
         "ratio_saturated_per_sched_req": statistics.median(ratio_sat_req),
+        "ratio_total": statistics.median(ratio_total),
+        "ratio_total_per_round": ratio_total,
         "cost_model": cost_model(stock, fenced) if same else None,
         # Identical schedules: each step's fastest of the rounds, summed (the least disturbed estimate).
         "ratio_min_per_step": minima if same else None,
@@ -844,6 +849,12 @@ def print_targets(results: dict[str, Any]) -> None:
             f"fenced/stock mean step {res['ratio_saturated_step']:.3f} ({sum(x <= TARGET for x in sat)} of "
             f"{len(sat)} rounds at or under {TARGET:.2f}), per scheduled request "
             f"{res['ratio_saturated_per_sched_req']:.3f}"
+        )
+        tot = res["ratio_total_per_round"]
+        print(
+            f"whole workload [{label}]: fenced/stock of the time the scheduler spent serving the same "
+            f"requests (steps: stock {st['steps']:.0f}, fenced {fe['steps']:.0f}) {res['ratio_total']:.3f} "
+            f"({sum(x <= TARGET for x in tot)} of {len(tot)} rounds at or under {TARGET:.2f})"
         )
         aa = res.get("floor")
         if aa is not None:
