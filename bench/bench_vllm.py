@@ -77,10 +77,13 @@ this machine kind's per-core L2 (the plugin's stats snapshot written every 166 s
 thread, what its thread's 0.25 s interval is in real time, rather than as often as valgrind's slowness
 lets it, and its once-a-second check of its key and config files every 666 steps: under valgrind a step
 takes about a second, so the check ran at nearly every step, about 100k instructions a step that no
-real engine spends); it reports instructions, L1 and last-level misses per step and
-callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) for each, and their
-fenced/stock ratios (bench/results/vllm-callgrind-<time>.json). Needs valgrind and gcc (a two-line
-client-request library is compiled on the fly).
+real engine spends); it reports instructions, L1 and last-level misses per step,
+callgrind's cycle estimate (Ir + 10 x L1 misses + 100 x last-level misses) and the branches its
+simple predictor mispredicts (conditional and indirect: the interpreter's dispatch is an indirect
+branch) for each, and their fenced/stock ratios, all of the whole run's counts
+(bench/results/vllm-callgrind-<time>.json). The ratios move by up to a point between runs of the
+same code (bench/results/engine.jsonl), so one run does not decide a smaller change. Needs valgrind
+and gcc (a two-line client-request library is compiled on the fly).
 
 ``--pure-python-records`` runs the fenced scheduler with the pure-Python prefix-cache records
 (``kvfence.vllm.records.PyRecord`` and its functions), the fallback an engine runs only where the
