@@ -45,7 +45,6 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from itertools import filterfalse, repeat
-from operator import attrgetter
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
@@ -61,8 +60,6 @@ from kvfence.vllm.fence import UNATTRIBUTED
 
 log = logging.getLogger("kvfence.vllm.fair")
 
-_request_id = attrgetter("request_id")
-
 
 class StepShares:
     """One vLLM scheduler's fair share: the policy's counters and the step hooks (see the module).
@@ -73,7 +70,8 @@ class StepShares:
         self.max_num_seqs = max_num_seqs
         self.tenant_of = tenant_of
         #: the same map keyed by the request objects themselves (vLLM's Request hashes by identity): the
-        #: per-step scans of the waiting queue look a request's tenant up without reading the request
+        #: per-step scans of the waiting queue and the running list look a request's tenant up without
+        #: reading the request
         self.tenant_by_request: dict[Any, str] = {}
         #: requests preempted for a tenant below its share of the slots
         self.preemptions = 0
@@ -189,7 +187,6 @@ class StepShares:
         self._sync()
         if self.policy.busy < 2:
             return []
-        get = self.tenant_of.get
         running: list[Any] = sched.running
         self._recount(running)
         shares: dict[str, int] | None = None
@@ -197,7 +194,7 @@ class StepShares:
             shares = self._slot_shares()
             self._preempt_for_slots(sched, shares)
         if _order_matters(sched, running, prefills):
-            run_t = [get(r.request_id, UNATTRIBUTED) for r in running]
+            run_t = list(map(self.tenant_by_request.get, running, repeat(UNATTRIBUTED)))
             costs = [_running_cost(r.num_prompt_tokens - r.num_computed_tokens) for r in running]
             running[:] = [running[i] for i in self.policy.ranks(run_t, costs)]
         if len(running) >= self.max_num_seqs or not sched.waiting:  # vLLM admits nothing this step
@@ -255,18 +252,18 @@ class StepShares:
         running: list[Any] = sched.running
         if len(running) < self.max_num_seqs:
             return
-        in_run, get = self.in_run, self.tenant_of.get
+        in_run, tenant = self.in_run, self.tenant_by_request.get
         # The tenants' requests not running are waiting, unless vLLM keeps some elsewhere (a KV
         # transfer): the estimate from the counts kept is confirmed on the waiting queue itself.
         want = _short({t: n - in_run[t] for t, n in self.work.items()}, in_run, shares)
         if want > 0:
-            queued = map(self.tenant_by_request.get, sched.waiting, repeat(UNATTRIBUTED))
+            queued = map(tenant, sched.waiting, repeat(UNATTRIBUTED))
             want = _short(Counter(queued), in_run, shares)
         while want > 0 and len(running) >= self.max_num_seqs:
             victim_tenant = self.policy.victim(in_run, shares)
             if victim_tenant is None:
                 break
-            victim = next(r for r in reversed(running) if get(r.request_id, UNATTRIBUTED) == victim_tenant)
+            victim = next(r for r in reversed(running) if tenant(r, UNATTRIBUTED) == victim_tenant)
             if not sched._request_blocks_can_be_freed(victim):
                 break
             running.remove(victim)
