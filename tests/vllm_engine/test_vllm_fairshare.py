@@ -331,3 +331,41 @@ def test_fair_shares_counts_and_charges_follow_the_scheduler_through_preemptions
         total += step_units(h)[1]
     assert +Counter(h.sched.fair.served) == +total
     assert preempted > 0 and aborted > 0 and h.sched.fair.preemptions > 0
+
+
+def test_a_slot_is_taken_from_the_tenant_furthest_above_its_share_not_from_the_newest_request(
+    tmp_path: Path,
+) -> None:
+    """Every slot taken, a (10 running) well above its share, b (6, added last) at the end of the running
+    list: c's arrival preempts a's newest request(s), never b's, though b's are the newest running."""
+    h = harness(tmp_path)
+    a_reqs = [h.add("a", prompt(i, 16), 200) for i in range(10)]
+    h.step()
+    b_reqs = [h.add("b", prompt(100 + i, 16), 200) for i in range(6)]
+    h.step()
+    assert [tenant_of(r.request_id) for r in h.sched.running] == ["a"] * 10 + ["b"] * 6
+    for i in range(2):
+        h.add("c", prompt(200 + i, 16), 200)
+    preempted = set(h.step().preempted_req_ids or ())
+    assert preempted and preempted == {r.request_id for r in a_reqs[-len(preempted) :]}
+    assert all(r in h.sched.running for r in b_reqs)
+
+
+def test_the_running_tenant_furthest_below_its_share_computes_first_when_the_budget_is_short(
+    tmp_path: Path,
+) -> None:
+    """a's request has computed its whole prompt and decodes; b's, admitted later, still computes its
+    prompt and wants more than a step's budget: b (served less) is ordered first and takes the whole
+    budget, where vLLM's own order (a first) would have given a its token."""
+    h = harness(tmp_path)
+    a1 = h.add("a", prompt(1), 50)
+    b1 = h.add("b", prompt(2), 50)
+    for _ in range(20):
+        if a1.num_computed_tokens >= a1.num_prompt_tokens and b1 in h.sched.running:
+            break
+        h.step()
+    assert h.sched.running == [a1, b1] or h.sched.running == [b1, a1]
+    assert b1.num_prompt_tokens - b1.num_computed_tokens > BUDGET
+    out = h.step()
+    assert out.num_scheduled_tokens.get(b1.request_id) == BUDGET
+    assert a1.request_id not in out.num_scheduled_tokens
