@@ -990,8 +990,8 @@ def patch_out_fair_share() -> None:
     fence's own cost (see ``--fair-share-off``)."""
     from kvfence.vllm.fair import StepShares
 
-    def before(self: Any, sched: Any) -> list[Any]:
-        return []
+    def before(self: Any, sched: Any) -> list[Any] | None:
+        return None  # the whole waiting queue, in its order
 
     def after(self: Any, sched: Any, output: Any) -> None:
         return None

@@ -1,17 +1,18 @@
 """The waiting-queue mechanics of fair share on vLLM (kvfence.vllm.fair), checked against their plain
-definitions on random queues: which requests a step lets through within the tenants' shares, and the
-queue put back in vLLM's order after the step."""
+definitions on random queues: which requests a step lets through within the tenants' shares, and
+vLLM's queue after a step that saw only those (:class:`kvfence.vllm.fair.WaitingView`)."""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
 from kvfence.contract.engine_config import QuotasConfig
-from kvfence.vllm.fair import StepShares, restore_order
+from kvfence.vllm.fair import StepShares, WaitingView
 
 TENANTS = "abcd"
 
@@ -52,15 +53,18 @@ def test_the_requests_let_through_are_each_tenants_first_within_its_room(
 
 
 @given(data=st.data(), n=st.integers(0, 30))
-def test_the_queue_is_put_back_in_vllms_order_after_a_reordered_step(data: st.DataObject, n: int) -> None:
+def test_vllms_queue_after_a_step_that_saw_a_view_of_it(data: st.DataObject, n: int) -> None:
     fifo = [Req(f"r{i}") for i in range(n)]
+    queue = FCFSRequestQueue(fifo)
     held = data.draw(st.lists(st.sampled_from(fifo), unique=True)) if fifo else []
-    let_through = [r for r in fifo if r not in held]
-    order = data.draw(st.permutations(let_through))
+    order = data.draw(st.permutations([r for r in fifo if r not in held]))
+    view = WaitingView(queue, order)
+    assert list(view.view) == order and list(queue) == fifo
     taken = set(data.draw(st.lists(st.sampled_from(order), unique=True))) if order else set()
     preempted = [Req(f"p{i}") for i in range(data.draw(st.integers(0, 3)))]
-    # The step: vLLM took some of the requests let through (in the policy's order) and put the
-    # requests it preempted at the head.
-    queue = deque([*preempted, *(r for r in order if r not in taken)])
-    restore_order(queue, fifo, held)
+    # The step: vLLM took some of the requests let through (in the policy's order; those it skipped
+    # are back in place) and put the requests it preempted at the head.
+    view.view.clear()
+    view.view.extend([*preempted, *(r for r in order if r not in taken)])
+    view.close()
     assert list(queue) == [*preempted, *(r for r in fifo if r not in taken)]

@@ -15,11 +15,11 @@ its waiting queue while slots and budget last. Before each ``schedule`` the fenc
   below it), and waiting requests of a tenant at its share sit out the step;
 * orders the waiting requests let through by the policy (first in first out within a tenant).
 
-After ``schedule`` the caller puts the waiting queue back in the order vLLM's first-come-first-served
-policy keeps (:func:`restore_order`): the requests preempted (by fair share or by vLLM) at its head,
-where vLLM puts a preempted request, and behind them the held requests and those let through but not
-admitted, in the order they had before the step. The queue's own order is thus always vLLM's, and
-each step's policy order is drawn from it: within a tenant, requests start in the order they arrived.
+The caller shows vLLM's ``schedule`` only the waiting requests let through, in that order
+(:class:`WaitingView`): vLLM's queue itself keeps its first-come-first-served order, and each step's
+policy order is drawn from it, so within a tenant requests start in the order they arrived. After
+``schedule`` the requests the step admitted leave the queue, and those vLLM preempted during it go to
+its head, where vLLM puts a preempted request.
 
 Then :meth:`StepShares.after` charges each tenant what the step scheduled for it: the
 prompt tokens it computes, the tokens its requests sample, and, for a request starting, the prompt
@@ -34,8 +34,9 @@ list's own search, not by a loop over the queue, on their tenants looked up by t
 themselves (vLLM's requests hash by identity: the queue's requests are not read, so the scan leaves
 the CPU's caches to vLLM's running requests); the running list is ordered only when its order
 can change the step (:func:`_order_matters`, from vLLM's own set of requests still computing their
-prompts); and :meth:`StepShares.after` looks at each request that computed prompt tokens, the rest
-(one token sampled each) are counted per tenant in one pass.
+prompts); vLLM is shown the requests let through in a queue of their own (:class:`WaitingView`), not
+the whole queue reordered and then put back; and :meth:`StepShares.after` looks at each request that
+computed prompt tokens, the rest (one token sampled each) are counted per tenant in one pass.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
-from itertools import filterfalse, repeat
+from itertools import repeat
 from typing import Any
 
 from kvfence.contract.engine_config import QuotasConfig
@@ -75,8 +76,6 @@ class StepShares:
         self.tenant_by_request: dict[Any, str] = {}
         #: requests preempted for a tenant below its share of the slots
         self.preemptions = 0
-        #: the waiting queue in vLLM's order when :meth:`before` reordered it this step, else None
-        self.fifo: list[Any] | None = None
         #: service units charged to each tenant since the engine started (never lifted or forgotten,
         #: unlike the policy's counters): what ``/metrics`` exports
         self.served: dict[str, int] = {}
@@ -177,16 +176,16 @@ class StepShares:
         return self.policy.hand_out(self._division)
 
     # --- before the step ------------------------------------------------------------------------
-    def before(self, sched: Any) -> list[Any]:
-        """Order vLLM's running list and waiting queue and preempt for slots; the waiting requests
-        held back for this step (the caller puts them back after ``schedule``, see :func:`restore_order`)."""
-        self.fifo = None
+    def before(self, sched: Any) -> list[Any] | None:
+        """Order vLLM's running list and preempt for slots; the waiting requests vLLM may admit this
+        step, in the policy's order (the caller shows vLLM only those: :class:`WaitingView`), or None
+        when that is the whole queue in its own order."""
         self.steps += 1
         prefills = _prefilling(sched)
         self._prefilling = [r.request_id for r in prefills]
         self._sync()
         if self.policy.busy < 2:
-            return []
+            return None
         running: list[Any] = sched.running
         self._recount(running)
         shares: dict[str, int] | None = None
@@ -198,13 +197,12 @@ class StepShares:
             costs = [_running_cost(r.num_prompt_tokens - r.num_computed_tokens) for r in running]
             running[:] = [running[i] for i in self.policy.ranks(run_t, costs)]
         if len(running) >= self.max_num_seqs or not sched.waiting:  # vLLM admits nothing this step
-            return []
-        return self._order_waiting(sched.waiting, shares)
+            return None
+        return self._let_through(list(sched.waiting), shares)
 
-    def _order_waiting(self, queue: Any, shares: dict[str, int] | None) -> list[Any]:
-        """Let through, in the policy's order, each tenant's first waiting requests up to its share of
-        the slots (all of them when the slots are not short); hold the rest for the step."""
-        waiting = list(queue)  # vLLM's FCFS queue: a deque
+    def _let_through(self, waiting: list[Any], shares: dict[str, int] | None) -> list[Any] | None:
+        """Each tenant's first ``waiting`` requests up to its share of the slots (all of them when the
+        slots are not short), in the policy's order; None when that is all of them in their order."""
         if shares is None:
             keep = list(range(len(waiting)))
             tenants = list(map(self.tenant_by_request.get, waiting, repeat(UNATTRIBUTED)))
@@ -214,14 +212,8 @@ class StepShares:
             ranks = self.policy.ranks(tenants, [waiting[i].num_tokens * PREFILL_COST for i in keep])
             keep = [keep[j] for j in ranks]
         if len(keep) == len(waiting) and keep == sorted(keep):
-            return []
-        self.fifo = waiting
-        held = waiting.copy()
-        for i in sorted(keep, reverse=True):
-            del held[i]
-        queue.clear()
-        queue.extend([waiting[i] for i in keep])
-        return held
+            return None
+        return [waiting[i] for i in keep]
 
     def _first_within_shares(self, waiting: list[Any], shares: dict[str, int]) -> tuple[list[int], list[str]]:
         """The positions in ``waiting`` of each tenant's first requests up to what its share of the
@@ -345,20 +337,40 @@ def _step_cost(n: int, done: int, prompt: int, tokens: int) -> int:
     return n * PREFILL_COST + OUTPUT_COST  # the prompt's last chunk, and its first output token
 
 
-def restore_order(queue: Any, fifo: list[Any], held: list[Any]) -> None:
-    """Put vLLM's waiting queue (a deque) back in its first-come-first-served order after a step that
-    ran on a reordered queue: first the requests not in ``fifo`` (those vLLM preempted during the
-    step: its ``_preempt_request`` puts each at the head, and it admits nothing in a step that
-    preempts), as vLLM left them; then, in ``fifo``'s order (the queue as it stood before the step's
-    reordering, fair share's own preemptions at its head), those of ``fifo`` still waiting and those
-    ``held`` out of the queue for the step: all of ``fifo`` but the requests the step took from it."""
-    before = set(fifo)
-    now = list(queue)
-    head = list(filterfalse(before.__contains__, now))
-    gone = before.difference(now, held)
-    queue.clear()
-    queue.extend(head)
-    queue.extend(filterfalse(gone.__contains__, fifo) if gone else fifo)
+class WaitingView:
+    """vLLM's waiting queue as ``schedule`` sees it for one step: only the requests let through (by
+    :meth:`StepShares.before` and the quota checks), in the order given, in a queue of vLLM's own type
+    that stands in for the scheduler's ``waiting`` while ``schedule`` runs. vLLM's queue keeps its
+    first-come-first-served order untouched; :meth:`close` then takes out of it the requests the step
+    admitted, and puts at its head, as vLLM left them, those vLLM put into the view that were not let
+    through: the requests it preempted during the step (vLLM puts a preempted request at the head, and
+    admits nothing in a step that preempts). A request let through and skipped (vLLM waits for its
+    grammar, its KV transfer) is back in the view, and so keeps its place in the queue."""
+
+    #: up to this many requests admitted, each is taken out of vLLM's queue by the deque's own search;
+    #: beyond, by one pass (vLLM's ``remove_requests``)
+    REMOVE_ONE_BY_ONE = 4
+
+    __slots__ = ("queue", "through", "view")
+
+    def __init__(self, queue: Any, through: list[Any]) -> None:
+        self.queue = queue
+        self.through = through
+        self.view = type(queue)(through)
+
+    def close(self) -> None:
+        """Bring vLLM's queue up to date with what ``schedule`` did to the view (see the class)."""
+        through, queue = self.through, self.queue
+        left = set(self.view)
+        admitted = [r for r in through if r not in left]
+        if len(admitted) <= self.REMOVE_ONE_BY_ONE:
+            for r in admitted:
+                queue.remove(r)
+        else:
+            queue.remove_requests(admitted)
+        if len(left) > len(through) - len(admitted):  # vLLM put requests into the view
+            passed = set(through)
+            queue.extendleft(reversed([r for r in self.view if r not in passed]))
 
 
 def _prefilling(sched: Any) -> Any:

@@ -24,9 +24,10 @@ decision is made by :class:`kvfence.vllm.fence.TenantFence`. What changes, again
   tenants' requests behind them. A request that could never fit its tenant's maximum has its
   ``max_tokens`` cut to fit (finish reason ``length``), or, if its prompt alone does not fit, is
   refused.
-* **Fair share**: before each ``schedule`` the running list and the waiting queue are ordered, and
-  the running slots divided, by the tenants' weights (:mod:`kvfence.vllm.fair`, the policy of
-  :mod:`kvfence.isolation.fairshare`); after it each tenant is charged what the step scheduled for it.
+* **Fair share**: before each ``schedule`` the running list is ordered, the running slots divided,
+  and the waiting requests vLLM may admit chosen and ordered, by the tenants' weights
+  (:mod:`kvfence.vllm.fair`, the policy of :mod:`kvfence.isolation.fairshare`); after it each tenant
+  is charged what the step scheduled for it.
 * **Reloads**: quotas and weights are re-read from the engine config file and keys from the key
   directory when those files change (checked once a second), without a restart.
 
@@ -60,7 +61,7 @@ from kvfence.contract.engine_config import (
 from kvfence.contract.errors import CODE_MAX_KV_BLOCKS_EXCEEDED
 from kvfence.isolation.quotas import SHARED_OWNER
 from kvfence.vllm.block_pool import FencedBlockPool, FenceFreeCount, constructing_as
-from kvfence.vllm.fair import StepShares, restore_order
+from kvfence.vllm.fair import StepShares, WaitingView
 from kvfence.vllm.fence import UNATTRIBUTED, FenceError, SharedPin, TenantFence
 from kvfence.vllm.kv_cache_manager import FencedKVCacheManager
 from kvfence.vllm.logs import ensure_handler
@@ -449,27 +450,28 @@ class FenceMixin:
             self._start_pins()
         elif self._retiring and not self._pinning:
             self._release_retired()
-        held = self.fair.before(self)
-        fifo = self.fair.fifo  # the waiting queue in vLLM's order, if fair share reordered it
-        if fifo is None and self.waiting and (self.fence.has_limits or self._refused):
-            fifo = list(self.waiting)  # what _hold_back may take requests out of
-        held += self._hold_back()
+        through = self._hold_back(self.fair.before(self))
+        view = None if through is None else WaitingView(self.waiting, through)
+        if view is not None:
+            self.waiting = view.view
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
-            if fifo is not None and (held or self.fair.fifo is not None):
-                # vLLM's order again: not the step's, nor the held requests reversed at the head
-                restore_order(self.waiting, fifo, held)
+            if view is not None:
+                self.waiting = view.queue
+                view.close()
         self.fair.after(self, out)
         return out
 
-    def _hold_back(self) -> list[Request]:
-        """Take out of the waiting queue, for this step, the requests that must not be scheduled: those
-        refused (they finish in update_from_output) and those whose tenant is at its maximum, so vLLM's
-        waiting loop (which stops at the first request it cannot allocate) never stalls on them."""
+    def _hold_back(self, through: list[Request] | None) -> list[Request] | None:
+        """The waiting requests vLLM may admit this step (``through``, in order; None: the whole queue,
+        in its order) less those that must not be scheduled: those refused (they finish in
+        update_from_output) and those whose tenant is at its maximum, so vLLM's waiting loop (which
+        stops at the first request it cannot allocate) never stalls on them. None when that is still
+        the whole queue."""
         fence = self.fence
         if not self.waiting or (not fence.has_limits and not self._refused):
-            return []
+            return through
         # fence.can_admit for each waiting request, with each tenant's room (its maximum less what its
         # admitted requests reserve; None: no maximum) looked up once per step: the queue can be long.
         admitted = fence.admitted
@@ -481,7 +483,8 @@ class FenceMixin:
         pending: dict[str, int] = {}
         held: list[Request] = []
         held_by: dict[str, int] = {}
-        for request in self.waiting:
+        candidates = self.waiting if through is None else through
+        for request in candidates:
             rid = request.request_id
             if rid in refused:
                 held.append(request)
@@ -515,9 +518,10 @@ class FenceMixin:
             for tenant, k in held_by.items():
                 counts[tenant] = counts.get(tenant, 0) + k
             fence.version += 1
-        if held:
-            self.waiting.remove_requests(held)
-        return held
+        if not held:
+            return through
+        out = set(held)
+        return [r for r in candidates if r not in out]
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> dict[int, Any]:
         outputs: dict[int, Any] = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
