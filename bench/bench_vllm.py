@@ -1,9 +1,9 @@
 """What the kvfence scheduler plugin costs inside vLLM, next to stock vLLM (a benchmark, not a test).
 
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
-        [--quick] [--rounds 5] [--profile] [--process-per-run | --lockstep [--floor]] [--async-scheduling]
-        [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]] [--bytecodes]
-        [--hooks] [--fair-share-off]
+        [--quick] [--rounds 5] [--profile] [--process-per-run | --lockstep [--floor] [--split]]
+        [--async-scheduling] [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]]
+        [--bytecodes] [--hooks] [--fair-share-off]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -96,7 +96,10 @@ scheduler's fair-share hooks (``StepShares.before``/``after``) are patched to do
 fenced schedule is stock vLLM's and fenced/stock is the fence's own cost. Run with and without it in
 the same minutes: the difference per scheduled request is fair share's cost (its own work and the
 different schedule it makes). With ``--callgrind`` its processes are started with the flag and patch
-themselves.
+themselves. ``--split`` (with ``--lockstep``) measures both in the same rounds instead: a third
+process, the fenced scheduler with fair share patched out in it alone, is stepped in lockstep with
+stock and fenced, and the results add the fence alone against stock (its own verdict: the same
+schedule) and fair share on top of it (as shipped against the fence alone).
 
 ``--hooks`` times where the plugin's cost lands: ``schedule`` (the fenced one includes fair share's
 ``StepShares.before`` and ``after``, timed apart, 0 for stock), and each vLLM method the plugin
@@ -477,7 +480,11 @@ def lockstep(
     step of one and the same step of the other are milliseconds apart and see the same machine. Only
     one of them runs at any time (the other waits on its pipe). Rounds minutes apart on a shared VM
     saw the same code's ratio move by 20%; this pairs every step instead. ``sides``: label -> the
-    scheduler kind run under it (default: stock and fenced; the A/A floor runs stock on both)."""
+    scheduler kind run under it (default: stock and fenced; the A/A floor runs stock on both;
+    ``--split`` adds :data:`FENCE_ONLY`, the fenced scheduler without fair share). With more than two
+    sides each step's order is a permutation drawn anew (seeded): a fixed order reversed every step
+    would run the sides at its ends twice in a row at every turn, their caches still warm, and the
+    middle one never."""
     sides = sides or {k: k for k in KINDS}
     labels = list(sides)
     ctx = multiprocessing.get_context("fork")
@@ -488,6 +495,8 @@ def lockstep(
 
         def target(kind: str = sides[label], conn: Any = child) -> None:
             try:
+                if kind == FENCE_ONLY:  # in this forked process alone
+                    patch_out_fair_share()
                 drive(kind, warm, quotas, config)  # warm-up of this kind, not counted
 
                 def pace() -> None:
@@ -507,8 +516,10 @@ def lockstep(
         if msg is not None:
             done[label] = msg
     step = 0
+    shuffle = random.Random(len(labels)).sample
     while len(done) < len(labels):
-        for label in labels if step % 2 == 0 else labels[::-1]:
+        pair_order = labels if step % 2 == 0 else labels[::-1]
+        for label in shuffle(labels, len(labels)) if len(labels) > 2 else pair_order:
             if label in done:
                 continue
             conns[label].send(True)  # go: one step
@@ -528,6 +539,9 @@ def lockstep(
 
 #: the A/A floor's two sides: stock vLLM against itself, in lockstep (--floor)
 FLOOR_SIDES = {"stock": "stock", "stock again": "stock"}
+#: ``--split``'s third side: the fenced scheduler with fair share patched out in its process
+FENCE_ONLY = "fence only"
+SPLIT_SIDES = {**{k: k for k in KINDS}, FENCE_ONLY: FENCE_ONLY}
 
 
 def step_ratios(first: list[Run], second: list[Run]) -> tuple[list[float], float]:
@@ -688,21 +702,19 @@ def print_profile(label: str, p: dict[str, Any]) -> None:
     )
 
 
-def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
-    stock, fenced = got["stock"], got["fenced"]
-    for kind in KINDS:  # deterministic: every round schedules alike
-        assert len({r.fingerprint for r in got[kind]}) == 1, f"{label}/{kind}: rounds scheduled differently"
-    pairs = list(zip(stock, fenced, strict=True))
-    ratio_step, minima = step_ratios(stock, fenced)
+def pair_ratios(first: list[Run], second: list[Run]) -> dict[str, Any]:
+    """``second``/``first`` of each round's figures (the two runs of a round are a pair), the median
+    over the rounds and each round's: what :func:`verdict` decides on."""
+    pairs = list(zip(first, second, strict=True))
+    ratio_step, minima = step_ratios(first, second)
     ratio_req = [f.summary()["us_per_sched_req"] / s.summary()["us_per_sched_req"] for s, f in pairs]
     ratio_cpu = [f.summary()["cpu_mean_us"] / s.summary()["cpu_mean_us"] for s, f in pairs]
     sat_step, sat_req = "saturated_mean_us", "saturated_us_per_sched_req"
     ratio_sat = [f.summary()[sat_step] / s.summary()[sat_step] for s, f in pairs]
     ratio_sat_req = [f.summary()[sat_req] / s.summary()[sat_req] for s, f in pairs]
     ratio_total = [f.summary()["total_ms"] / s.summary()["total_ms"] for s, f in pairs]
-    same = stock[0].fingerprint == fenced[0].fingerprint
-    res: dict[str, Any] = {
-        "quotas": VARIANTS[label],
+    same = first[0].fingerprint == second[0].fingerprint
+    return {
         "same_schedule": same,
         "ratio_mean_step": statistics.median(ratio_step),
         "ratio_mean_step_per_round": ratio_step,
@@ -715,11 +727,28 @@ def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
         "ratio_saturated_per_sched_req": statistics.median(ratio_sat_req),
         "ratio_total": statistics.median(ratio_total),
         "ratio_total_per_round": ratio_total,
-        "cost_model": cost_model(stock, fenced) if same else None,
         # Identical schedules: each step's fastest of the rounds, summed (the least disturbed estimate).
         "ratio_min_per_step": minima if same else None,
     }
+
+
+def split_figures(stock: list[Run], fence_only: list[Run], fenced: list[Run]) -> dict[str, Any]:
+    """``--split``: the fence alone against stock vLLM (the same schedule; its own :func:`verdict`),
+    and fair share's cost on top of it (as shipped against the fence alone), from the same rounds."""
+    fence = pair_ratios(stock, fence_only)
+    fence["verdict"] = verdict(fence)
+    return {"fence_only": fence, "fair_share_on_fence": pair_ratios(fence_only, fenced)}
+
+
+def summarize(label: str, got: dict[str, list[Run]]) -> dict[str, Any]:
+    stock, fenced = got["stock"], got["fenced"]
+    for kind in got:  # deterministic: every round schedules alike
+        assert len({r.fingerprint for r in got[kind]}) == 1, f"{label}/{kind}: rounds scheduled differently"
+    res: dict[str, Any] = {"quotas": VARIANTS[label], **pair_ratios(stock, fenced)}
+    res["cost_model"] = cost_model(stock, fenced) if res["same_schedule"] else None
     res["verdict"] = verdict(res)
+    if FENCE_ONLY in got:
+        res["split"] = split_figures(stock, got[FENCE_ONLY], fenced)
     for kind, runs in got.items():
         first = runs[0]  # counts are the same in every round (checked above)
         prompt = sum(first.prompt_tokens.values())
@@ -743,9 +772,10 @@ def step_table(results: dict[str, Any], rounds: int, n_req: int) -> None:
     """Each variant's stock and fenced step times, with the fenced/stock ratios."""
     rows = []
     for label, res in results.items():
-        for kind in KINDS:
+        for kind in [k for k in SPLIT_SIDES if k in res]:
             x = res[kind]
-            fenced = kind == "fenced"
+            # the ratios to stock: as shipped, or (--split) the fence alone
+            ratios = res if kind == "fenced" else res["split"]["fence_only"] if kind == FENCE_ONLY else None
             rows.append(
                 [
                     label,
@@ -758,10 +788,10 @@ def step_table(results: dict[str, Any], rounds: int, n_req: int) -> None:
                     f"{x['cpu_mean_us']:.0f}",
                     f"{x['us_per_sched_req']:.2f}",
                     f"{x['add_us_per_req']:.1f}",
-                    f"{res['ratio_mean_step']:.3f}" if fenced else "",
-                    f"{res['ratio_cpu_mean_step']:.3f}" if fenced else "",
-                    f"{res['ratio_per_sched_req']:.3f}" if fenced else "",
-                    ("yes" if res["same_schedule"] else "no") if fenced else "",
+                    f"{ratios['ratio_mean_step']:.3f}" if ratios else "",
+                    f"{ratios['ratio_cpu_mean_step']:.3f}" if ratios else "",
+                    f"{ratios['ratio_per_sched_req']:.3f}" if ratios else "",
+                    ("yes" if ratios["same_schedule"] else "no") if ratios else "",
                     f"{100 * x['hit_rate']:.1f}%",
                 ]
             )
@@ -878,6 +908,8 @@ def print_targets(results: dict[str, Any]) -> None:
             f"requests (steps: stock {st['steps']:.0f}, fenced {fe['steps']:.0f}) {res['ratio_total']:.3f} "
             f"({sum(x <= TARGET for x in tot)} of {len(tot)} rounds at or under {TARGET:.2f})"
         )
+        if "split" in res:
+            print_split(label, res["split"])
         aa = res.get("floor")
         if aa is not None:
             aa_rounds = aa["ratio_mean_step_per_round"]
@@ -886,6 +918,25 @@ def print_targets(results: dict[str, Any]) -> None:
                 f"(rounds {min(aa_rounds):.3f}-{max(aa_rounds):.3f}); per-step minima "
                 f"{aa['ratio_min_per_step']:.3f}: how far from 1.000 the method itself lands here"
             )
+
+
+def print_split(label: str, split: dict[str, Any]) -> None:
+    """``--split``'s two lines: the fence alone against stock, and fair share on top of it."""
+    fence, fair = split["fence_only"], split["fair_share_on_fence"]
+    v = fence["verdict"]
+    minima = fence["ratio_min_per_step"]
+    print(
+        f"split [{label}]: the fence alone (fair share patched out, the same rounds) / stock, on the "
+        f"{v['figure']}: {v['ratio']:.3f} ({'met' if v['met'] else 'NOT met'}; {v['rounds_under']} of "
+        f"{v['rounds']} rounds at or under {TARGET:.2f}; same schedule: {fence['same_schedule']}"
+        + (f"; per-step minima {minima:.3f}" if minima is not None else "")
+        + ")"
+    )
+    print(
+        f"split [{label}]: fair share on top of the fence (as shipped / fence alone): saturated step "
+        f"{fair['ratio_saturated_step']:.3f}, whole workload {fair['ratio_total']:.3f}, mean step "
+        f"{fair['ratio_mean_step']:.3f}"
+    )
 
 
 def report(results: dict[str, Any], rounds: int, n_req: int) -> None:
@@ -1068,6 +1119,11 @@ def argument_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="benchmark-only A/B: the fenced scheduler with its fair-share hooks patched out (see above)",
     )
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="with --lockstep: a third side, the fence alone (fair share patched out), in every round",
+    )
     ap.add_argument("--callgrind-child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--callgrind-lib", help=argparse.SUPPRESS)
     return ap
@@ -1083,6 +1139,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     if a.floor and not a.lockstep:
         ap.error("--floor needs --lockstep (the floor is stock against itself, stepped in lockstep)")
+    if a.split and (not a.lockstep or a.fair_share_off):
+        ap.error("--split needs --lockstep, and not --fair-share-off (its third side is the fence alone)")
     return a, chosen
 
 
@@ -1160,10 +1218,11 @@ def time_variant(
     if not a.process_per_run and not a.lockstep:
         for kind in KINDS:  # warm-up (imports, caches), not counted
             drive(kind, warm, quotas, config)
-    got: dict[str, list[Run]] = {k: [] for k in KINDS}
+    sides = SPLIT_SIDES if a.split else {k: k for k in KINDS}
+    got: dict[str, list[Run]] = {k: [] for k in sides}
     floor: dict[str, list[Run]] = {k: [] for k in FLOOR_SIDES}
     for rnd in range(rounds):
-        paired = lockstep(streams, warm, quotas, config) if a.lockstep else {}
+        paired = lockstep(streams, warm, quotas, config, sides) if a.lockstep else {}
         if a.floor:  # the A/A floor's round, right after this round (same minutes, same machine)
             for side, r in lockstep(streams, warm, quotas, config, FLOOR_SIDES).items():
                 floor[side].append(r)
@@ -1172,12 +1231,12 @@ def time_variant(
                 f"{step_ratios(floor['stock'][-1:], floor['stock again'][-1:])[0][0]:.3f}",
                 file=sys.stderr,
             )
-        for kind in KINDS:
+        for kind in sides:
             r = paired[kind] if a.lockstep else timed_run(a, kind, streams, warm, quotas, config)
             got[kind].append(r)
             s = r.summary()
             print(
-                f"  [{label}] round {rnd + 1}/{rounds} {kind:>6}: {s['steps']} steps, mean step "
+                f"  [{label}] round {rnd + 1}/{rounds} {kind:>10}: {s['steps']} steps, mean step "
                 f"{s['mean_us']:.0f} us, {s['us_per_sched_req']:.2f} us per scheduled request",
                 file=sys.stderr,
             )

@@ -45,7 +45,31 @@ def step_rows(doc: dict[str, Any] | None) -> list[list[str]]:
         ["  mean step", f"{v['ratio_mean_step']:.3f}", "-", "-"],
         ["  saturated step", f"{v['ratio_saturated_step']:.3f}", "-", "-"],
         ["  whole workload", f"{v['ratio_total']:.3f}", "-", "-"],
+        *split_rows(v.get("split")),
         ["  A/A floor (stock / stock)", f"{floor:.3f}", "near 1.000", "-"],
+    ]
+
+
+def split_rows(split: dict[str, Any] | None) -> list[list[str]]:
+    """``--split``: the fence alone against stock (its own verdict), and fair share on top of it."""
+    if split is None:
+        return []
+    fence, fair = split["fence_only"], split["fair_share_on_fence"]
+    v = fence["verdict"]
+    return [
+        [
+            f"  the fence alone / stock (fair share patched out), on the {v['figure']}",
+            f"{v['ratio']:.3f}",
+            f"<= {STEP_GOAL}",
+            verdict(v["met"]),
+        ],
+        [
+            "  fair share on top of it (as shipped / fence alone), saturated step",
+            f"{fair['ratio_saturated_step']:.3f}",
+            "-",
+            "-",
+        ],
+        ["  fair share on top of it, whole workload", f"{fair['ratio_total']:.3f}", "-", "-"],
     ]
 
 
