@@ -880,15 +880,22 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
     return {"figure": figure, "ratio": ratio, "met": met, "rounds_under": under, "rounds": len(per_round)}
 
 
+def verdict_text(v: dict[str, Any]) -> str:
+    """A :func:`verdict` in words."""
+    return (
+        f"on the {v['figure']}: {v['ratio']:.3f} ({'met' if v['met'] else 'NOT met'}; {v['rounds_under']} of "
+        f"{v['rounds']} rounds at or under {TARGET:.2f})"
+    )
+
+
 def print_targets(results: dict[str, Any]) -> None:
     """Per variant: the target's verdict, and the A/A floor's ratios where measured."""
     for label, res in results.items():
         v = res["verdict"]
         minima = res["ratio_min_per_step"]
         print(
-            f"target [{label}]: fenced/stock <= {TARGET:.2f}, on the {v['figure']}: {v['ratio']:.3f} "
-            f"({'met' if v['met'] else 'NOT met'}; {v['rounds_under']} of {v['rounds']} rounds at or under "
-            f"it); mean step {res['ratio_mean_step']:.3f}, in CPU time {res['ratio_cpu_mean_step']:.3f}, "
+            f"target [{label}]: fenced/stock <= {TARGET:.2f}, {verdict_text(v)}; mean step "
+            f"{res['ratio_mean_step']:.3f}, in CPU time {res['ratio_cpu_mean_step']:.3f}, "
             + (f"per-step minima over the rounds {minima:.3f}, " if minima is not None else "")
             + f"per scheduled request {res['ratio_per_sched_req']:.3f}"
         )
@@ -923,14 +930,11 @@ def print_targets(results: dict[str, Any]) -> None:
 def print_split(label: str, split: dict[str, Any]) -> None:
     """``--split``'s two lines: the fence alone against stock, and fair share on top of it."""
     fence, fair = split["fence_only"], split["fair_share_on_fence"]
-    v = fence["verdict"]
     minima = fence["ratio_min_per_step"]
     print(
-        f"split [{label}]: the fence alone (fair share patched out, the same rounds) / stock, on the "
-        f"{v['figure']}: {v['ratio']:.3f} ({'met' if v['met'] else 'NOT met'}; {v['rounds_under']} of "
-        f"{v['rounds']} rounds at or under {TARGET:.2f}; same schedule: {fence['same_schedule']}"
+        f"split [{label}]: the fence alone (fair share patched out, the same rounds) / stock, "
+        f"{verdict_text(fence['verdict'])}; same schedule: {fence['same_schedule']}"
         + (f"; per-step minima {minima:.3f}" if minima is not None else "")
-        + ")"
     )
     print(
         f"split [{label}]: fair share on top of the fence (as shipped / fence alone): saturated step "
