@@ -451,8 +451,9 @@ class FenceMixin:
         elif self._retiring and not self._pinning:
             self._release_retired()
         through = self._hold_back(self.fair.before(self))
-        view = None if through is None else WaitingView(self.waiting, through)
-        if view is not None:
+        view = None
+        if through is not None:
+            view = WaitingView(self.waiting, through)
             self.waiting = view.view
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
