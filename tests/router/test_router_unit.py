@@ -698,6 +698,42 @@ def test_signer_is_rfc2104_hmac_sha256_for_every_key_length() -> None:
         sign(b"k" * 32, identity, "POST", "/v1/completions", b"{}", now=1000, nonce="n0\n1000")
 
 
+def test_verifier_refuses_a_line_break_in_timestamp_or_nonce_even_when_signed() -> None:
+    """The canonical string has one field a line: a timestamp or nonce holding a line break would
+    shift the fields after it, so the verifier refuses it even when the MAC over those bytes is right
+    (signed here by hand, with the key); the verified identity's salt and tag are the derived ones."""
+    import hashlib
+    import hmac
+    import time
+
+    from kvfence.contract import (
+        CONTRACT_VERSION,
+        HEADER_NONCE,
+        HEADER_TIMESTAMP,
+        Identity,
+        SignatureError,
+        canonical_string,
+        derive_cache_salt,
+        sign,
+        tenant_tag,
+    )
+
+    key, identity = b"k" * 32, Identity("alice", "gold", "tenant/gold/alice")
+    now = int(time.time())
+    good = sign(key, identity, "POST", "/v1/completions", b"{}", now=now, nonce="n0")
+    got = Verifier("gold", [key]).verify(good, "POST", "/v1/completions", b"{}")
+    salt = derive_cache_salt(key, "gold", identity.namespace)
+    assert (got.cache_salt, got.tenant_tag) == (salt, tenant_tag(key, "gold", "alice", salt))
+    head = canonical_string(identity, "POST", "/v1/completions", "", "", "")[:-2]
+    for ts, nonce in ((f"{now}\n", "n1"), (str(now), "n2\nx")):
+        canonical = head + f"{ts}\n{nonce}\n{hashlib.sha256(b'{}').hexdigest()}".encode()
+        mac = hmac.new(key, canonical, "sha256").hexdigest()
+        signature = f"{CONTRACT_VERSION}={mac}"
+        forged = {**good, HEADER_TIMESTAMP: ts, HEADER_NONCE: nonce, HEADER_SIGNATURE: signature}
+        with pytest.raises(SignatureError, match="newlines"):
+            Verifier("gold", [key]).verify(forged, "POST", "/v1/completions", b"{}")
+
+
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
