@@ -181,7 +181,7 @@ class Harness:
             xargs = {}
             if tenant is not None:
                 xargs = {
-                    XARG_TENANT: tenant,
+                    XARG_TENANT: _own_copy(tenant),
                     XARG_TENANT_TAG: tag
                     if tag is not None
                     else tenant_tag(KEY, TRUST_CLASS, tenant, salt or ""),
@@ -320,3 +320,9 @@ def pure_python_records() -> list[tuple[Any, str, Any]]:
         (fence_mod, "equal", records.py_equal),
         (fence_mod, "verify_chain", records.py_verify_chain),
     ]
+
+
+def _own_copy(name: str) -> str:
+    """``name`` as a string object of its own, as vLLM's engine core gets each request's
+    ``vllm_xargs``: decoded from the request's message, never shared with another request."""
+    return name.encode("utf-8").decode("utf-8") if len(name) > 1 else name
