@@ -115,6 +115,24 @@ def test_requests_without_a_verified_tenant_are_refused(tmp_path: Path) -> None:
     h.check()
 
 
+def test_every_request_of_a_tenant_carries_one_tenant_object(tmp_path: Path) -> None:
+    """Each request's ``vllm_xargs`` arrive as string objects of their own (decoded from its message);
+    the scheduler hands its books one object per tenant, so its per-step scans compare tenants by
+    identity. A wrong tag on a known tenant is still refused."""
+    h = Harness(tmp_path)
+    a1, a2, b1 = h.add("alice", PROMPT), h.add("alice", PROMPT[::-1]), h.add("bob", PROMPT)
+    sent = [r.sampling_params.extra_args[XARG_TENANT] for r in (a1, a2)]
+    assert sent[0] == sent[1] and sent[0] is not sent[1]
+    tenant_of = h.sched._tenant_of
+    assert tenant_of[a1.request_id] is tenant_of[a2.request_id] == "alice"
+    assert tenant_of[b1.request_id] == "bob"
+    forged = h.add("alice", PROMPT, tag="forged")
+    h.run()
+    assert h.finished[forged.request_id] == "error"
+    assert h.fence.counters.identity_rejected == {"BadTenantTag": 1}
+    h.check()
+
+
 def test_a_tenant_at_its_maximum_waits_while_others_are_served(tmp_path: Path) -> None:
     # alice may hold 6 blocks: one request of 64+16 tokens reaches 5 blocks, so only one runs at once.
     h = Harness(tmp_path, quotas={"alice": {"maxBlocks": 6}})

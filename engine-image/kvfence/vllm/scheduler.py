@@ -205,7 +205,10 @@ class FenceMixin:
         self._tenant_of: dict[str, str] = mgr.tenant_of
         self._reach_of: dict[str, int] = mgr.reach_of
         self._refused: dict[str, str] = {}
-        self._verified: OrderedDict[tuple[str, str, str], bool] = OrderedDict()
+        #: (tenant, salt, tag) -> the tenant, "" if the tag is wrong. The tenant is the string object
+        #: first seen, so every request of a tenant carries the same one: the per-step scans compare
+        #: tenants by identity, never reading another copy of the name (a cache miss each)
+        self._verified: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._next_reload = time.monotonic() + RELOAD_INTERVAL
         self.fair = StepShares(quotas, self.max_num_running_reqs, self._tenant_of)
         self.stats = StatsWriter.from_env(EngineStats(self.fence, self.fair))
@@ -229,16 +232,16 @@ class FenceMixin:
         if not isinstance(tenant, str) or not tenant or not isinstance(tag, str) or not salt:
             return None, REASON_NO_IDENTITY
         key = (tenant, salt, tag)
-        ok = self._verified.get(key)
-        if ok is None:
+        known = self._verified.get(key)
+        if known is None:
             ok = any(
                 hmac.compare_digest(tenant_tag(k, self._keys.trust_class, tenant, salt), tag)
                 for k in self._key_list
             )
-            self._verified[key] = ok
+            known = self._verified[key] = tenant if ok else ""
             if len(self._verified) > 4096:
                 self._verified.popitem(last=False)
-        return (tenant, "") if ok else (None, REASON_BAD_TAG)
+        return (known, "") if known else (None, REASON_BAD_TAG)
 
     def add_request(self, request: Request) -> None:
         self._maybe_reload()
