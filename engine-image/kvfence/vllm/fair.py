@@ -27,16 +27,17 @@ tokens it found in the prefix cache.
 
 Cost: the scheduler runs every step, over every running and waiting request, so the hooks keep their
 per-request work to what a decision needs. The tenants with work and their request counts are kept as
-requests arrive and leave (:meth:`StepShares.arrive`, :meth:`StepShares.leave`), not recounted; the
-slot shares are divided only when the requests outnumber the slots, and again only when the counts
-or the weights changed; the waiting requests each tenant's share lets through are found by the
-list's own search, not by a loop over the queue, on their tenants looked up by the request objects
-themselves (vLLM's requests hash by identity: the queue's requests are not read, so the scan leaves
-the CPU's caches to vLLM's running requests); the running list is ordered only when its order
-can change the step (:func:`_order_matters`, from vLLM's own set of requests still computing their
-prompts); vLLM is shown the requests let through in a queue of their own (:class:`WaitingView`), not
-the whole queue reordered and then put back; and :meth:`StepShares.after` looks at each request that
-computed prompt tokens, the rest (one token sampled each) are counted per tenant in one pass.
+requests arrive and leave (:meth:`StepShares.arrive`, :meth:`StepShares.leave`), not recounted; the slot
+shares are divided only when the requests outnumber the slots, and again only when the counts or the
+weights changed; the waiting requests each tenant's share lets through are found by the list's own
+search, not by a loop over the queue, on their tenants looked up by the request objects themselves
+(vLLM's requests hash by identity: of each queued request only its object header is read, never its
+attributes), compared by identity (one tenant object per tenant, see the scheduler's ``_identify``); the
+running list is ordered only when its order can change the step (:func:`_order_matters`, from vLLM's own
+set of requests still computing their prompts); vLLM is shown the requests let through in a queue of
+their own (:class:`WaitingView`), not the whole queue reordered and then put back; and
+:meth:`StepShares.after` looks at each request that computed prompt tokens, the rest (one token sampled
+each) are counted per tenant in one pass.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class StepShares:
         self.tenant_of = tenant_of
         #: the same map keyed by the request objects themselves (vLLM's Request hashes by identity): the
         #: per-step scans of the waiting queue and the running list look a request's tenant up without
-        #: reading the request
+        #: reading the request's attributes (hashing reads only its object header)
         self.tenant_by_request: dict[Any, str] = {}
         #: requests preempted for a tenant below its share of the slots
         self.preemptions = 0
