@@ -5,6 +5,7 @@
         [--pin auto|router-alone|engine-alone|none] [--bootstrap 2000] [--input-len 384]
         [--output-len 32] [--prefix-len 0] [--max-concurrency 16] [--max-num-seqs 16] [--model DIR]
         [--vllm-python PATH] [--plugin-path DIR] [--device cpu|gpu] [--results-dir DIR] [--note TEXT]
+        [--py-spy]
 
 Same run, same model, same vLLM arguments (the ones the operator renders for a ``runtime: vllm``
 TrustClass, ``kvfence.operator.builders``, through tests/vllm/vllmserve.py's ``rendered``), three rows:
@@ -67,7 +68,10 @@ name the layout that ran.
 
 Attribution: each run records the CPU seconds the engine's processes, the router and the client spent
 (CPU ms per request in the table), and, for the router row, the router's own counters around the run
-(requests, their summed durations, requests flow control held, upstream errors).
+(requests, their summed durations, requests flow control held, upstream errors). With ``--py-spy`` each
+run's engine is also sampled (bench/engine_samples.py): milliseconds per request in its engine core's
+step, in the scheduler's calls, in its API server and in kvfence's code there (it takes CPU from the
+router row: a run to attribute a difference, not one for the goals).
 
 Goals: ``kvfence + router`` keeps at least 0.98x of ``stock``'s request throughput at saturation and adds
 at most 1 ms to TTFT p50 below it. ``kvfence direct`` splits a miss between the engine plugin and the
@@ -95,7 +99,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "vllm")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "vllm"), str(ROOT / "bench")]
+
+import engine_samples  # noqa: E402 - bench/, this file's own folder
 
 ROWS = ("stock", "kvfence direct", "kvfence + router")
 CLASS = "gold"
@@ -491,7 +497,9 @@ def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> d
     sign = [str(stack.key_file), TENANT[row]] if row == "kvfence direct" else None
     argv = client_args(stack, row, server.url, rate, seed, n, out)
     engine = "stock" if row == "stock" else "kvfence"
+    sampler = sample(stack, engine, out.with_suffix(".samples")) if stack.a.py_spy else None
     stdout, rc, (cpu0, seen0), (cpu1, seen1) = run_client(stack, argv, sign, engine)
+    samples = sampler.stop() if sampler is not None else None
     if rc != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed for {row} at {rate}: {stdout[-3000:]}")
     raw = json.loads(out.read_text())
@@ -504,6 +512,8 @@ def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> d
     run["engine_seen"] = {k: seen1[k] - seen0[k] for k in ENGINE_METRICS}
     if row == "kvfence + router":
         run["router"] = {k: seen1[k] - seen0[k] for k in ROUTER_METRICS}
+    if samples is not None:
+        run["samples"] = samples
     run.update(sign_cost(stdout))
     if doc.get("failed"):  # counted and shown in the table: the figures are of the completed ones
         run["client_errors"] = client_errors(stdout)
@@ -511,6 +521,13 @@ def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> d
     print(f"  {what} rate {rate:>4} {row:<16} " + figures_line(run), file=sys.stderr)
     run["ttfts_ms"] = request_ttfts_ms(raw)
     return run
+
+
+def sample(stack: Stack, engine: str, out_dir: Path) -> engine_samples.Sampler:
+    """py-spy on ``engine``'s API server and engine core for one run (``--py-spy``), on the router's CPUs."""
+    pids = engine_samples.processes(stack.servers[engine].process.popen.pid)
+    pinned = ["taskset", "-c", stack.cpus["router"]] if "router" in stack.cpus else []
+    return engine_samples.Sampler(pids, out_dir, pinned).start()
 
 
 #: what vllm bench serve prints after its warm-up requests, as its measured requests begin
@@ -823,6 +840,11 @@ def summarize(runs: list[dict[str, Any]], rates: list[str], boot: int) -> dict[s
             s = {"rate": rate, "row": row, "median": med, "vs_stock": vs, "cpu_ms_per_request": {}}
             s["cpu_ms_per_request"] = cpu_per_request(got)
             s["engine_seen"] = engine_seen(got)
+            if all("samples" in r for r in got):
+                completed = sum(int(r["completed"]) for r in got)
+                s["sampled_ms_per_request"] = engine_samples.per_request_ms(
+                    [r["samples"] for r in got], completed
+                )
             if row == "kvfence + router":
                 s["router_seen"] = router_seen(got)
             rows[f"{rate} {row}"] = s
@@ -951,6 +973,15 @@ def print_router(summary: dict[str, Any]) -> None:
             )
 
 
+def print_samples(summary: dict[str, Any]) -> None:
+    """``--py-spy``: each row's sampled milliseconds per request (bench/engine_samples.py)."""
+    for s in summary["rows"].values():
+        got = s.get("sampled_ms_per_request")
+        if got:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in got.items())
+            print(f"sampled at {s['rate']}, {s['row']} (ms a request): {parts}")
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     with open("/proc/cpuinfo") as f:
@@ -1008,6 +1039,7 @@ def report(
     print_table(summary)
     print_goals(summary["goals"])
     print_router(summary)
+    print_samples(summary)
     if not summary["same_prompts"]:
         print("NOTE: the rows of a round were not sent prompts of the same length (see the runs' records)")
     doc = {
@@ -1093,9 +1125,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     p.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--note", default="", help="what else ran on the machine (kept in the results)")
+    p.add_argument(
+        "--py-spy",
+        action="store_true",
+        help="sample each run's engine (API server and engine core) with py-spy: where its time goes "
+        "(bench/engine_samples.py; it takes CPU from the router row)",
+    )
     a = p.parse_args(argv)
     a.rates = [r.strip() for r in a.rates.split(",")]
     a.vllm_python = a.vllm_python or default_vllm_python()
+    if a.py_spy:
+        engine_samples.py_spy()  # fails now, not after the engines started
     return a
 
 
