@@ -3,7 +3,7 @@
     VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 $(tests/vllm/install-vllm.sh --print) bench/bench_vllm.py \
         [--quick] [--rounds 5] [--profile] [--process-per-run | --lockstep [--floor] [--split]]
         [--async-scheduling] [--variants "no quotas,quotas"] [--hit-rate] [--callgrind [--callgrind-keep DIR]]
-        [--bytecodes] [--hooks] [--fair-share-off]
+        [--bytecodes] [--hooks] [--fair-share-off] [--users 48,32,24,20,16,16,16,16] [--requests-per-user N]
 
 Same process, same run: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler`` (the peer, "stock") and
 ``kvfence.vllm.scheduler.FencedScheduler`` ("fenced") are built by tests/vllm_engine/vllmsched.py's
@@ -20,7 +20,7 @@ the scheduler) and the fake model output are not timed; ``add_request`` is also 
 Workload (seeded; both schedulers see the identical request stream): 8 tenants, each with its own
 system prompt of 32-96 blocks (512-1536 tokens) that every request of the tenant starts with, then a
 unique suffix of 16-240 tokens; max_tokens 16-256. Each tenant is a closed loop of concurrent users
-(48, 32, 24, 20, 16, 16, 16, 16: a skewed mix), so the engine is saturated (more requests than
+(48, 32, 24, 20, 16, 16, 16, 16: a skewed mix; ``--users`` sets others), so the engine is saturated (more requests than
 max_num_seqs, a waiting queue every step, the pool full of cached blocks and evicting) and a heavy
 tenant's backlog stays bounded. Requests carry the cache salt and the ``vllm_xargs`` (tenant + tag) the
 kvfence middleware sets (each request its own string objects, as vLLM's engine core decodes them); stock vLLM
@@ -710,8 +710,10 @@ def pair_ratios(first: list[Run], second: list[Run]) -> dict[str, Any]:
     ratio_req = [f.summary()["us_per_sched_req"] / s.summary()["us_per_sched_req"] for s, f in pairs]
     ratio_cpu = [f.summary()["cpu_mean_us"] / s.summary()["cpu_mean_us"] for s, f in pairs]
     sat_step, sat_req = "saturated_mean_us", "saturated_us_per_sched_req"
-    ratio_sat = [f.summary()[sat_step] / s.summary()[sat_step] for s, f in pairs]
-    ratio_sat_req = [f.summary()[sat_req] / s.summary()[sat_req] for s, f in pairs]
+    # A light engine (--users) may never leave a request waiting: no saturated figures then.
+    saturated = all(r.summary()["saturated_steps"] for r in (*first, *second))
+    ratio_sat = [f.summary()[sat_step] / s.summary()[sat_step] for s, f in pairs] if saturated else []
+    ratio_sat_req = [f.summary()[sat_req] / s.summary()[sat_req] for s, f in pairs] if saturated else []
     ratio_total = [f.summary()["total_ms"] / s.summary()["total_ms"] for s, f in pairs]
     same = first[0].fingerprint == second[0].fingerprint
     return {
@@ -722,9 +724,9 @@ def pair_ratios(first: list[Run], second: list[Run]) -> dict[str, Any]:
         "ratio_per_sched_req_per_round": ratio_req,
         "ratio_cpu_mean_step": statistics.median(ratio_cpu),
         "ratio_cpu_mean_step_per_round": ratio_cpu,
-        "ratio_saturated_step": statistics.median(ratio_sat),
+        "ratio_saturated_step": statistics.median(ratio_sat) if saturated else None,
         "ratio_saturated_step_per_round": ratio_sat,
-        "ratio_saturated_per_sched_req": statistics.median(ratio_sat_req),
+        "ratio_saturated_per_sched_req": statistics.median(ratio_sat_req) if saturated else None,
         "ratio_total": statistics.median(ratio_total),
         "ratio_total_per_round": ratio_total,
         # Identical schedules: each step's fastest of the rounds, summed (the least disturbed estimate).
@@ -871,7 +873,7 @@ def verdict(res: dict[str, Any]) -> dict[str, Any]:
         met = ratio <= TARGET and (minima is None or minima <= TARGET)
     else:
         sat, tot = res["ratio_saturated_step"], res["ratio_total"]
-        if sat >= tot:
+        if sat is not None and sat >= tot:
             figure, ratio, per_round = "saturated step", sat, res["ratio_saturated_step_per_round"]
         else:
             figure, ratio, per_round = "whole workload", tot, res["ratio_total_per_round"]
@@ -901,14 +903,17 @@ def print_targets(results: dict[str, Any]) -> None:
         )
         sat = res["ratio_saturated_step_per_round"]
         st, fe = res["stock"], res["fenced"]
-        print(
-            f"saturated [{label}]: over the steps that left requests waiting (stock "
-            f"{st['saturated_steps']:.0f}, fenced {fe['saturated_steps']:.0f}; requests "
-            f"a step {st['saturated_reqs_per_step']:.1f} / {fe['saturated_reqs_per_step']:.1f}) "
-            f"fenced/stock mean step {res['ratio_saturated_step']:.3f} ({sum(x <= TARGET for x in sat)} of "
-            f"{len(sat)} rounds at or under {TARGET:.2f}), per scheduled request "
-            f"{res['ratio_saturated_per_sched_req']:.3f}"
-        )
+        if not sat:
+            print(f"saturated [{label}]: no step left requests waiting (a light engine): no such figures")
+        else:
+            print(
+                f"saturated [{label}]: over the steps that left requests waiting (stock "
+                f"{st['saturated_steps']:.0f}, fenced {fe['saturated_steps']:.0f}; requests "
+                f"a step {st['saturated_reqs_per_step']:.1f} / {fe['saturated_reqs_per_step']:.1f}) "
+                f"fenced/stock mean step {res['ratio_saturated_step']:.3f} ({sum(x <= TARGET for x in sat)} "
+                f"of {len(sat)} rounds at or under {TARGET:.2f}), per scheduled request "
+                f"{res['ratio_saturated_per_sched_req']:.3f}"
+            )
         tot = res["ratio_total_per_round"]
         print(
             f"whole workload [{label}]: fenced/stock of the time the scheduler spent serving the same "
@@ -936,9 +941,10 @@ def print_split(label: str, split: dict[str, Any]) -> None:
         f"{verdict_text(fence['verdict'])}; same schedule: {fence['same_schedule']}"
         + (f"; per-step minima {minima:.3f}" if minima is not None else "")
     )
+    sat = fair["ratio_saturated_step"]
     print(
         f"split [{label}]: fair share on top of the fence (as shipped / fence alone): saturated step "
-        f"{fair['ratio_saturated_step']:.3f}, whole workload {fair['ratio_total']:.3f}, mean step "
+        f"{'n/a' if sat is None else f'{sat:.3f}'}, whole workload {fair['ratio_total']:.3f}, mean step "
         f"{fair['ratio_mean_step']:.3f}"
     )
 
@@ -1069,6 +1075,12 @@ def argument_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests-per-user", type=int, default=None, help="default 8; quick 2")
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument(
+        "--users",
+        default=",".join(map(str, CONCURRENCY)),
+        help="concurrent users of each tenant, t0 first (default: the skewed mix above; e.g. 2,2,2 for "
+        "a light engine of three tenants, where the plugin's per-step cost weighs most)",
+    )
+    ap.add_argument(
         "--hit-rate",
         action="store_true",
         help="only the prefix-cache hit rates of the shared-system-prompt workload (four modes)",
@@ -1145,6 +1157,14 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         ap.error("--floor needs --lockstep (the floor is stock against itself, stepped in lockstep)")
     if a.split and (not a.lockstep or a.fair_share_off):
         ap.error("--split needs --lockstep, and not --fair-share-off (its third side is the fence alone)")
+    try:
+        users = [int(u) for u in a.users.split(",")]
+    except ValueError:
+        ap.error(f"--users: comma-separated counts, got {a.users!r}")
+    if not 0 < len(users) <= len(TENANTS) or min(users) < 0 or not any(users):
+        ap.error(f"--users: 1 to {len(TENANTS)} counts of at least 0, one of them above 0")
+    # The workload's and the driver's: set before any scheduler is built (the lockstep sides fork after).
+    CONCURRENCY[:] = users + [0] * (len(TENANTS) - len(users))
     return a, chosen
 
 

@@ -43,11 +43,16 @@ def step_rows(doc: dict[str, Any] | None) -> list[list[str]]:
             verdict(decided["met"]),
         ],
         ["  mean step", f"{v['ratio_mean_step']:.3f}", "-", "-"],
-        ["  saturated step", f"{v['ratio_saturated_step']:.3f}", "-", "-"],
+        ["  saturated step", ratio(v["ratio_saturated_step"]), "-", "-"],
         ["  whole workload", f"{v['ratio_total']:.3f}", "-", "-"],
         *split_rows(v.get("split")),
         ["  A/A floor (stock / stock)", f"{floor:.3f}", "near 1.000", "-"],
     ]
+
+
+def ratio(x: float | None) -> str:
+    """A ratio, or n/a where the run had no such steps (a light engine never saturates)."""
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def split_rows(split: dict[str, Any] | None) -> list[list[str]]:
@@ -65,7 +70,7 @@ def split_rows(split: dict[str, Any] | None) -> list[list[str]]:
         ],
         [
             "  fair share on top of it (as shipped / fence alone), saturated step",
-            f"{fair['ratio_saturated_step']:.3f}",
+            ratio(fair["ratio_saturated_step"]),
             "-",
             "-",
         ],
