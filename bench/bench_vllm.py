@@ -17,14 +17,15 @@ the scheduler's thread; the plugin checks the tenant tag and packs the prompt th
 ``update_from_output()``. Building requests (block hashing belongs to vLLM's input processing, not to
 the scheduler) and the fake model output are not timed; ``add_request`` is also reported apart.
 
-Workload (seeded; both schedulers see the identical request stream): 8 tenants, each with its own
-system prompt of 32-96 blocks (512-1536 tokens) that every request of the tenant starts with, then a
-unique suffix of 16-240 tokens; max_tokens 16-256. Each tenant is a closed loop of concurrent users
-(48, 32, 24, 20, 16, 16, 16, 16: a skewed mix; ``--users`` sets others), so the engine is saturated (more requests than
-max_num_seqs, a waiting queue every step, the pool full of cached blocks and evicting) and a heavy
-tenant's backlog stays bounded. Requests carry the cache salt and the ``vllm_xargs`` (tenant + tag) the
-kvfence middleware sets (each request its own string objects, as vLLM's engine core decodes them); stock vLLM
-ignores the extra args and partitions its prefix cache by the same salt, so per-tenant hit rates must agree.
+Workload (seeded; both schedulers see the identical request stream): 8 tenants, each with its own system
+prompt of 32-96 blocks (512-1536 tokens) that every request of the tenant starts with, then a unique
+suffix of 16-240 tokens; max_tokens 16-256. Each tenant is a closed loop of concurrent users (48, 32,
+24, 20, 16, 16, 16, 16: a skewed mix; ``--users`` sets others), so the engine is saturated (more
+requests than max_num_seqs, a waiting queue every step, the pool full of cached blocks and evicting) and
+a heavy tenant's backlog stays bounded. Requests carry the cache salt and the ``vllm_xargs`` (tenant +
+tag) the kvfence middleware sets (each request its own string objects, as vLLM's engine core decodes
+them); stock vLLM ignores the extra args and partitions its prefix cache by the same salt, so per-tenant
+hit rates must agree.
 
 Variants:
 
