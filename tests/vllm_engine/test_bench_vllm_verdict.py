@@ -51,7 +51,8 @@ def test_a_light_engine_is_judged_on_its_steps_without_saturated_figures(bench: 
     assert (v["figure"], v["met"]) == ("mean step", False)
     assert v["ratio"] == pytest.approx(1.1)
     # Another schedule (fair share's): the whole workload decides where nothing saturated
-    other = bench.pair_ratios(runs(bench, "stock", 100_000, False), runs(bench, "fenced", 104_000, False, "x"))
+    stock, fenced = runs(bench, "stock", 100_000, False), runs(bench, "fenced", 104_000, False, "x")
+    other = bench.pair_ratios(stock, fenced)
     v = bench.verdict(other)
     assert (v["figure"], v["met"]) == ("whole workload", True)
     assert v["ratio"] == pytest.approx(1.04)
