@@ -3,25 +3,16 @@ here because its "met / MISSED / undecided" lines and its CPU attribution rest o
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
+from support import benchmod
 
 
 @pytest.fixture(scope="module")
 def e2e() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_e2e_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmod.load("bench_e2e")
 
 
 def test_the_median_added_is_the_mean_of_the_per_round_differences(e2e: ModuleType) -> None:

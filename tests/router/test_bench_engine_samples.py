@@ -3,14 +3,10 @@ the sampling itself runs against real ``vllm serve`` processes only in the bench
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_samples.py"
+from support import benchmod
 
 #: vLLM's installed files (under a kvfence cache directory: only site-packages/kvfence/ is kvfence's)
 SITE = "/root/.cache/kvfence/vllm/venv/lib/python3.11/site-packages"
@@ -24,12 +20,7 @@ JSON = "/usr/lib/python3.11/json/__init__.py"
 
 @pytest.fixture(scope="module")
 def samples() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("engine_samples_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmod.load("engine_samples")
 
 
 def test_samples_are_counted_in_the_step_the_scheduler_and_kvfence_code(samples: ModuleType) -> None:

@@ -3,25 +3,16 @@ step leaves a request waiting, has no saturated figures and is judged on its ste
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_vllm.py"
+from support import benchmod
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_vllm_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmod.load("bench_vllm")
 
 
 def runs(bench: ModuleType, kind: str, step: int, saturated: bool, schedule: str = "same") -> list[Any]:
