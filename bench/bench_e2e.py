@@ -498,8 +498,10 @@ def measure(stack: Stack, row: str, rate: str, seed: int, n: int, rnd: int) -> d
     argv = client_args(stack, row, server.url, rate, seed, n, out)
     engine = "stock" if row == "stock" else "kvfence"
     sampler = sample(stack, engine, out.with_suffix(".samples")) if stack.a.py_spy else None
-    stdout, rc, (cpu0, seen0), (cpu1, seen1) = run_client(stack, argv, sign, engine)
-    samples = sampler.stop() if sampler is not None else None
+    try:
+        stdout, rc, (cpu0, seen0), (cpu1, seen1) = run_client(stack, argv, sign, engine)
+    finally:  # py-spy stopped even when the run fails
+        samples = sampler.stop() if sampler is not None else None
     if rc != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed for {row} at {rate}: {stdout[-3000:]}")
     raw = json.loads(out.read_text())

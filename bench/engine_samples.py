@@ -30,14 +30,17 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 RATE = 200  # samples a second
-#: how vLLM names its engine-core process (setproctitle), and the module its API server runs
+#: how vLLM names its engine-core process (setproctitle)
 ENGINE_CORE_TITLE = "VLLM::EngineCore"
 SCHEDULER_CALLS = (".schedule", ".update_from_output")
 #: the engine core's main loop: its thread takes requests and runs the steps (the scheduler's thread)
 BUSY_LOOP = "EngineCoreProc.run_busy_loop"
 SITE = "site-packages/"
+#: what :func:`tally` counts in a file
+COUNTS = ("samples", "step", "scheduler", "add_request", "kvfence", "kvfence_loop")
 
 
 def py_spy() -> str:
@@ -73,7 +76,7 @@ class Sampler:
     pids: dict[str, int]
     out_dir: Path
     pinned: list[str] = field(default_factory=list)  # taskset prefix, or none
-    procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = field(default_factory=dict)
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path, IO[bytes]]] = field(default_factory=dict)
 
     def start(self) -> Sampler:
         exe = py_spy()
@@ -83,16 +86,17 @@ class Sampler:
             cmd = [*self.pinned, exe, "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw"]
             cmd += ["--nonblocking", "--full-filenames", "-o", str(out)]
             log = (self.out_dir / f"{part.replace(' ', '-')}.log").open("wb")
-            self.procs[part] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out)
+            self.procs[part] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log)
         return self
 
     def stop(self) -> dict[str, dict[str, int]]:
         """Stop recording (py-spy writes its file on SIGINT) and tally each part's samples."""
-        for proc, _ in self.procs.values():
+        for proc, _, _ in self.procs.values():
             proc.send_signal(signal.SIGINT)
         got: dict[str, dict[str, int]] = {}
-        for part, (proc, out) in self.procs.items():
+        for part, (proc, out, log) in self.procs.items():
             proc.wait(timeout=60)
+            log.close()
             got[part] = tally(out.read_text().splitlines() if out.exists() else [])
         return got
 
@@ -100,7 +104,7 @@ class Sampler:
 def tally(lines: Iterable[str]) -> dict[str, int]:
     """The samples of a py-spy raw file (``frame;frame;... count`` per line, a frame ``name (file:line)``),
     counted in the parts the module lists."""
-    n = {"samples": 0, "step": 0, "scheduler": 0, "add_request": 0, "kvfence": 0, "kvfence_loop": 0}
+    n = dict.fromkeys(COUNTS, 0)
     for line in lines:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
@@ -147,7 +151,7 @@ def per_request_ms(runs: list[dict[str, dict[str, int]]], completed: int) -> dic
     total = {
         (part, key): sum(r.get(part, {}).get(key, 0) for r in runs)
         for part in ("engine core", "api server")
-        for key in ("samples", "step", "scheduler", "add_request", "kvfence", "kvfence_loop")
+        for key in COUNTS
     }
     return {
         "engine core step": total["engine core", "step"] * ms,
