@@ -37,7 +37,9 @@ running list is ordered only when its order can change the step (:func:`_order_m
 set of requests still computing their prompts); vLLM is shown the requests let through in a queue of
 their own (:class:`WaitingView`), not the whole queue reordered and then put back; and
 :meth:`StepShares.after` looks at each request that computed prompt tokens, the rest (one token sampled
-each) are counted per tenant in one pass.
+each) are counted per tenant in one pass. A step in which every running request decoded one token (most
+steps of an engine with nothing waiting) charges each tenant one output token per running request
+from a map kept until the running requests change: no request is looked at.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ class StepShares:
         #: the running requests (ids), and how many of them each tenant has
         self.running: set[str] = set()
         self.in_run: Counter[str] = Counter()
+        #: what a step of the running requests decoding one token each charges (:meth:`_decode_units`)
+        self._decode_step: dict[str, int] | None = None
         #: times the running requests kept here were found to differ from vLLM's and were recounted
         self.recounts = 0
         self._synced = True  # the policy knows the tenants of ``work`` (see :meth:`_sync`)
@@ -119,6 +123,7 @@ class StepShares:
         """A running request was preempted, or finished (see :meth:`leave`)."""
         if rid in self.running:
             self.running.discard(rid)
+            self._decode_step = None
             self.in_run[self.tenant_of.get(rid, UNATTRIBUTED)] -= 1
 
     def leave(self, request: Any, tenant: str) -> None:
@@ -141,6 +146,7 @@ class StepShares:
             if rid not in running:
                 running.add(rid)
                 in_run[get(rid, UNATTRIBUTED)] += 1
+                self._decode_step = None
 
     def _recount(self, sched_running: list[Any]) -> None:
         """Take the running requests from vLLM's list when those kept here differ in number (a path
@@ -155,6 +161,7 @@ class StepShares:
             len(sched_running),
         )
         get = self.tenant_of.get
+        self._decode_step = None
         self.running = {r.request_id for r in sched_running}
         self.in_run = Counter([get(rid, UNATTRIBUTED) for rid in self.running])
 
@@ -183,7 +190,7 @@ class StepShares:
         when that is the whole queue in its own order."""
         self.steps += 1
         prefills = _prefilling(sched)
-        self._prefilling = [r.request_id for r in prefills]
+        self._prefilling = [r.request_id for r in prefills] if prefills else []
         self._sync()
         if self.policy.busy < 2:
             return None
@@ -267,7 +274,11 @@ class StepShares:
     # --- after the step -------------------------------------------------------------------------
     def after(self, sched: Any, output: Any) -> None:
         """Note the requests ``output`` (vLLM's SchedulerOutput) started, and charge each tenant what
-        it scheduled for it (:meth:`_charges`)."""
+        it scheduled for it (:meth:`_charges`, or in a step where every running request decoded one
+        token, what such a step charges: :meth:`_decode_units`)."""
+        if self._decoded_one_each(output, sched.running):
+            self._charge(self._decode_step or self._decode_units())
+            return
         started = [new.req_id for new in output.scheduled_new_reqs]
         resumed = output.scheduled_cached_reqs.resumed_req_ids
         self._started(started)
@@ -275,11 +286,31 @@ class StepShares:
         if started:
             self._count_waits(started)
         self._recount(sched.running)
-        units = self._charges(sched, output, started, resumed)
+        self._charge(self._charges(sched, output, started, resumed))
+
+    def _decoded_one_each(self, output: Any, running: list[Any]) -> bool:
+        """Whether the step ``output`` scheduled one token for each of vLLM's ``running`` requests, all
+        of them decoding: none started, resumed or computed its prompt, and the running requests are
+        the ones counted here (what :meth:`_charges` would find, without looking at any request)."""
+        return (
+            not output.scheduled_new_reqs
+            and not self._prefilling
+            and output.total_num_scheduled_tokens == len(output.num_scheduled_tokens) == len(running)
+            and len(running) == len(self.running)
+            and not output.scheduled_cached_reqs.resumed_req_ids
+        )
+
+    def _charge(self, units: dict[str, int]) -> None:
         self.policy.charge_all(units)
         served = self.served
         for t, u in units.items():
             served[t] = served.get(t, 0) + u
+
+    def _decode_units(self) -> dict[str, int]:
+        """What a step in which every running request decoded one token charges each tenant, kept
+        until the running requests change (:meth:`_started`, :meth:`stopped`, :meth:`_recount`)."""
+        self._decode_step = {t: k * OUTPUT_COST for t, k in self.in_run.items() if k}
+        return self._decode_step
 
     def _count_waits(self, started: list[str]) -> None:
         """For each request the step started for the first time: the steps that ran while it waited."""
@@ -389,18 +420,20 @@ def _order_matters(sched: Any, running: list[Any], prefills: Any) -> bool:
     decoding wants one token (and its speculative ones) and at most one new block; one computing its
     prompt wants the rest of it. With enough free blocks and no quotas (whose reservations and
     guarantees make a tenant's free blocks its own) the order cannot matter."""
-    fence = sched.fence
-    if not fence.unlimited:
+    if not sched.fence.unlimited:
         return True
-    bs: int = sched.block_size
-    left: list[int] = [r.num_tokens - r.num_computed_tokens for r in prefills]
     per_decode: int = 1 + (getattr(sched, "num_spec_tokens", 0) or 0)
-    tokens = sum(left) + (len(running) - len(left)) * per_decode
-    budget: int = sched.max_num_scheduled_tokens
-    if tokens > budget:
+    tokens = (len(running) - len(prefills)) * per_decode
+    blocks = len(running)
+    if prefills:
+        bs: int = sched.block_size
+        left: list[int] = [r.num_tokens - r.num_computed_tokens for r in prefills]
+        tokens += sum(left)
+        blocks += sum([n // bs for n in left])
+    if tokens > sched.max_num_scheduled_tokens:
         return True
     free: int = sched.kv_cache_manager.block_pool.get_num_free_blocks()
-    return sum([n // bs for n in left]) + len(running) > free
+    return blocks > free
 
 
 def _running_cost(left: int) -> int:
