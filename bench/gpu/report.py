@@ -1,6 +1,7 @@
-"""One table from a GPU run's two results (bench/gpu/run.sh): the plugin's scheduler-step cost
-(bench/bench_vllm.py --lockstep --floor, ``vllm-*.json``) and the end-to-end cost (bench/bench_e2e.py,
-``e2e-*.json``), the newest of each in the directory given.
+"""One table from a GPU run's results (bench/gpu/run.sh): the plugin's scheduler-step cost
+(bench/bench_vllm.py --lockstep --floor, ``vllm-<time>.json``: the newest of each workload, the
+saturated default mix and the light engine of ``--users``) and the end-to-end cost
+(bench/bench_e2e.py, ``e2e-*.json``: the newest), in the directory given.
 
     python3 bench/gpu/report.py DIR
 """
@@ -18,8 +19,24 @@ TTFT_GOAL_MS = 1.0
 
 
 def newest(d: Path, prefix: str) -> dict[str, Any] | None:
-    found = sorted(p for p in d.glob(f"{prefix}-*.json") if not p.name.startswith(f"{prefix}-callgrind"))
+    found = sorted(d.glob(f"{prefix}-*.json"))
     return json.loads(found[-1].read_text()) if found else None
+
+
+def step_docs(d: Path) -> list[dict[str, Any]]:
+    """The newest lockstep result (``vllm-<time>.json``, not the probes' ``vllm-hooks-*`` and the like)
+    of each workload in ``d``, in the order the workloads first ran."""
+    by_workload: dict[str, dict[str, Any]] = {}
+    for p in sorted(d.glob("vllm-[0-9]*.json")):
+        doc = json.loads(p.read_text())
+        by_workload[workload(doc)] = doc
+    return list(by_workload.values())
+
+
+def workload(doc: dict[str, Any]) -> str:
+    """The tenants and their concurrent users, as bench_vllm.py --users sets them."""
+    users = [n for n in doc["setup"].get("users_per_tenant", {}).values() if n]
+    return f"{len(users)} tenants x users {','.join(map(str, users))}" if users else "the default mix"
 
 
 def verdict(ok: bool) -> str:
@@ -37,7 +54,7 @@ def step_rows(doc: dict[str, Any] | None) -> list[list[str]]:
     under = f"{decided['rounds_under']} of {decided['rounds']} rounds <= {STEP_GOAL}"
     return [
         [
-            f"scheduler, fenced / stock (no quotas, lockstep), on the {decided['figure']}",
+            f"scheduler, fenced / stock (no quotas, lockstep, {workload(doc)}), on the {decided['figure']}",
             f"{decided['ratio']:.3f} ({under})",
             f"<= {STEP_GOAL}",
             verdict(decided["met"]),
@@ -140,11 +157,11 @@ def header_lines(step: dict[str, Any] | None, e2e: dict[str, Any] | None) -> lis
 
 def main() -> None:
     d = Path(sys.argv[1])
-    step, e2e = newest(d, "vllm"), newest(d, "e2e")
-    rows = step_rows(step) + e2e_rows(e2e)
+    steps, e2e = step_docs(d), newest(d, "e2e")
+    rows = [row for doc in steps or [None] for row in step_rows(doc)] + e2e_rows(e2e)
     header = ["figure", "value", "goal", "verdict"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("\n".join(header_lines(step, e2e)) + "\n")
+    print("\n".join(header_lines(steps[-1] if steps else None, e2e)) + "\n")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:

@@ -18,7 +18,8 @@
 # this tree are mounted, never operator/ or engine-image/, so the fence records are the image's):
 #   1. bench/bench_vllm.py --lockstep --variants "no quotas" --floor --split: the fenced scheduler's
 #      step against vLLM's, in lockstep, with the A/A floor and the fence alone (fair share patched
-#      out) as a third side (no model runs: the scheduler alone);
+#      out) as a third side (no model runs: the scheduler alone), on the saturated default mix and
+#      on a light engine (--users 2,2,2: six requests, none ever waiting);
 #   2. bench/bench_e2e.py --device gpu: stock vllm serve, the kvfence engine direct (signed requests),
 #      and the kvfence engine behind kvfence-router, loaded by vllm bench serve at several rates;
 #   3. bench/gpu/report.py: both in one table.
@@ -70,6 +71,8 @@ fi
     cd /tmp
     python3 -c "from kvfence.vllm import records; print(\"fence records:\", \"compiled\" if records.COMPILED else \"pure Python\")"
     python3 /src/bench/bench_vllm.py --lockstep --variants "no quotas" --floor --split '"${STEP_ARGS[*]}"'
+    python3 /src/bench/bench_vllm.py --lockstep --variants "no quotas" --floor --split '"${STEP_ARGS[*]}"' \
+      --users 2,2,2 --requests-per-user 24
     python3 /src/bench/bench_e2e.py --device gpu --model /model --vllm-python "$(command -v python3)" \
       --plugin-path "" --results-dir /src/bench/results '"${E2E_ARGS[*]}"' \
       --note "GPU: $(nvidia-smi -L 2>/dev/null | head -1)"

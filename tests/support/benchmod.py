@@ -12,8 +12,10 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load(name: str) -> ModuleType:
-    """``bench/<name>.py`` as a module of its own name (``<name>_under_test``)."""
-    spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH_DIR / f"{name}.py")
+    """``bench/<name>.py`` (``name`` may be a path: ``gpu/report``) as a module of its own name
+    (``<name>_under_test``, a slash as an underscore)."""
+    module = name.replace("/", "_") + "_under_test"
+    spec = importlib.util.spec_from_file_location(module, BENCH_DIR / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

@@ -3,6 +3,9 @@ step leaves a request waiting, has no saturated figures and is judged on its ste
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -56,3 +59,42 @@ def test_a_saturated_engine_is_judged_on_the_larger_of_its_saturated_steps_and_w
     assert res["ratio_saturated_step"] == pytest.approx(1.07)
     v = bench.verdict(res)
     assert v["figure"] == "saturated step" and not v["met"]
+
+
+def lockstep_doc(bench: ModuleType, users: list[int], fenced_ns: int, saturated: bool) -> dict[str, Any]:
+    """A ``vllm-<time>.json`` as bench_vllm.py --lockstep --floor --split writes it, from its own
+    functions over recorded runs (stock steps of 100 us, the fence alone 104 us; as shipped, a saturated
+    engine's schedule is fair share's, a light one's is stock's)."""
+    stock = runs(bench, "stock", 100_000, saturated)
+    fenced = runs(bench, "fenced", fenced_ns, saturated, "fair share" if saturated else "same")
+    variant = bench.pair_ratios(stock, fenced)
+    variant["verdict"] = bench.verdict(variant)
+    variant["split"] = bench.split_figures(stock, runs(bench, bench.FENCE_ONLY, 104_000, saturated), fenced)
+    variant["floor"] = {"ratio_mean_step": 1.0}
+    setup = {"vllm": "0", "rounds": 3, "users_per_tenant": dict(zip(bench.TENANTS, users, strict=False))}
+    return {"setup": setup, "variants": {"no quotas": variant}}
+
+
+def test_the_gpu_report_has_the_newest_lockstep_result_of_each_workload(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = benchmod.load("gpu/report")
+    mix = [48, 32, 24, 20, 16, 16, 16, 16]
+    docs = {
+        "vllm-20261201T000000.json": lockstep_doc(bench, mix, 120_000, True),  # older: left out
+        "vllm-20261201T010000.json": lockstep_doc(bench, mix, 107_000, True),
+        "vllm-20261201T020000.json": lockstep_doc(bench, [2, 2, 2], 110_000, False),
+        "vllm-hooks-20261201T030000.json": {"not": "a lockstep result"},
+    }
+    for name, doc in docs.items():
+        (tmp_path / name).write_text(json.dumps(doc))
+    monkeypatch.setattr(sys, "argv", ["report.py", str(tmp_path)])
+    report.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    saturated = next(r for r in rows if "8 tenants x users 48,32,24,20,16,16,16,16" in r)
+    light = next(r for r in rows if "3 tenants x users 2,2,2" in r)
+    assert "on the saturated step" in saturated and "1.070" in saturated and "MISSED" in saturated
+    assert "on the mean step" in light and "1.100" in light
+    assert not any("1.200" in r for r in rows)
+    assert sum("saturated step" in r and "n/a" in r for r in rows) == 2  # the light engine's two
+    assert any("end to end" in r and "not run" in r for r in rows)
