@@ -474,7 +474,7 @@ class FenceMixin:
         stops at the first request it cannot allocate) never stalls on them. None when that is still
         the whole queue."""
         fence = self.fence
-        if not self.waiting or (not fence.has_limits and not self._refused):
+        if (not fence.has_limits and not self._refused) or not self.waiting:  # (a queue's len is a call)
             return through
         # fence.can_admit for each waiting request, with each tenant's room (its maximum less what its
         # admitted requests reserve; None: no maximum) looked up once per step: the queue can be long.
