@@ -277,7 +277,7 @@ class StepShares:
         it scheduled for it (:meth:`_charges`, or in a step where every running request decoded one
         token, what such a step charges: :meth:`_decode_units`)."""
         if self._decoded_one_each(output, sched.running):
-            self._charge(self._decode_step or self._decode_units())
+            self._charge(self._decode_units())
             return
         started = [new.req_id for new in output.scheduled_new_reqs]
         resumed = output.scheduled_cached_reqs.resumed_req_ids
@@ -309,7 +309,8 @@ class StepShares:
     def _decode_units(self) -> dict[str, int]:
         """What a step in which every running request decoded one token charges each tenant, kept
         until the running requests change (:meth:`_started`, :meth:`stopped`, :meth:`_recount`)."""
-        self._decode_step = {t: k * OUTPUT_COST for t, k in self.in_run.items() if k}
+        if self._decode_step is None:
+            self._decode_step = {t: k * OUTPUT_COST for t, k in self.in_run.items() if k}
         return self._decode_step
 
     def _count_waits(self, started: list[str]) -> None:
@@ -332,13 +333,12 @@ class StepShares:
         others = {rid: scheduled[rid] for rid in (*started, *resumed, *self._prefilling) if rid in scheduled}
         extra = output.total_num_scheduled_tokens - len(scheduled) - sum(others.values()) + len(others)
         if extra or len(scheduled) != len(sched.running):
-            decoding: dict[str, int] = {}
+            units: dict[str, int] = {}
             for t in [get(rid, UNATTRIBUTED) for rid in scheduled]:
-                decoding[t] = decoding.get(t, 0) + 1
+                units[t] = units.get(t, 0) + OUTPUT_COST
             others.update({rid: n for rid, n in scheduled.items() if n != 1})
         else:
-            decoding = dict(self.in_run)
-        units = {t: k * OUTPUT_COST for t, k in decoding.items() if k}
+            units = dict(self._decode_units())
         find = sched.requests.get
         for rid, n in others.items():
             r = find(rid)
