@@ -62,14 +62,15 @@ def test_a_saturated_engine_is_judged_on_the_larger_of_its_saturated_steps_and_w
 
 
 def lockstep_doc(bench: ModuleType, users: list[int], fenced_ns: int, saturated: bool) -> dict[str, Any]:
-    """A ``vllm-<time>.json`` as bench_vllm.py --lockstep --floor --split writes it, from its own
-    functions over recorded runs (stock steps of 100 us, the fence alone 104 us; as shipped, a saturated
-    engine's schedule is fair share's, a light one's is stock's)."""
-    stock = runs(bench, "stock", 100_000, saturated)
-    fenced = runs(bench, "fenced", fenced_ns, saturated, "fair share" if saturated else "same")
-    variant = bench.pair_ratios(stock, fenced)
-    variant["verdict"] = bench.verdict(variant)
-    variant["split"] = bench.split_figures(stock, runs(bench, bench.FENCE_ONLY, 104_000, saturated), fenced)
+    """A ``vllm-<time>.json`` as bench_vllm.py --lockstep --floor --split writes it, by its own
+    ``summarize`` over recorded runs (stock steps of 100 us, the fence alone 104 us; as shipped, a
+    saturated engine's schedule is fair share's, a light one's is stock's)."""
+    got = {
+        "stock": runs(bench, "stock", 100_000, saturated),
+        "fenced": runs(bench, "fenced", fenced_ns, saturated, "fair share" if saturated else "same"),
+        bench.FENCE_ONLY: runs(bench, bench.FENCE_ONLY, 104_000, saturated),
+    }
+    variant = bench.summarize("no quotas", got)
     variant["floor"] = {"ratio_mean_step": 1.0}
     setup = {"vllm": "0", "rounds": 3, "users_per_tenant": dict(zip(bench.TENANTS, users, strict=False))}
     return {"setup": setup, "variants": {"no quotas": variant}}

@@ -324,5 +324,6 @@ def pure_python_records() -> list[tuple[Any, str, Any]]:
 
 def _own_copy(name: str) -> str:
     """``name`` as a string object of its own, as vLLM's engine core gets each request's
-    ``vllm_xargs``: decoded from the request's message, never shared with another request."""
+    ``vllm_xargs``: decoded from the request's message, never shared with another request (but for a
+    one-character name: CPython keeps one object for each, however it is made)."""
     return name.encode("utf-8").decode("utf-8") if len(name) > 1 else name
